@@ -1,0 +1,105 @@
+"""Small file helpers shared by every stage: atomic writes, hashing, checked text reading."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+from prlmfuse.errors import UserError
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; on success fsync it and rename it into place.
+
+    A crash at any moment leaves either the old file or the new one, never half of one,
+    so the next run can trust whatever it finds under the final name.
+    """
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        with open(tmp_path, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp_path, final)
+        _fsync_dir(final.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            tmp_path.unlink()
+        raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | os.PathLike, obj) -> None:
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def read_json(path: str | os.PathLike, what: str = "file") -> dict:
+    """Read JSON written by us; a truncated or corrupt file is a UserError naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise UserError(f"{what} not found: {path}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{what} {path} is corrupt or truncated ({e}); rebuild it") from None
+
+
+def read_lines(path: str | os.PathLike) -> list[str]:
+    """Read a line-aligned UTF-8 corpus file; invalid UTF-8 is reported as file:line.
+
+    Only '\\n' separates lines (str.splitlines would also split on U+2028 and friends,
+    which silently breaks line alignment between source and target files).
+    """
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"corpus file not found: {p}") from None
+    except IsADirectoryError:
+        raise UserError(f"corpus path is a directory, expected a text file: {p}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line_no = data.count(b"\n", 0, e.start) + 1
+        raise UserError(
+            f"{p}:{line_no}: invalid UTF-8 (byte 0x{data[e.start]:02x}); re-encode the file as UTF-8"
+        ) from None
+    if text.endswith("\n"):
+        text = text[:-1]
+    if text == "":
+        return [] if not data else [""]
+    return [line.rstrip("\r") for line in text.split("\n")]
