@@ -1,0 +1,81 @@
+"""Typed configuration of one training run, as the trainer consumes it.
+
+`prlmfuse.config` parses pipeline.yaml into these objects (validated once at the edge);
+the trainer and the evaluation jobs read them back from `run.json`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass
+class PrLMUse:
+    """One PrLM branch of a run: which cached checkpoint, and which of its layers."""
+
+    checkpoint: str
+    # An int is a hidden_states index (-1 last, -2 penultimate, -3 third-to-last);
+    # a string picks a learned combination of every layer in the cache:
+    # "dyn_cls" | "dyn_aver" | "dwatt" | "concat".
+    layer: int | str = -2
+    # Which cache of that checkpoint to read, when the pipeline builds several (e.g. float16 and int8).
+    dtype: str | None = None
+
+
+@dataclass
+class RunConfig:
+    """One training run: the model, the PrLM branches and the optimisation recipe."""
+
+    name: str
+    # Model. preset: base | summarization | small | tiny; explicit sizes override it.
+    preset: str = "base"
+    d_model: int | None = None
+    enc_layers: int | None = None
+    dec_layers: int | None = None
+    heads: int | None = None
+    ffn: int | None = None
+    dropout: float = 0.1
+    pre_ln: bool = False
+    prlms: list[PrLMUse] = field(default_factory=list)  # empty: the baseline
+    merge: str = "sum"  # sum | average | gate | dropnet | direct
+    position: str = "ffn"  # attn | add_norm1 | ffn | add_norm2
+    side: str = "source"  # source | target | both
+    # Data.
+    bpe_vocab: int = 8000
+    max_tokens: int = 3500  # per batch, source or target side, whichever is longer
+    max_train_pairs: int | None = None  # first N training pairs only (quick runs)
+    # Optimisation (Appendix A of the paper).
+    lr: float = 7e-4
+    adam_betas: tuple[float, float] = (0.9, 0.98)
+    warmup: int = 4000
+    label_smoothing: float = 0.1
+    clip_norm: float = 0.0  # 0: no clipping
+    weight_decay: float = 0.0
+    # Stopping: whichever comes first; at least one of max_updates / max_epochs must be set.
+    max_updates: int | None = None
+    max_epochs: int | None = 50
+    patience: int | None = None  # evaluations on dev without improvement
+    # Checkpoints and logging.
+    save_every: int = 1000  # updates; also at every epoch end
+    keep_last: int = 5
+    log_every: int = 50
+    tensorboard: bool = False
+    # Runtime.
+    seed: int = 1
+    bf16: bool = True  # autocast on CPUs with fast bf16
+    num_workers: int = 2
+    in_memory_features: bool = False
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["adam_betas"] = list(self.adam_betas)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RunConfig":
+        known = {f.name for f in fields(cls)}
+        d = {k: v for k, v in d.items() if k in known}
+        d["prlms"] = [p if isinstance(p, PrLMUse) else PrLMUse(**p) for p in d.get("prlms", [])]
+        if "adam_betas" in d:
+            d["adam_betas"] = tuple(d["adam_betas"])
+        return cls(**d)
