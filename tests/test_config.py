@@ -1,0 +1,139 @@
+"""pipeline.yaml: parsed once into typed config; every mistake is one line naming where it is."""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from prlmfuse.config import load_pipeline
+from prlmfuse.errors import UserError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def write(tmp_path, text, name="p.yaml"):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def error_of(path) -> str:
+    with pytest.raises(UserError) as e:
+        load_pipeline(path)
+    msg = str(e.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_repo_pipeline_and_examples_parse():
+    cfg = load_pipeline(REPO / "pipeline.yaml")
+    names = [r.name for r in cfg.train.runs]
+    assert "baseline" in names and any(r.prlms for r in cfg.train.runs)
+    assert cfg.evaluate.baseline in names
+    for example in sorted((REPO / "examples").glob("*.yaml")):
+        load_pipeline(example)
+
+
+def test_defaults_apply_and_runs_override(tmp_path):
+    p = write(tmp_path, """
+        cache: {checkpoints: [{name: minilm-l6, layers: all}]}
+        train:
+          defaults: {preset: tiny, max_updates: 10, lr: 5e-4}
+          runs:
+            base: {}
+            fused: {prlms: [{checkpoint: minilm-l6, layer: dwatt}], merge: gate, lr: 1e-3}
+    """)
+    cfg = load_pipeline(p)
+    base, fused = cfg.train.runs
+    assert base.lr == 5e-4 and base.prlms == [] and base.preset == "tiny"
+    assert fused.lr == 1e-3 and fused.merge == "gate" and fused.prlms[0].layer == "dwatt"
+    assert cfg.cache.checkpoints[0].layers == "all"
+    assert cfg.workdir == (tmp_path / "work")
+
+
+def test_grid_expands_to_one_run_per_combination(tmp_path):
+    p = write(tmp_path, """
+        cache: {checkpoints: [{name: minilm-l6}]}
+        train:
+          defaults: {max_updates: 5}
+          runs:
+            fused:
+              prlms: [{checkpoint: minilm-l6}]
+              grid: {merge: [sum, gate], side: [source, both]}
+    """)
+    runs = load_pipeline(p).train.runs
+    assert [r.name for r in runs] == [
+        "fused.merge-sum.side-source", "fused.merge-sum.side-both",
+        "fused.merge-gate.side-source", "fused.merge-gate.side-both",
+    ]
+    assert runs[3].merge == "gate" and runs[3].side == "both"
+
+
+def test_yaml_syntax_error_reports_line_and_column(tmp_path):
+    p = write(tmp_path, "data:\n  kind: bible\n  src: [en\n")
+    msg = error_of(p)
+    assert msg.startswith(f"{p}:4:1: YAML syntax error")
+
+
+def test_unknown_key_names_path_and_closest_key(tmp_path):
+    p = write(tmp_path, """
+        train:
+          runs:
+            fused:
+              merg: sum
+              max_updates: 3
+    """)
+    msg = error_of(p)
+    assert "train.runs.fused.merg: unknown key; did you mean 'merge'?" in msg
+    assert msg.startswith(f"{p}:5:")
+
+
+def test_unknown_top_level_and_default_keys(tmp_path):
+    assert "did you mean 'cache'?" in error_of(write(tmp_path, "cahce: {}\n"))
+    msg = error_of(write(tmp_path, "train:\n  defaults: {max_update: 3}\n", "b.yaml"))
+    assert "train.defaults.max_update: unknown key; did you mean 'max_updates'?" in msg
+
+
+def test_wrong_type_names_key_path(tmp_path):
+    msg = error_of(write(tmp_path, "train:\n  defaults:\n    max_updates: many\n  runs: {x: {}}\n"))
+    assert ":3:18: train.defaults.max_updates: expected an integer, got 'many'" in msg
+    msg = error_of(write(tmp_path, "cache:\n  checkpoints:\n    - {name: m, layers: last}\n", "b.yaml"))
+    assert "cache.checkpoints.0.layers" in msg
+
+
+def test_bad_choice_and_unknown_checkpoint_reference(tmp_path):
+    msg = error_of(write(tmp_path, "train:\n  runs:\n    g: {max_updates: 2, merge: summ}\n"))
+    assert "train.runs.g.merge: 'summ' is not one of sum, average, gate, dropnet, direct" in msg
+    msg = error_of(write(tmp_path, """
+        cache: {checkpoints: [{name: minilm-l6}]}
+        train: {runs: {f: {max_updates: 2, prlms: [{checkpoint: minilm-l7}]}}}
+    """, "b.yaml"))
+    assert "train.runs.f.prlms.0.checkpoint: 'minilm-l7' is not in cache.checkpoints; did you mean 'minilm-l6'?" in msg
+
+
+def test_missing_file_names_key_path(tmp_path):
+    msg = error_of(write(tmp_path, """
+        data:
+          kind: text
+          files: {train_src: nope.txt, train_tgt: a, dev_src: a, dev_tgt: a, test_src: a, test_tgt: a}
+    """))
+    assert "data.files.train_src: file not found:" in msg and "nope.txt" in msg
+    assert "pipeline file not found" in error_of(tmp_path / "absent.yaml")
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("data:\n  kind: bible\n  src: [en\n", "YAML syntax error"),
+    ("train:\n  runs:\n    f: {merg: sum, max_updates: 1}\n", "did you mean 'merge'"),
+    ("train:\n  defaults: {max_updates: many}\n", "expected an integer"),
+])
+def test_cli_reports_one_line_and_exit_2(tmp_path, text, needle):
+    p = write(tmp_path, text)
+    out = subprocess.run(
+        [sys.executable, "-m", "prlmfuse.cli", "run", str(p), "--dry-run"], capture_output=True, text=True
+    )
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0]
+    assert "Traceback" not in out.stderr
