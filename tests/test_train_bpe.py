@@ -1,0 +1,77 @@
+"""Joint BPE of stage two: special ids, exact round trip for spaced and unspaced scripts, save/load."""
+
+from __future__ import annotations
+
+import pytest
+
+from prlmfuse.errors import UserError
+from prlmfuse.train_fused.bpe import BOS_ID, EOS_ID, PAD_ID, UNK_ID, BPE, normalize_line, train_bpe
+
+TRAIN = [
+    "In the beginning, God created the heavens and the earth.",
+    "The earth was formless and empty. Darkness was on the surface of the deep.",
+    "God said, “Let there be light,” and there was light.",
+    "初めに、神は天と地を創造された。",
+    "地は形がなく、空虚であって、闇が深淵の面にあり、",
+    "神は「光あれ」と言われた。すると光があった。",
+] * 20
+
+
+@pytest.fixture(scope="module")
+def bpe() -> BPE:
+    return train_bpe(TRAIN, vocab_size=600)
+
+
+def test_special_ids(bpe):
+    tok = bpe.tokenizer
+    assert [tok.token_to_id(t) for t in ["<pad>", "<s>", "</s>", "<unk>"]] == [PAD_ID, BOS_ID, EOS_ID, UNK_ID] == [0, 1, 2, 3]
+
+
+def test_japanese_without_spaces_is_segmented_and_round_trips(bpe):
+    line = "神は光があったと言われた。"
+    ids = bpe.encode(line)
+    assert 1 < len(ids) < len(line)  # learned merges inside one space-free "word", yet several pieces
+    assert bpe.decode(ids) == line
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "In the beginning God created the earth.",
+        "two  spaces and\ttab",
+        "初めに、神は天と地を創造された。",
+        "unseen: Zebra ü 🎉 龘",  # never seen in training: byte fallback, no <unk>
+        "ＦＵＬＬ　ｗｉｄｔｈ ①",  # NFKC folds these; decode returns the normalised text
+        "",
+    ],
+)
+def test_round_trip_is_exact_on_normalised_text(bpe, line):
+    ids = bpe.encode(line)
+    assert UNK_ID not in ids
+    assert bpe.decode(ids) == normalize_line(line)
+
+
+def test_decode_stops_at_eos_and_skips_pad_bos(bpe):
+    ids = bpe.encode("the earth")
+    assert bpe.decode([BOS_ID] + ids + [EOS_ID] + bpe.encode("light") + [PAD_ID]) == "the earth"
+
+
+def test_save_load_same_ids(bpe, tmp_path):
+    bpe.save(tmp_path / "bpe.json")
+    again = BPE.load(tmp_path / "bpe.json")
+    line = "God said, 神は言われた。"
+    assert again.encode(line) == bpe.encode(line)
+    assert again.vocab_size == bpe.vocab_size <= 600
+
+
+def test_vocab_size_is_respected_when_text_is_rich():
+    text = [f"word{i} 語{i} token{i * 7}" for i in range(400)]
+    assert train_bpe(text, vocab_size=400).vocab_size == 400
+
+
+def test_too_small_vocab_and_corrupt_file_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="bpe_vocab=100"):
+        train_bpe(TRAIN, vocab_size=100)
+    (tmp_path / "bpe.json").write_text('{"model": ')
+    with pytest.raises(UserError, match="corrupt"):
+        BPE.load(tmp_path / "bpe.json")
