@@ -1,0 +1,829 @@
+"""The fused Transformer: a Transformer encoder-decoder with one PrLM branch per frozen PrLM.
+
+Park & Zhao (2021) add to every encoder layer an attention over the cached PrLM states H_P and
+a PrLM feed-forward, and merge that flow with the layer's source flow. This file is the whole
+model: config dataclasses, layer selection over cached PrLM layers, encoder and decoder layers,
+the incremental decoding API used by `prlmfuse.evaluate.decode`, and the training loss.
+
+Notation for one encoder layer with input H, PrLM features Z_1..Z_k (after layer selection,
+width d_p each), `drop` = dropout, and Merge(a_0, a_1..a_k) the merge strategy (below):
+
+    A_S = drop(SelfAttn(H, H, H))          A_j = drop(PrLMAttn_j(H, Z_j, Z_j))
+
+The PrLM attention's key/value projections take width d_p to d_model, so PrLMs of any width
+plug in directly. Post-LN (the paper's setting, `pre_ln=False`), by merge `position`:
+
+    attn:       x = LN1(H + Merge(A_S, A_1..A_k))
+                H' = LN2(x + drop(FFN(x)))
+    add_norm1:  x_S = LN1(H + A_S);  x_j = LN1_j(H + A_j)
+                x = Merge(x_S, x_1..x_k);  H' = LN2(x + drop(FFN(x)))
+    ffn:        x_S = LN1(H + A_S);  x_j = LN1_j(H + A_j)                      (default)
+                F_S = drop(FFN(x_S));  F_j = drop(FFN_j(x_j))
+                H' = LN2(x_S + Merge(F_S, F_1..F_k))
+    add_norm2:  x_S, x_j as for ffn
+                y_S = LN2(x_S + drop(FFN(x_S)));  y_j = LN2_j(x_j + drop(FFN_j(x_j)))
+                H' = Merge(y_S, y_1..y_k)
+
+`ffn` is the paper's equation H' = (Flow_P + Flow_S) + Attn_S read with post-LN: the flows
+are the two FFN outputs and "+ Attn_S" is the residual x_S (the source flow's first
+add&norm), then the usual second add&norm.
+
+Pre-LN (`pre_ln=True`) normalises sublayer inputs instead of outputs, and both attentions
+share the normalised query h = LN1(H):
+
+    attn:       x = H + Merge(drop(SelfAttn(h)), drop(PrLMAttn_j(h, Z_j))..);  H' = x + drop(FFN(LN2(x)))
+    ffn:        x_S = H + A_S;  x_j = H + A_j
+                H' = x_S + Merge(drop(FFN(LN2(x_S))), drop(FFN_j(LN2_j(x_j)))..)
+
+Pre-LN has no add&norm after a sublayer, and merging two residual streams there would add H
+k+1 times per layer (the stream would grow geometrically with depth), so `add_norm1` and
+`add_norm2` are rejected with `pre_ln=True`; the encoder and decoder end with a final LN.
+
+Merge strategies over the source flow a and PrLM flows b_1..b_k:
+
+    sum:      a + b_1 + .. + b_k                                       (default, the paper's)
+    average:  (a + b_1 + .. + b_k) / (k + 1)
+    gate:     softmax over the k+1 flows of per-dimension logits [0, l_1..l_k],
+              l = W[a; b_1; ..; b_k] + c. For k = 1 this is Yang et al. (2020):
+              g*a + (1-g)*b with g = sigmoid(-l) = sigmoid(W'[a; b] + c'), W' = -W.
+    dropnet:  Zhu et al. (2020). Training: one draw per layer and batch (as in bert-nmt); with
+              probability p/2 only a, with p/2 only the PrLM flows (their mean), else the
+              average of all k+1 flows. Evaluation: always the average.
+    direct:   no PrLM branch. Each PrLM's features go through Linear(d_p, d_model) plus
+              sinusoidal positions and replace the source embeddings; with several PrLMs their
+              sequences are concatenated. The encoder runs over that sequence with the PrLM
+              masks; src_tokens are not read.
+
+Side `target` (or `both`) gives every decoder layer PrLM attentions too. Their outputs are
+merged with the encoder-decoder attention output, bert-nmt style, whatever `position` says
+(that option is about the encoder):
+
+    x2 = LN2(x1 + Merge(drop(EncAttn(x1, enc)), drop(PrLMAttn_j(x1, Z_j))..))
+
+Layer selection (`PrLMSpec.layer_mode`) turns the cached states [B, n, M, d_p] into Z [B, M, d_p]
+in the PrLM's own width, before the branch's key/value projections:
+
+    fixed:     n must be 1; Z = states[:, 0]
+    dyn_cls / dyn_aver (Park & Zhao, Table 3a): per sentence, s_n = w . LN(p_n) + b_n with
+               p_n the first-token (dyn_cls) or mean (dyn_aver) vector of layer n from `pooled`;
+               alpha = softmax_n(s);  Z = sum_n alpha_n states_n
+    dwatt      (ElNokrashy et al. 2022, eqs. 3-10): per token,
+               k_n = W_K kpos_n (kpos_n ~ U(0,1), fixed, 24 dims);  v_n = LN_n(f_V,n(z_n));
+               q = 1 + elu(z_L + f_Q(z_L)), z_L the last cached layer;  f(z) = W LN(gelu(U z))
+               with a bottleneck of d_p/2;  Z = z_L + sum_n softmax_n(q . k_n) v_n
+               (unscaled dot product, as in the paper's eq. 7)
+    concat:    Z = sum_n W_n z_n + b (one Linear over the concatenated layers)
+
+Token ids: pad 0, bos 1, eos 2 by default (see ModelConfig). Sequences may be padded on either
+side; positions count real tokens only, so padding never changes the real tokens' outputs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from prlmfuse.errors import UserError
+
+MERGES = ("sum", "average", "gate", "dropnet", "direct")
+POSITIONS = ("attn", "add_norm1", "ffn", "add_norm2")
+SIDES = ("source", "target", "both")
+LAYER_MODES = ("fixed", "dyn_cls", "dyn_aver", "dwatt", "concat")
+ACTIVATIONS = ("relu", "gelu")
+
+PRESETS: dict[str, dict] = {
+    # Transformer base (Vaswani et al. 2017), as in the paper's translation experiments.
+    "base": dict(d_model=512, enc_layers=6, dec_layers=6, heads=8, ffn=2048),
+    # The paper's summarization setting: base with 4 + 4 layers.
+    "summarization": dict(d_model=512, enc_layers=4, dec_layers=4, heads=8, ffn=2048),
+    # CPU-sized models for quick experiments and tests.
+    "small": dict(d_model=256, enc_layers=3, dec_layers=3, heads=4, ffn=1024),
+    "tiny": dict(d_model=64, enc_layers=2, dec_layers=2, heads=2, ffn=128),
+}
+
+# DWAtt hyper-parameters from ElNokrashy et al. (2022), Table 4.
+DWATT_BOTTLENECK = 0.5
+DWATT_KEY_POS_DIM = 24
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+@dataclass
+class PrLMSpec:
+    """One PrLM branch: the shape of its cached features and how to combine its layers."""
+
+    name: str  # checkpoint name, for humans and run.json
+    width: int  # its hidden size d_p
+    num_layers: int  # token-feature layers in the cache (1 for a fixed layer)
+    num_pooled: int  # pooled layers in the cache (for dyn_cls / dyn_aver)
+    layer_mode: str = "fixed"  # fixed | dyn_cls | dyn_aver | dwatt | concat
+    # dyn_cls / dyn_aver: pooled row of each token layer. CacheReader stores pooled vectors for
+    # hidden_states 0..highest and token features for `layers`, so for a cache of every layer
+    # this is the identity (the default when num_pooled == num_layers); otherwise pass
+    # [reader.pooled_layers.index(l) for l in reader.layers].
+    pooled_index: list[int] | None = None
+
+    def __post_init__(self):
+        where = f"PrLM {self.name!r}"
+        if self.layer_mode not in LAYER_MODES:
+            raise UserError(f"{where}: unknown layer_mode {self.layer_mode!r}; use one of {', '.join(LAYER_MODES)}")
+        if self.width < 2 or self.num_layers < 1 or self.num_pooled < 0:
+            raise UserError(
+                f"{where}: width={self.width}, num_layers={self.num_layers}, num_pooled={self.num_pooled} "
+                "are not a valid feature shape; take them from the cache manifest"
+            )
+        if self.layer_mode == "fixed" and self.num_layers != 1:
+            raise UserError(
+                f"{where}: layer_mode 'fixed' needs a cache of exactly one layer, this one has {self.num_layers}; "
+                "pick one layer or use dyn_cls, dyn_aver, dwatt or concat"
+            )
+        if self.layer_mode in ("dyn_cls", "dyn_aver"):
+            if self.pooled_index is None:
+                if self.num_pooled != self.num_layers:
+                    raise UserError(
+                        f"{where}: {self.layer_mode} needs pooled_index (pooled row of each of the "
+                        f"{self.num_layers} token layers, out of {self.num_pooled} pooled rows); "
+                        "set it from CacheReader.layers and .pooled_layers"
+                    )
+                self.pooled_index = list(range(self.num_layers))
+            self.pooled_index = [int(i) for i in self.pooled_index]
+            if len(self.pooled_index) != self.num_layers or not all(
+                0 <= i < self.num_pooled for i in self.pooled_index
+            ):
+                raise UserError(
+                    f"{where}: pooled_index {self.pooled_index} must give one row in 0..{self.num_pooled - 1} "
+                    f"for each of the {self.num_layers} token layers"
+                )
+
+
+@dataclass
+class ModelConfig:
+    """Sizes and fusion options of a FusedTransformer. Stored in run.json via to_dict()."""
+
+    vocab_size: int
+    d_model: int = 512
+    enc_layers: int = 6
+    dec_layers: int = 6
+    heads: int = 8
+    ffn: int = 2048
+    dropout: float = 0.1
+    attn_dropout: float = 0.0
+    activation: str = "relu"
+    pre_ln: bool = False
+    max_positions: int = 1024  # decoding never goes beyond this many target positions
+    pad_id: int = 0
+    bos_id: int = 1
+    eos_id: int = 2
+    prlms: list[PrLMSpec] = field(default_factory=list)  # empty: the baseline Transformer
+    merge: str = "sum"  # sum | average | gate | dropnet | direct
+    position: str = "ffn"  # attn | add_norm1 | ffn | add_norm2 (encoder side)
+    side: str = "source"  # source | target | both
+    dropnet_p: float = 0.5
+
+    def __post_init__(self):
+        self.prlms = [p if isinstance(p, PrLMSpec) else PrLMSpec(**p) for p in self.prlms]
+        checks = [
+            (self.vocab_size > max(self.pad_id, self.bos_id, self.eos_id), f"vocab_size={self.vocab_size} must exceed the special token ids"),
+            (self.d_model > 0 and self.heads > 0 and self.d_model % self.heads == 0, f"d_model={self.d_model} must be a positive multiple of heads={self.heads}"),
+            (self.enc_layers >= 1 and self.dec_layers >= 1 and self.ffn >= 1, "enc_layers, dec_layers and ffn must be at least 1"),
+            (0.0 <= self.dropout < 1.0 and 0.0 <= self.attn_dropout < 1.0, "dropout and attn_dropout must be in [0, 1)"),
+            (0.0 <= self.dropnet_p <= 1.0, f"dropnet_p={self.dropnet_p} must be in [0, 1]"),
+            (self.activation in ACTIVATIONS, f"activation {self.activation!r} unknown; use one of {', '.join(ACTIVATIONS)}"),
+            (self.merge in MERGES, f"merge {self.merge!r} unknown; use one of {', '.join(MERGES)}"),
+            (self.position in POSITIONS, f"position {self.position!r} unknown; use one of {', '.join(POSITIONS)}"),
+            (self.side in SIDES, f"side {self.side!r} unknown; use one of {', '.join(SIDES)}"),
+            (self.max_positions >= 2, "max_positions must be at least 2"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UserError(f"model config: {message}")
+        if self.merge == "direct":
+            if not self.prlms:
+                raise UserError("model config: merge 'direct' feeds PrLM features as the encoder input; add at least one PrLM")
+            if self.side != "source":
+                raise UserError(f"model config: merge 'direct' replaces the source input, so side must be 'source', not {self.side!r}")
+        if self.pre_ln and self.encoder_prlms and self.position in ("add_norm1", "add_norm2"):
+            raise UserError(
+                f"model config: position {self.position!r} merges after an add&norm, which pre-LN layers do not have; "
+                "use position 'attn' or 'ffn', or pre_ln: false"
+            )
+
+    @property
+    def encoder_prlms(self) -> bool:
+        """Encoder layers carry PrLM branches."""
+        return bool(self.prlms) and self.merge != "direct" and self.side in ("source", "both")
+
+    @property
+    def decoder_prlms(self) -> bool:
+        """Decoder layers carry PrLM branches."""
+        return bool(self.prlms) and self.side in ("target", "both")
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "ModelConfig":
+        """A preset's sizes with `overrides` on top (None values mean "not set"); vocab_size is required."""
+        if name not in PRESETS:
+            raise UserError(f"model preset {name!r} unknown; use one of {', '.join(PRESETS)}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise UserError(f"model config: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        values = dict(PRESETS[name])
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if "vocab_size" not in values:
+            raise UserError(f"model preset {name!r}: vocab_size is required (the BPE vocabulary size)")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+@dataclass
+class PrLMFeatures:
+    """Cached features of one PrLM for a batch, as the data loader hands them to the model."""
+
+    states: Tensor  # [B, n_layers, M, d_p] float
+    mask: Tensor  # [B, M] bool, True = real token
+    pooled: Tensor | None = None  # [B, n_pooled, 2, d_p]; [..., 0, :] first token, [..., 1, :] mean
+
+
+@dataclass
+class EncoderOut:
+    """Everything the decoder reads from the source side, computed once per encode().
+
+    The decoder's encoder-attention keys/values (and PrLM-attention keys/values on the target
+    side) are projected here, so each decoding step only projects its own new token.
+    """
+
+    states: Tensor  # [B, S, d_model]
+    mask: Tensor  # [B, S] bool, True = real position
+    cross_kv: list[tuple[Tensor, Tensor]]  # per decoder layer: encoder-attention (k, v), [B, heads, S, head_dim]
+    prlm_kv: list[list[tuple[Tensor, Tensor]]]  # per decoder layer, per PrLM: (k, v), [B, heads, M_j, head_dim]
+    prlm_masks: list[Tensor]  # per PrLM: [B, M_j] bool (target side only; else empty)
+
+    def index_select(self, idx: Tensor) -> "EncoderOut":
+        """Rows `idx` of the batch, e.g. each sentence repeated beam times, or the unfinished ones."""
+
+        def pick(t: Tensor) -> Tensor:
+            return t.index_select(0, idx)
+
+        return EncoderOut(
+            states=pick(self.states),
+            mask=pick(self.mask),
+            cross_kv=[(pick(k), pick(v)) for k, v in self.cross_kv],
+            prlm_kv=[[(pick(k), pick(v)) for k, v in layer] for layer in self.prlm_kv],
+            prlm_masks=[pick(m) for m in self.prlm_masks],
+        )
+
+
+# ----------------------------------------------------------------------------- building blocks
+
+
+class SinusoidalPositions(nn.Module):
+    """Fixed sin/cos position embeddings (fairseq layout: all sines, then all cosines)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dim = dim
+        half = dim // 2
+        inv_freq = torch.exp(torch.arange(half, dtype=torch.float32) * -(math.log(10000.0) / max(half - 1, 1)))
+        # Not persistent: recomputed from dim, so it never enters checkpoints.
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: Tensor) -> Tensor:
+        angles = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq
+        emb = torch.cat([angles.sin(), angles.cos()], dim=-1)
+        if self.dim % 2:
+            emb = F.pad(emb, (0, 1))
+        return emb
+
+
+def positions_from_mask(mask: Tensor) -> Tensor:
+    """0, 1, 2, .. over the real tokens of each row, whichever side the padding is on."""
+    return (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+class MultiheadAttention(nn.Module):
+    """Scaled dot-product attention with separate projections; keys/values may have another width."""
+
+    def __init__(self, d_model: int, heads: int, attn_dropout: float, kv_width: int | None = None):
+        super().__init__()
+        self.heads = heads
+        self.head_dim = d_model // heads
+        self.attn_dropout = attn_dropout
+        kv_width = kv_width or d_model
+        self.q_proj = nn.Linear(d_model, d_model)
+        self.k_proj = nn.Linear(kv_width, d_model)
+        self.v_proj = nn.Linear(kv_width, d_model)
+        self.out_proj = nn.Linear(d_model, d_model)
+
+    def _split_heads(self, x: Tensor) -> Tensor:
+        batch, length, _ = x.shape
+        return x.view(batch, length, self.heads, self.head_dim).transpose(1, 2)
+
+    def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """Keys and values [B, heads, S, head_dim] of `memory` [B, S, kv_width]."""
+        return self._split_heads(self.k_proj(memory)), self._split_heads(self.v_proj(memory))
+
+    def attend(
+        self, query_states: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor | None = None, causal: bool = False
+    ) -> Tensor:
+        """Attend from query_states [B, T, d] over projected keys/values.
+
+        key_mask [B, S] (True = real key). causal: the T queries are the last T positions of the
+        S keys (full prefix when T == S, one new step when T == 1).
+        """
+        batch, q_len, d_model = query_states.shape
+        k_len = keys.shape[2]
+        q = self._split_heads(self.q_proj(query_states))
+        attn_mask, is_causal, empty_rows = None, False, None
+        if key_mask is not None:
+            has_key = key_mask.any(dim=-1)
+            if not bool(has_key.all()):
+                # A row with no real key would softmax over nothing (NaN); let it attend to
+                # everything and zero its output instead, so it contributes nothing.
+                empty_rows = ~has_key
+                key_mask = key_mask | empty_rows[:, None]
+            attn_mask = key_mask[:, None, None, :]
+        if causal and q_len > 1:
+            if attn_mask is None and q_len == k_len:
+                is_causal = True
+            else:
+                offset = k_len - q_len
+                causal_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(diagonal=offset)
+                attn_mask = causal_mask if attn_mask is None else attn_mask & causal_mask
+        out = F.scaled_dot_product_attention(
+            q,
+            keys,
+            values,
+            attn_mask=attn_mask,
+            dropout_p=self.attn_dropout if self.training else 0.0,
+            is_causal=is_causal,
+        )
+        out = self.out_proj(out.transpose(1, 2).reshape(batch, q_len, d_model))
+        if empty_rows is not None:
+            out = out.masked_fill(empty_rows[:, None, None], 0.0)
+        return out
+
+    def forward(self, query_states: Tensor, memory: Tensor, key_mask: Tensor | None = None) -> Tensor:
+        keys, values = self.project_kv(memory)
+        return self.attend(query_states, keys, values, key_mask)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_model: int, ffn: int, activation: str):
+        super().__init__()
+        self.fc1 = nn.Linear(d_model, ffn)
+        self.fc2 = nn.Linear(ffn, d_model)
+        self.activation = F.relu if activation == "relu" else F.gelu
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc2(self.activation(self.fc1(x)))
+
+
+class FlowMerge(nn.Module):
+    """Merge the source flow flows[0] with the PrLM flows flows[1:] (see the module docstring)."""
+
+    def __init__(self, strategy: str, d_model: int, num_prlms: int, dropnet_p: float):
+        super().__init__()
+        self.strategy = strategy
+        self.dropnet_p = dropnet_p
+        self.num_prlms = num_prlms
+        if strategy == "gate":
+            # One logit vector per PrLM flow; the source flow is the reference class at 0.
+            self.gate_proj = nn.Linear((num_prlms + 1) * d_model, num_prlms * d_model)
+
+    def forward(self, flows: list[Tensor]) -> Tensor:
+        if self.strategy == "sum":
+            return _sum(flows)
+        if self.strategy == "average":
+            return _sum(flows) / len(flows)
+        if self.strategy == "gate":
+            logits = self.gate_proj(torch.cat(flows, dim=-1)).unflatten(-1, (self.num_prlms, -1))
+            logits = torch.cat([torch.zeros_like(logits[..., :1, :]), logits], dim=-2)
+            weights = torch.softmax(logits.float(), dim=-2).to(logits.dtype)
+            return (weights * torch.stack(flows, dim=-2)).sum(dim=-2)
+        if self.strategy == "dropnet":
+            if self.training and self.dropnet_p > 0:
+                draw = float(torch.rand(()))
+                if draw < self.dropnet_p / 2:
+                    return flows[0]
+                if draw < self.dropnet_p:
+                    return _sum(flows[1:]) / (len(flows) - 1)
+            return _sum(flows) / len(flows)
+        raise AssertionError(f"merge {self.strategy!r} has no PrLM branch to merge")
+
+
+def _sum(tensors: list[Tensor]) -> Tensor:
+    out = tensors[0]
+    for t in tensors[1:]:
+        out = out + t
+    return out
+
+
+# ----------------------------------------------------------------------------- PrLM layer selection
+
+
+class FixedLayer(nn.Module):
+    """The cache holds exactly the wanted layer."""
+
+    def __init__(self, spec: PrLMSpec):
+        super().__init__()
+
+    def forward(self, features: PrLMFeatures) -> Tensor:
+        return features.states[:, 0]
+
+
+class DynamicLayerWeights(nn.Module):
+    """Dyn[CLS] / Dyn[Aver]: a per-sentence softmax over layers scored from each layer's sentence vector."""
+
+    def __init__(self, spec: PrLMSpec):
+        super().__init__()
+        self.pooled_row = 0 if spec.layer_mode == "dyn_cls" else 1
+        self.register_buffer("pooled_index", torch.tensor(spec.pooled_index, dtype=torch.long), persistent=False)
+        self.norm = nn.LayerNorm(spec.width)
+        self.score = nn.Linear(spec.width, 1, bias=False)
+        self.layer_bias = nn.Parameter(torch.zeros(spec.num_layers))
+
+    def layer_weights(self, pooled: Tensor) -> Tensor:
+        """alpha [B, n_layers] from pooled [B, n_pooled, 2, d]."""
+        sentence_vectors = pooled.index_select(1, self.pooled_index)[:, :, self.pooled_row]
+        scores = self.score(self.norm(sentence_vectors)).squeeze(-1) + self.layer_bias
+        return torch.softmax(scores.float(), dim=-1)
+
+    def forward(self, features: PrLMFeatures) -> Tensor:
+        alpha = self.layer_weights(features.pooled).to(features.states.dtype)
+        return torch.einsum("bn,bnmd->bmd", alpha, features.states)
+
+
+class DepthWiseAttention(nn.Module):
+    """DWAtt (ElNokrashy et al. 2022): per-token attention over layers, query from the last layer."""
+
+    def __init__(self, spec: PrLMSpec):
+        super().__init__()
+        n, d = spec.num_layers, spec.width
+        hidden = max(1, int(d * DWATT_BOTTLENECK))
+        # kpos_n ~ U(0, 1) are fixed, not learned (paper section 9.2); persistent so a checkpoint
+        # reproduces the same keys.
+        self.register_buffer("key_positions", torch.rand(n, DWATT_KEY_POS_DIM))
+        self.key_proj = nn.Linear(DWATT_KEY_POS_DIM, d)
+        # f_Q(z) = W LN(gelu(U z))
+        self.query_down = nn.Linear(d, hidden)
+        self.query_norm = nn.LayerNorm(hidden)
+        self.query_up = nn.Linear(hidden, d)
+        # f_V,n: one bottleneck MLP and one output LN per layer, nothing shared; stacked over n.
+        self.value_down_weight = nn.Parameter(torch.empty(n, hidden, d))
+        self.value_down_bias = nn.Parameter(torch.zeros(n, hidden))
+        self.value_mid_norm_weight = nn.Parameter(torch.ones(n, hidden))
+        self.value_mid_norm_bias = nn.Parameter(torch.zeros(n, hidden))
+        self.value_up_weight = nn.Parameter(torch.empty(n, d, hidden))
+        self.value_up_bias = nn.Parameter(torch.zeros(n, d))
+        self.value_norm_weight = nn.Parameter(torch.ones(n, d))
+        self.value_norm_bias = nn.Parameter(torch.zeros(n, d))
+        for i in range(n):
+            nn.init.xavier_uniform_(self.value_down_weight.data[i])
+            nn.init.xavier_uniform_(self.value_up_weight.data[i])
+
+    @staticmethod
+    def _per_layer_norm(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
+        # x [B, n, M, h]; weight/bias [n, h]
+        x = F.layer_norm(x, x.shape[-1:])
+        return x * weight[None, :, None, :] + bias[None, :, None, :]
+
+    def forward(self, features: PrLMFeatures) -> Tensor:
+        z = features.states  # [B, n, M, d]
+        z_last = z[:, -1]
+        query = 1.0 + F.elu(z_last + self.query_up(self.query_norm(F.gelu(self.query_down(z_last)))))
+        keys = self.key_proj(self.key_positions)  # [n, d]
+        hidden = torch.einsum("bnmd,nhd->bnmh", z, self.value_down_weight) + self.value_down_bias[None, :, None, :]
+        hidden = self._per_layer_norm(F.gelu(hidden), self.value_mid_norm_weight, self.value_mid_norm_bias)
+        values = torch.einsum("bnmh,ndh->bnmd", hidden, self.value_up_weight) + self.value_up_bias[None, :, None, :]
+        values = self._per_layer_norm(values, self.value_norm_weight, self.value_norm_bias)
+        scores = torch.softmax((query @ keys.transpose(0, 1)).float(), dim=-1).to(values.dtype)  # [B, M, n]
+        return z_last + torch.einsum("bmn,bnmd->bmd", scores, values)
+
+
+class LayerConcat(nn.Module):
+    """Concat (ElNokrashy et al. 2022): sum_n W_n z_n, i.e. one Linear over the concatenated layers."""
+
+    def __init__(self, spec: PrLMSpec):
+        super().__init__()
+        self.proj = nn.Linear(spec.num_layers * spec.width, spec.width)
+
+    def forward(self, features: PrLMFeatures) -> Tensor:
+        z = features.states  # [B, n, M, d]
+        return self.proj(z.permute(0, 2, 1, 3).flatten(2))
+
+
+def build_layer_selection(spec: PrLMSpec) -> nn.Module:
+    return {
+        "fixed": FixedLayer,
+        "dyn_cls": DynamicLayerWeights,
+        "dyn_aver": DynamicLayerWeights,
+        "dwatt": DepthWiseAttention,
+        "concat": LayerConcat,
+    }[spec.layer_mode](spec)
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+class EncoderLayer(nn.Module):
+    """A Transformer encoder layer, with one PrLM branch per width in `prlm_widths` (see module docstring)."""
+
+    def __init__(self, config: ModelConfig, prlm_widths: list[int]):
+        super().__init__()
+        d = config.d_model
+        self.pre_ln = config.pre_ln
+        self.dropout = config.dropout
+        self.position = config.position
+        self.self_attn = MultiheadAttention(d, config.heads, config.attn_dropout)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.ffn = FeedForward(d, config.ffn, config.activation)
+        self.final_layer_norm = nn.LayerNorm(d)
+        self.num_prlms = len(prlm_widths)
+        if not prlm_widths:
+            return
+        self.prlm_attn = nn.ModuleList(MultiheadAttention(d, config.heads, config.attn_dropout, w) for w in prlm_widths)
+        k = len(prlm_widths)
+        if not self.pre_ln and self.position != "attn":
+            self.prlm_attn_layer_norm = nn.ModuleList(nn.LayerNorm(d) for _ in range(k))
+        if self.position in ("ffn", "add_norm2"):
+            self.prlm_ffn = nn.ModuleList(FeedForward(d, config.ffn, config.activation) for _ in range(k))
+            if self.pre_ln or self.position == "add_norm2":
+                self.prlm_final_layer_norm = nn.ModuleList(nn.LayerNorm(d) for _ in range(k))
+        self.merge = FlowMerge(config.merge, d, k, config.dropnet_p)
+
+    def _drop(self, x: Tensor) -> Tensor:
+        return F.dropout(x, self.dropout, self.training)
+
+    def _ffn_block(self, x: Tensor) -> Tensor:
+        if self.pre_ln:
+            return x + self._drop(self.ffn(self.final_layer_norm(x)))
+        return self.final_layer_norm(x + self._drop(self.ffn(x)))
+
+    def forward(self, x: Tensor, mask: Tensor, prlm: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """x [B, S, d], mask [B, S]; prlm: per branch (Z [B, M, d_p], mask [B, M])."""
+        residual = x
+        h = self.self_attn_layer_norm(x) if self.pre_ln else x
+        attn_s = self._drop(self.self_attn(h, h, mask))
+        if not self.num_prlms:
+            x = residual + attn_s
+            return self._ffn_block(x if self.pre_ln else self.self_attn_layer_norm(x))
+
+        attn_p = [self._drop(attn(h, z, z_mask)) for attn, (z, z_mask) in zip(self.prlm_attn, prlm)]
+        if self.position == "attn":
+            x = residual + self.merge([attn_s, *attn_p])
+            return self._ffn_block(x if self.pre_ln else self.self_attn_layer_norm(x))
+
+        x_s = residual + attn_s
+        x_p = [residual + a for a in attn_p]
+        if not self.pre_ln:
+            x_s = self.self_attn_layer_norm(x_s)
+            x_p = [norm(x) for norm, x in zip(self.prlm_attn_layer_norm, x_p)]
+
+        if self.position == "add_norm1":  # post-LN only
+            return self._ffn_block(self.merge([x_s, *x_p]))
+
+        if self.position == "ffn":
+            if self.pre_ln:
+                flow_s = self._drop(self.ffn(self.final_layer_norm(x_s)))
+                flow_p = [self._drop(ffn(norm(x))) for ffn, norm, x in zip(self.prlm_ffn, self.prlm_final_layer_norm, x_p)]
+                return x_s + self.merge([flow_s, *flow_p])
+            flow_s = self._drop(self.ffn(x_s))
+            flow_p = [self._drop(ffn(x)) for ffn, x in zip(self.prlm_ffn, x_p)]
+            return self.final_layer_norm(x_s + self.merge([flow_s, *flow_p]))
+
+        # add_norm2, post-LN only
+        y_s = self._ffn_block(x_s)
+        y_p = [norm(x + self._drop(ffn(x))) for ffn, norm, x in zip(self.prlm_ffn, self.prlm_final_layer_norm, x_p)]
+        return self.merge([y_s, *y_p])
+
+
+class DecoderLayer(nn.Module):
+    """Causal self-attention, encoder attention (merged with PrLM attentions on the target side), FFN."""
+
+    def __init__(self, config: ModelConfig, prlm_widths: list[int]):
+        super().__init__()
+        d = config.d_model
+        self.pre_ln = config.pre_ln
+        self.dropout = config.dropout
+        self.self_attn = MultiheadAttention(d, config.heads, config.attn_dropout)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.encoder_attn = MultiheadAttention(d, config.heads, config.attn_dropout)
+        self.encoder_attn_layer_norm = nn.LayerNorm(d)
+        self.ffn = FeedForward(d, config.ffn, config.activation)
+        self.final_layer_norm = nn.LayerNorm(d)
+        self.num_prlms = len(prlm_widths)
+        if prlm_widths:
+            self.prlm_attn = nn.ModuleList(MultiheadAttention(d, config.heads, config.attn_dropout, w) for w in prlm_widths)
+            self.merge = FlowMerge(config.merge, d, len(prlm_widths), config.dropnet_p)
+
+    def _drop(self, x: Tensor) -> Tensor:
+        return F.dropout(x, self.dropout, self.training)
+
+    def forward(
+        self, x: Tensor, enc: EncoderOut, layer_index: int, past_kv: tuple[Tensor, Tensor] | None
+    ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """x [B, T, d]: the newest T target positions; past_kv: self-attention (k, v) of earlier positions.
+
+        Returns the layer output and the self-attention (k, v) of all positions so far.
+        """
+        # Causal self-attention over the cached positions plus the new ones.
+        residual = x
+        h = self.self_attn_layer_norm(x) if self.pre_ln else x
+        keys, values = self.self_attn.project_kv(h)
+        if past_kv is not None:
+            keys = torch.cat([past_kv[0], keys], dim=2)
+            values = torch.cat([past_kv[1], values], dim=2)
+        x = residual + self._drop(self.self_attn.attend(h, keys, values, causal=True))
+        if not self.pre_ln:
+            x = self.self_attn_layer_norm(x)
+
+        # Encoder attention, merged with the PrLM attentions on the target side (bert-nmt style).
+        residual = x
+        h = self.encoder_attn_layer_norm(x) if self.pre_ln else x
+        enc_k, enc_v = enc.cross_kv[layer_index]
+        attended = self._drop(self.encoder_attn.attend(h, enc_k, enc_v, enc.mask))
+        if self.num_prlms:
+            prlm_attended = [
+                self._drop(attn.attend(h, k, v, m))
+                for attn, (k, v), m in zip(self.prlm_attn, enc.prlm_kv[layer_index], enc.prlm_masks)
+            ]
+            attended = self.merge([attended, *prlm_attended])
+        x = residual + attended
+        if not self.pre_ln:
+            x = self.encoder_attn_layer_norm(x)
+
+        if self.pre_ln:
+            x = x + self._drop(self.ffn(self.final_layer_norm(x)))
+        else:
+            x = self.final_layer_norm(x + self._drop(self.ffn(x)))
+        return x, (keys, values)
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+class FusedTransformer(nn.Module):
+    """Transformer encoder-decoder with PrLM branches; `config.prlms == []` is the plain baseline."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        d = config.d_model
+        widths = [p.width for p in config.prlms]
+        # One matrix for source, target and output embeddings (joint BPE).
+        self.embed_tokens = nn.Embedding(config.vocab_size, d, padding_idx=config.pad_id)
+        self.embed_scale = math.sqrt(d)
+        self.embed_positions = SinusoidalPositions(d)
+        self.prlm_layers = nn.ModuleList(build_layer_selection(p) for p in config.prlms)
+        if config.merge == "direct":
+            self.direct_proj = nn.ModuleList(nn.Linear(w, d) for w in widths)
+        self.encoder_layers = nn.ModuleList(
+            EncoderLayer(config, widths if config.encoder_prlms else []) for _ in range(config.enc_layers)
+        )
+        self.decoder_layers = nn.ModuleList(
+            DecoderLayer(config, widths if config.decoder_prlms else []) for _ in range(config.dec_layers)
+        )
+        if config.pre_ln:
+            self.encoder_layer_norm = nn.LayerNorm(d)
+            self.decoder_layer_norm = nn.LayerNorm(d)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        # fairseq's Transformer init.
+        if isinstance(module, nn.Linear):
+            nn.init.xavier_uniform_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=module.embedding_dim**-0.5)
+            with torch.no_grad():
+                module.weight[self.config.pad_id].zero_()
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # -- encoder
+
+    def _check_features(self, prlm: list[PrLMFeatures] | None, batch: int) -> list[PrLMFeatures]:
+        prlm = list(prlm or [])
+        specs = self.config.prlms
+        if len(prlm) != len(specs):
+            raise UserError(
+                f"model has {len(specs)} PrLM branch(es) ({', '.join(s.name for s in specs) or 'baseline'}) "
+                f"but got features of {len(prlm)}; pass one PrLMFeatures per configured PrLM, in order"
+            )
+        dtype = self.embed_tokens.weight.dtype
+        checked = []
+        for spec, feats in zip(specs, prlm):
+            states, mask = feats.states, feats.mask
+            if states.dim() != 4 or states.shape[0] != batch or states.shape[1] != spec.num_layers or states.shape[3] != spec.width:
+                raise UserError(
+                    f"PrLM {spec.name!r}: features of shape {tuple(states.shape)}, expected "
+                    f"[{batch}, {spec.num_layers}, M, {spec.width}]; the cache does not match the model's PrLMSpec"
+                )
+            if mask.shape != (batch, states.shape[2]):
+                raise UserError(f"PrLM {spec.name!r}: mask of shape {tuple(mask.shape)}, expected {(batch, states.shape[2])}")
+            pooled = feats.pooled
+            if spec.layer_mode in ("dyn_cls", "dyn_aver"):
+                if pooled is None or tuple(pooled.shape) != (batch, spec.num_pooled, 2, spec.width):
+                    got = None if pooled is None else tuple(pooled.shape)
+                    raise UserError(
+                        f"PrLM {spec.name!r}: {spec.layer_mode} needs pooled features "
+                        f"[{batch}, {spec.num_pooled}, 2, {spec.width}], got {got}; use a cache with pooled vectors"
+                    )
+                pooled = pooled.to(dtype)
+            checked.append(PrLMFeatures(states.to(dtype), mask.to(torch.bool), pooled))
+        return checked
+
+    def encode(self, src_tokens: Tensor, prlm: list[PrLMFeatures] | None) -> EncoderOut:
+        """Run the encoder over src_tokens [B, S] (or, for merge 'direct', over the PrLM features)."""
+        config = self.config
+        batch = src_tokens.shape[0]
+        features = self._check_features(prlm, batch)
+        selected = [(select(f), f.mask) for select, f in zip(self.prlm_layers, features)]  # Z_j [B, M_j, d_p]
+
+        if config.merge == "direct":
+            pieces = [proj(z) + self.embed_positions(positions_from_mask(m)) for proj, (z, m) in zip(self.direct_proj, selected)]
+            x = torch.cat(pieces, dim=1)
+            mask = torch.cat([m for _, m in selected], dim=1)
+        else:
+            mask = src_tokens != config.pad_id
+            x = self.embed_scale * self.embed_tokens(src_tokens) + self.embed_positions(positions_from_mask(mask))
+        x = F.dropout(x, config.dropout, self.training)
+
+        encoder_branches = selected if config.encoder_prlms else []
+        for layer in self.encoder_layers:
+            x = layer(x, mask, encoder_branches)
+        if config.pre_ln:
+            x = self.encoder_layer_norm(x)
+
+        cross_kv = [layer.encoder_attn.project_kv(x) for layer in self.decoder_layers]
+        if config.decoder_prlms:
+            prlm_kv = [[attn.project_kv(z) for attn, (z, _) in zip(layer.prlm_attn, selected)] for layer in self.decoder_layers]
+            prlm_masks = [m for _, m in selected]
+        else:
+            prlm_kv = [[] for _ in self.decoder_layers]
+            prlm_masks = []
+        return EncoderOut(states=x, mask=mask, cross_kv=cross_kv, prlm_kv=prlm_kv, prlm_masks=prlm_masks)
+
+    # -- decoder
+
+    def decode(
+        self, prev_tokens: Tensor, enc: EncoderOut, cache: list | None = None
+    ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        """Logits [B, T, V] for prev_tokens [B, T] and the grown self-attention cache.
+
+        cache None: prev_tokens is the full prefix (starting with bos). With a cache (as returned
+        by the previous call): prev_tokens are the newest token(s) only, placed after the cached
+        positions, and only they are computed — each step costs O(t), not O(t^2).
+        """
+        past_len = 0 if cache is None else cache[0][0].shape[2]
+        new_len = prev_tokens.shape[1]
+        positions = torch.arange(past_len, past_len + new_len, device=prev_tokens.device)
+        x = self.embed_scale * self.embed_tokens(prev_tokens) + self.embed_positions(positions)
+        x = F.dropout(x, self.config.dropout, self.training)
+        new_cache = []
+        for i, layer in enumerate(self.decoder_layers):
+            x, layer_kv = layer(x, enc, i, None if cache is None else cache[i])
+            new_cache.append(layer_kv)
+        if self.config.pre_ln:
+            x = self.decoder_layer_norm(x)
+        logits = F.linear(x, self.embed_tokens.weight)  # output projection tied to the embeddings
+        return logits, new_cache
+
+    @staticmethod
+    def reorder_cache(cache: list[tuple[Tensor, Tensor]], idx: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """The cache rows `idx` (beam reordering, dropping finished sentences)."""
+        return [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in cache]
+
+    def forward(self, src_tokens: Tensor, tgt_in: Tensor, prlm: list[PrLMFeatures] | None) -> Tensor:
+        """Teacher-forced logits [B, T, V]; tgt_in starts with bos and is padded on the right."""
+        logits, _ = self.decode(tgt_in, self.encode(src_tokens, prlm))
+        return logits
+
+
+def label_smoothed_loss(logits: Tensor, target: Tensor, label_smoothing: float, pad_id: int) -> tuple[Tensor, int]:
+    """Summed label-smoothed cross entropy over the non-pad target tokens, and their count.
+
+    Divide by the count (or by the count summed over accumulated batches) for a per-token loss.
+    """
+    loss = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(),
+        target.reshape(-1),
+        ignore_index=pad_id,
+        label_smoothing=label_smoothing,
+        reduction="sum",
+    )
+    return loss, int((target != pad_id).sum())
