@@ -1,0 +1,138 @@
+"""Checkpoint files of a run directory: safetensors round trips, optimizer state, pruning, averaging."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from prlmfuse.errors import UserError
+from prlmfuse.train_fused import checkpointing as ck
+
+torch.set_num_threads(1)
+
+
+class TiedLM(torch.nn.Module):
+    """Small module with a tied input/output embedding, like the fused Transformer's."""
+
+    def __init__(self, vocab: int = 11, dim: int = 6):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.hidden = torch.nn.Linear(dim, dim)
+        self.out = torch.nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.hidden(self.embed(x))))
+
+
+def _train_some(model, optimizer, steps: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randint(0, 11, (4, 5), generator=g)
+        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 11), x.reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+
+
+def _state(update: int) -> dict:
+    return {"update": update, "epoch": 0, "batch_in_epoch": update, "torch_rng_state": [1, 2, 3]}
+
+
+def test_save_resume_gives_identical_continuation(tmp_path):
+    torch.manual_seed(0)
+    model = TiedLM()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, betas=(0.9, 0.98))
+    _train_some(model, opt, 3)
+    ck.save_checkpoint(tmp_path, model, opt, _state(3), is_best=True, keep_last=5)
+    _train_some(model, opt, 4, seed=1)
+
+    torch.manual_seed(123)
+    again = TiedLM()
+    opt2 = torch.optim.Adam(again.parameters(), lr=1e-2, betas=(0.9, 0.98))
+    state = ck.latest_trainer_state(tmp_path)
+    assert state["update"] == 3 and state["checkpoint"] == "checkpoints/update-00000003.safetensors"
+    ck.load_checkpoint(tmp_path, state, again, opt2)
+    assert again.out.weight is again.embed.weight  # tying survives loading
+    _train_some(again, opt2, 4, seed=1)
+    for a, b in zip(model.state_dict().values(), again.state_dict().values()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_optimizer_tensors_have_stable_names(tmp_path):
+    model = TiedLM()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _train_some(model, opt, 1)
+    ck.save_checkpoint(tmp_path, model, opt, _state(1), is_best=False, keep_last=2)
+    tensors = load_file(str(ck.optimizer_path(tmp_path, 1)))
+    assert set(tensors) == {
+        f"{p}.{k}" for p in ("embed.weight", "hidden.weight", "hidden.bias") for k in ("exp_avg", "exp_avg_sq", "step")
+    }
+    assert not (tmp_path / "best.safetensors").exists()
+
+
+def test_keep_last_prunes_and_trainer_state_is_written_last(tmp_path):
+    model = TiedLM()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for u in (1, 2, 3, 4):
+        _train_some(model, opt, 1, seed=u)
+        ck.save_checkpoint(tmp_path, model, opt, _state(u), is_best=(u == 2), keep_last=2)
+    assert ck.complete_checkpoints(tmp_path) == [3, 4]
+    names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert names == [
+        "optimizer-00000003.safetensors", "optimizer-00000004.safetensors",
+        "update-00000003.json", "update-00000003.safetensors", "update-00000004.json", "update-00000004.safetensors",
+    ]
+    assert json.loads((tmp_path / "trainer_state.json").read_text())["update"] == 4
+    assert load_file(str(tmp_path / "best.safetensors")).keys() == load_file(str(ck.weights_path(tmp_path, 2 + 2))).keys()
+    # No temp files left behind by the atomic writes.
+    assert not [p for p in tmp_path.rglob(".*.tmp")]
+
+
+def test_half_written_checkpoint_is_ignored(tmp_path):
+    model = TiedLM()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    _train_some(model, opt, 1)
+    ck.save_checkpoint(tmp_path, model, opt, _state(1), is_best=False, keep_last=5)
+    # A kill after the weights of update 2 but before its JSON and trainer_state.json.
+    ck.save_weights(model, ck.weights_path(tmp_path, 2))
+    assert ck.complete_checkpoints(tmp_path) == [1]
+    assert ck.latest_trainer_state(tmp_path)["update"] == 1
+    # trainer_state.json missing entirely: fall back to the newest complete checkpoint's own JSON.
+    (tmp_path / "trainer_state.json").unlink()
+    assert ck.latest_trainer_state(tmp_path)["update"] == 1
+
+
+def test_average_is_the_mean_and_is_reused(tmp_path):
+    model = TiedLM()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    saved = []
+    for u in (1, 2, 3):
+        _train_some(model, opt, 1, seed=u)
+        ck.save_checkpoint(tmp_path, model, opt, _state(u), is_best=False, keep_last=5)
+        saved.append({k: v.clone() for k, v in load_file(str(ck.weights_path(tmp_path, u))).items()})
+    out = ck.average_checkpoints(tmp_path, last=2)
+    assert out == tmp_path / "average-last2.safetensors"
+    averaged = load_file(str(out))
+    for name in averaged:
+        torch.testing.assert_close(averaged[name], (saved[1][name] + saved[2][name]) / 2)
+    mtime = out.stat().st_mtime_ns
+    assert ck.average_checkpoints(tmp_path, last=2) == out and out.stat().st_mtime_ns == mtime
+    fresh = TiedLM()
+    ck.load_weights(fresh, out)
+    torch.testing.assert_close(fresh.embed.weight, averaged["embed.weight"])
+
+
+def test_errors_are_user_errors(tmp_path):
+    with pytest.raises(UserError, match="no complete checkpoints"):
+        ck.average_checkpoints(tmp_path)
+    (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(UserError, match="corrupt"):
+        ck.load_weights(TiedLM(), tmp_path / "bad.safetensors")
+    other = torch.nn.Linear(3, 3)
+    ck.save_weights(other, tmp_path / "other.safetensors")
+    with pytest.raises(UserError, match="do not fit"):
+        ck.load_weights(TiedLM(), tmp_path / "other.safetensors")
