@@ -1,1 +1,31 @@
-"""(placeholder: filled in by its stage)"""
+"""Stage one: run a frozen pretrained LM once over a corpus and cache its hidden states.
+
+    from prlmfuse.cache_features import build_cache, CacheReader
+    result = build_cache("minilm-l6", "corpus/train.src", "caches/minilm-train", layers="-2")
+    reader = CacheReader(result.path)
+    reader.features(0)   # float32 [n_layers, T_0, d]
+    reader.pooled(0)     # float32 [n_pooled_layers, 2, d]  (first token, mean) of layers 0..highest
+
+Modules: extract (tokenize, middle cut, plan, forward through a truncated model view), storage
+(HDF5 / Zarr v3 shards, dtype codecs, checksums), manifest (cache key, manifest, verify/inspect),
+builder (build_cache: locking, resume, background writer, torchrun), reader (CacheReader).
+"""
+
+from .builder import CacheResult, build_cache
+from .extract import has_fast_bf16, parse_layers
+from .manifest import cache_key, inspect_cache, verify_cache
+from .reader import CacheReader
+from .storage import BACKENDS, STORAGE_DTYPES
+
+__all__ = [
+    "BACKENDS",
+    "STORAGE_DTYPES",
+    "CacheReader",
+    "CacheResult",
+    "build_cache",
+    "cache_key",
+    "has_fast_bf16",
+    "inspect_cache",
+    "parse_layers",
+    "verify_cache",
+]

@@ -1,0 +1,210 @@
+"""The cache key, the manifest, and the checks that a cache on disk is what its manifest says."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+
+import numpy as np
+
+import prlmfuse
+from prlmfuse.errors import UserError
+from prlmfuse.fileio import sha256_file
+
+from .extract import LayerSelection, parse_layers
+from .storage import (
+    BACKENDS,
+    STORAGE_DTYPES,
+    Location,
+    ShardChecksum,
+    ShardHandle,
+    check_dtype,
+    pooled_storage_dtype,
+    token_numpy_dtype,
+)
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+BUILD_RECORD = "build.json"  # written when a build starts: lets a rerun resume or refuse a different key
+SHARD_DIR = "shards"
+PROGRESS_DIR = "progress"  # one record per complete shard, written after the shard itself
+_SHARD_NAME = re.compile(r"^shard-\d{5}\.(zarr|h5)$")
+HEAD_FRACTION = "1/4"  # extract.middle_cut keeps max_length // 4 head tokens
+
+
+def cache_key(checkpoint_info, corpus_file, layers, dtype, *, autocast: bool | None = None) -> dict:
+    """The fields that decide a cache's content; `key_hash(fields)` is the cache's key.
+
+    `autocast=None` means the default for this machine (bf16 where the CPU has fast bf16), so
+    a cache built by default on an AMX machine and one built on a machine without it differ.
+    """
+    from .extract import has_fast_bf16
+
+    check_dtype(dtype)
+    selection = layers if isinstance(layers, LayerSelection) else parse_layers(layers, checkpoint_info.num_layers)
+    if autocast is None:
+        autocast = has_fast_bf16()
+    corpus_sha = corpus_file if _looks_like_sha(corpus_file) else sha256_file(corpus_file)
+    return {
+        "format": FORMAT_VERSION,
+        "checkpoint": str(checkpoint_info.name),
+        "checkpoint_identity": checkpoint_info.identity,
+        "family": checkpoint_info.family,
+        "num_layers": int(checkpoint_info.num_layers),
+        "hidden_size": int(checkpoint_info.hidden_size),
+        "layers": list(selection.token_layers),
+        "pooled_layers": list(selection.pooled_layers),
+        "dtype": dtype,
+        "autocast": "bfloat16" if autocast else "off",
+        "truncation": {"max_length": int(checkpoint_info.max_length), "mode": "middle", "head": HEAD_FRACTION},
+        "corpus_sha256": corpus_sha,
+        "prlmfuse_version": prlmfuse.__version__,
+    }
+
+
+def _looks_like_sha(value) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def key_hash(fields: dict) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def shard_name(index: int, suffix: str) -> str:
+    return f"shard-{index:05d}{suffix}"
+
+
+def check_shard_name(name: str, where: str) -> str:
+    """Names come from a JSON file: they must be a plain shard name, never a path out of the cache."""
+    if not isinstance(name, str) or not _SHARD_NAME.match(name) or os.path.basename(name) != name:
+        raise UserError(f"{where}: invalid shard name {name!r}; the manifest is corrupt or hostile, rebuild the cache")
+    return name
+
+
+def read_json_at(location: Location, name: str, what: str) -> dict:
+    try:
+        data = location.read_bytes(name)
+    except (FileNotFoundError, IsADirectoryError):
+        raise UserError(f"{what} not found: {location.full(name)}; build the cache first (prlmfuse cache build)") from None
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{what} {location.full(name)} is truncated or corrupt ({e.msg if hasattr(e, 'msg') else e}); "
+                        "rebuild with --force") from None
+    if not isinstance(obj, dict):
+        raise UserError(f"{what} {location.full(name)} is not a JSON object; rebuild with --force")
+    return obj
+
+
+def write_json_at(location: Location, name: str, obj: dict) -> None:
+    location.write_bytes(name, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+
+
+def load_manifest(path_or_url) -> tuple[Location, dict]:
+    """Read and structurally validate manifest.json (complete, shard names safe, counts consistent)."""
+    location = path_or_url if isinstance(path_or_url, Location) else Location(path_or_url)
+    where = location.full(MANIFEST)
+    manifest = read_json_at(location, MANIFEST, "cache manifest")
+    required = ("key", "key_fields", "num_sentences", "num_tokens", "layers", "pooled_layers", "hidden_size",
+                "dtype", "backend", "shards", "complete")
+    missing = [k for k in required if k not in manifest]
+    if missing:
+        raise UserError(f"{where}: manifest lacks {', '.join(missing)}; rebuild the cache with --force")
+    if manifest["complete"] is not True:
+        raise UserError(f"{where}: cache is incomplete; rerun the build to finish it")
+    if manifest["dtype"] not in STORAGE_DTYPES or manifest["backend"] not in BACKENDS:
+        raise UserError(f"{where}: unknown dtype/backend {manifest['dtype']}/{manifest['backend']}; rebuild the cache")
+    if key_hash(manifest["key_fields"]) != manifest["key"]:
+        raise UserError(f"{where}: key does not match its key_fields (edited by hand?); rebuild with --force")
+    for shard in manifest["shards"]:
+        check_shard_name(shard.get("name"), where)
+    if sum(s["num_sentences"] for s in manifest["shards"]) != manifest["num_sentences"]:
+        raise UserError(f"{where}: shard sentence counts do not add up to num_sentences; rebuild with --force")
+    return location, manifest
+
+
+def expected_arrays(manifest: dict, shard: dict) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Array names, shapes and dtypes a shard must hold (used by verify and the reader)."""
+    d = manifest["hidden_size"]
+    n, s = shard["num_tokens"], shard["num_sentences"]
+    dtype = manifest["dtype"]
+    arrays = {
+        "sentence_ids": ((s,), np.dtype(np.int64)),
+        "offsets": ((s + 1,), np.dtype(np.int64)),
+        "pooled": ((s, len(manifest["pooled_layers"]), 2, d), token_numpy_dtype(pooled_storage_dtype(dtype))),
+    }
+    for layer in manifest["layers"]:
+        arrays[f"layer_{layer:03d}"] = ((n, d), token_numpy_dtype(dtype))
+        if dtype == "int8":
+            arrays[f"scale_{layer:03d}"] = ((n,), np.dtype(np.float32))
+    return arrays
+
+
+def verify_cache(path) -> None:
+    """Re-hash every shard against the manifest; a missing, truncated or altered shard is a UserError naming it."""
+    location, manifest = load_manifest(path)
+    block_rows = 1 << 16
+    for shard in manifest["shards"]:
+        name = shard["name"]
+        rel = f"{SHARD_DIR}/{name}"
+        if not location.exists(rel):
+            raise UserError(f"cache {location}: shard {name} is missing; rebuild with --force")
+        arrays = expected_arrays(manifest, shard)
+        try:
+            handle = ShardHandle(location, manifest["backend"], rel)
+        except Exception as e:  # noqa: BLE001 - any open failure means the shard file is damaged
+            raise UserError(f"cache {location}: shard {name} cannot be opened ({type(e).__name__}: {e}); "
+                            "rebuild with --force") from None
+        try:
+            checksum = ShardChecksum(arrays)
+            for array, (shape, dtype) in arrays.items():
+                if array not in handle.arrays or handle.shape(array) != tuple(shape) or handle.dtype(array) != dtype:
+                    raise UserError(f"cache {location}: shard {name} array {array} is missing or has the wrong "
+                                    "shape/dtype; rebuild with --force")
+                for start in range(0, max(shape[0], 1), block_rows):
+                    checksum.update(array, handle.read(array, start, min(start + block_rows, shape[0])))
+        except UserError:
+            raise
+        except Exception as e:  # noqa: BLE001 - unreadable chunk = damaged shard
+            raise UserError(f"cache {location}: shard {name} is unreadable ({type(e).__name__}: {e}); "
+                            "rebuild with --force") from None
+        finally:
+            handle.close()
+        if checksum.hexdigest() != shard["sha256"]:
+            raise UserError(f"cache {location}: shard {name} fails its sha256 check (corrupt); rebuild with --force")
+
+
+def inspect_cache(path) -> dict:
+    """Key, counts and sizes of a complete cache (no re-hashing; see verify_cache)."""
+    location, manifest = load_manifest(path)
+    shard_bytes = sum(location.size(f"{SHARD_DIR}/{s['name']}") for s in manifest["shards"])
+    tokens = max(int(manifest["num_tokens"]), 1)
+    n_layers = len(manifest["layers"])
+    d = manifest["hidden_size"]
+    pooled_dtype = token_numpy_dtype(pooled_storage_dtype(manifest["dtype"]))
+    pooled_bytes = int(manifest["num_sentences"]) * len(manifest["pooled_layers"]) * 2 * d * pooled_dtype.itemsize
+    return {
+        "path": str(location),
+        "key": manifest["key"],
+        "key_fields": manifest["key_fields"],
+        "backend": manifest["backend"],
+        "dtype": manifest["dtype"],
+        "layers": manifest["layers"],
+        "pooled_layers": manifest["pooled_layers"],
+        "hidden_size": d,
+        "num_sentences": manifest["num_sentences"],
+        "num_tokens": manifest["num_tokens"],
+        "num_shards": len(manifest["shards"]),
+        "truncated_sentences": manifest.get("truncated_sentences", 0),
+        "truncated_tokens": manifest.get("truncated_tokens", 0),
+        "size_on_disk": location.size(),
+        "shard_bytes": shard_bytes,
+        "pooled_bytes": pooled_bytes,
+        # measured on disk: shard bytes except the pooled vectors (token features, int8 scales, ids,
+        # offsets, metadata) per token and stored layer -- the number to compare with d
+        "bytes_per_token": (shard_bytes - pooled_bytes) / tokens / max(n_layers, 1),
+        # everything on disk (pooled vectors, ids, metadata) divided by tokens
+        "bytes_per_token_total": location.size() / tokens,
+    }

@@ -1,0 +1,145 @@
+"""CacheReader: random access to cached features by sentence index, for stage two.
+
+The sentence -> (shard, row range) index is plain numpy, built once; HDF5/Zarr handles are opened
+lazily and per process (a pid check drops handles inherited through fork), so one reader can be
+handed to DataLoader workers.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from prlmfuse.errors import UserError
+
+from .manifest import SHARD_DIR, expected_arrays, load_manifest
+from .storage import Location, ShardHandle, decode
+
+
+class CacheReader:
+    def __init__(self, path_or_url, *, in_memory: bool = False):
+        self.location, self.manifest = load_manifest(Location(path_or_url))
+        m = self.manifest
+        self.path = str(path_or_url)
+        self.key: str = m["key"]
+        self.layers: list[int] = list(m["layers"])
+        self.pooled_layers: list[int] = list(m["pooled_layers"])
+        self.hidden_size: int = int(m["hidden_size"])
+        self.num_sentences: int = int(m["num_sentences"])
+        self.dtype: str = m["dtype"]
+        self.pooled_dtype: str = m.get("pooled_dtype", "float16" if self.dtype == "int8" else self.dtype)
+        self.backend: str = m["backend"]
+        self.in_memory = in_memory
+        self._shard_names = [s["name"] for s in m["shards"]]
+        self._handles: dict[int, ShardHandle] = {}
+        self._memory: dict[int, dict[str, np.ndarray]] = {}
+        self._pid = os.getpid()
+        self._build_index()
+
+    # -- index ---------------------------------------------------------------------------------
+
+    def _build_index(self) -> None:
+        n = self.num_sentences
+        self._shard_of = np.full(n, -1, dtype=np.int32)
+        self._row_of = np.zeros(n, dtype=np.int64)  # row of the sentence inside its shard
+        self._token_start = np.zeros(n, dtype=np.int64)
+        self.lengths = np.zeros(n, dtype=np.int64)
+        for s, shard in enumerate(self.manifest["shards"]):
+            handle = self._open(s)
+            expected = expected_arrays(self.manifest, shard)
+            for array, (shape, _dtype) in expected.items():
+                if array not in handle.arrays or handle.shape(array) != tuple(shape):
+                    raise UserError(f"cache {self.location}: shard {shard['name']} array {array} is missing or "
+                                    "has the wrong shape; run `prlmfuse cache verify` and rebuild with --force")
+            ids = handle.read("sentence_ids")
+            offsets = handle.read("offsets")
+            if ids.size and (ids.min() < 0 or ids.max() >= n):
+                raise UserError(f"cache {self.location}: shard {shard['name']} has sentence ids outside 0..{n - 1}; "
+                                "rebuild with --force")
+            self._shard_of[ids] = s
+            self._row_of[ids] = np.arange(len(ids))
+            self._token_start[ids] = offsets[:-1]
+            self.lengths[ids] = np.diff(offsets)
+            if self.in_memory:
+                self._memory[s] = {name: handle.read(name) for name in handle.names()}
+        if n and (self._shard_of < 0).any():
+            missing = int(np.flatnonzero(self._shard_of < 0)[0])
+            raise UserError(f"cache {self.location}: sentence {missing} is in no shard; rebuild with --force")
+        # handles opened for the index are dropped: the process that reads may be a forked worker
+        self._close_handles()
+
+    # -- handles -------------------------------------------------------------------------------
+
+    def _open(self, s: int) -> ShardHandle:
+        if self._pid != os.getpid():
+            # inherited through fork: the parent's HDF5/Zarr state must not be touched here
+            self._handles = {}
+            self._pid = os.getpid()
+        handle = self._handles.get(s)
+        if handle is None:
+            handle = ShardHandle(self.location, self.backend, f"{SHARD_DIR}/{self._shard_names[s]}")
+            self._handles[s] = handle
+        return handle
+
+    def _close_handles(self) -> None:
+        if self._pid == os.getpid():
+            for handle in self._handles.values():
+                handle.close()
+        self._handles = {}
+
+    def close(self) -> None:
+        self._close_handles()
+
+    def __getstate__(self):
+        # spawn/forkserver workers receive the index, never open handles
+        state = self.__dict__.copy()
+        state["_handles"] = {}
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._pid = os.getpid()
+
+    def __del__(self):
+        try:
+            self._close_handles()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # -- access --------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.num_sentences
+
+    def _check_index(self, i: int) -> int:
+        i = int(i)
+        if not 0 <= i < self.num_sentences:
+            raise IndexError(f"sentence {i} out of range 0..{self.num_sentences - 1} in cache {self.location}")
+        return i
+
+    def _read(self, s: int, name: str, start: int, stop: int) -> np.ndarray:
+        if self.in_memory:
+            return self._memory[s][name][start:stop]
+        return self._open(s).read(name, start, stop)
+
+    def features(self, i: int) -> torch.Tensor:
+        """float32 [n_layers, T_i, d]: the stored layers' token features of sentence i."""
+        i = self._check_index(i)
+        s = int(self._shard_of[i])
+        start = int(self._token_start[i])
+        stop = start + int(self.lengths[i])
+        out = []
+        for layer in self.layers:
+            values = self._read(s, f"layer_{layer:03d}", start, stop)
+            scales = self._read(s, f"scale_{layer:03d}", start, stop) if self.dtype == "int8" else None
+            out.append(decode(values, scales, self.dtype))
+        return torch.stack(out)
+
+    def pooled(self, i: int) -> torch.Tensor:
+        """float32 [n_pooled_layers, 2, d]: [:, 0] first-token vector, [:, 1] mean over real tokens."""
+        i = self._check_index(i)
+        s = int(self._shard_of[i])
+        row = int(self._row_of[i])
+        return decode(self._read(s, "pooled", row, row + 1)[0], None, self.pooled_dtype)

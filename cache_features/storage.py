@@ -1,0 +1,407 @@
+"""Shard storage: HDF5 (local) and Zarr v3 (local or any fsspec URL) behind one small interface.
+
+A shard holds, for a run of sentences in plan order:
+  sentence_ids  int64 [S]          global line numbers
+  offsets       int64 [S + 1]      token rows of sentence j are offsets[j]:offsets[j+1]
+  layer_NNN     [N, d]             token features of hidden_states[NNN] (stored dtype)
+  scale_NNN     float32 [N]        per-token absmax / 127, int8 only
+  pooled        [S, P, 2, d]       first-token and mean vectors of layers 0..P-1
+Arrays are written sequentially (rows in order), so a shard's size in memory is one batch, not the shard.
+The checksum is sha256 over each array's raw bytes (plus its name, dtype and shape): the same for
+both backends, so `verify_cache` never depends on how a backend lays bytes on disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from prlmfuse.errors import UserError
+
+STORAGE_DTYPES = ("float16", "bfloat16", "float32", "int8")
+BACKENDS = ("zarr", "hdf5")
+CHUNK_BYTES = 256 * 1024  # zarr chunk target: a random sentence read touches one or two small files
+
+
+# ----------------------------------------------------------------------------- dtype codecs
+
+
+def check_dtype(dtype: str) -> str:
+    if dtype not in STORAGE_DTYPES:
+        raise UserError(f"unknown dtype {dtype!r}; valid: {', '.join(STORAGE_DTYPES)}")
+    return dtype
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise UserError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    return backend
+
+
+def token_numpy_dtype(dtype: str) -> np.dtype:
+    return np.dtype({"float16": np.float16, "bfloat16": np.uint16, "float32": np.float32, "int8": np.int8}[dtype])
+
+
+def pooled_storage_dtype(dtype: str) -> str:
+    # pooled vectors are few; int8 caches keep them in float16 rather than quantizing them too
+    return "float16" if dtype == "int8" else dtype
+
+
+def token_bytes_per_row(dtype: str, hidden_size: int) -> int:
+    return hidden_size * token_numpy_dtype(dtype).itemsize + (4 if dtype == "int8" else 0)
+
+
+def encode(x: torch.Tensor, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """float32 [..., d] -> (stored values, per-row float32 scales for int8 else None)."""
+    if dtype == "float32":
+        return x.float().contiguous().numpy(), None
+    if dtype == "float16":
+        return x.to(torch.float16).contiguous().numpy(), None
+    if dtype == "bfloat16":
+        return x.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16), None
+    if dtype == "int8":
+        scale = x.abs().amax(dim=-1, keepdim=True) / 127.0
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        q = torch.round(x / safe).clamp_(-127, 127).to(torch.int8)
+        return q.contiguous().numpy(), scale.squeeze(-1).float().contiguous().numpy()
+    raise UserError(f"unknown dtype {dtype!r}; valid: {', '.join(STORAGE_DTYPES)}")
+
+
+def decode(values: np.ndarray, scales: np.ndarray | None, dtype: str) -> torch.Tensor:
+    """Inverse of `encode`, always float32."""
+    if dtype == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(values).view(np.int16)).view(torch.bfloat16).float()
+    t = torch.from_numpy(np.ascontiguousarray(values)).float()
+    if dtype == "int8":
+        t.mul_(torch.from_numpy(np.ascontiguousarray(scales)).float().unsqueeze(-1))
+    return t
+
+
+# ----------------------------------------------------------------------------- locations
+
+
+def is_url(path_or_url: str | os.PathLike) -> bool:
+    return "://" in str(path_or_url)
+
+
+class Location:
+    """A cache directory: a local path or an fsspec URL. Files are addressed by relative names."""
+
+    def __init__(self, path_or_url: str | os.PathLike):
+        self.raw = str(path_or_url)
+        self.url = is_url(self.raw)
+        if self.url:
+            import fsspec.core
+
+            self.fs, root = fsspec.core.url_to_fs(self.raw)
+            self.root = root.rstrip("/")
+        else:
+            self.path = Path(self.raw)
+
+    def __str__(self) -> str:
+        return self.raw
+
+    def full(self, name: str) -> str:
+        return f"{self.root}/{name}" if self.url else str(self.path / name)
+
+    def url_of(self, name: str) -> str:
+        """What zarr's FsspecStore.from_url receives for a child of this location."""
+        return f"{self.raw.rstrip('/')}/{name}"
+
+    def exists(self, name: str) -> bool:
+        return self.fs.exists(self.full(name)) if self.url else (self.path / name).exists()
+
+    def read_bytes(self, name: str) -> bytes:
+        if self.url:
+            with self.fs.open(self.full(name), "rb") as f:
+                return f.read()
+        return (self.path / name).read_bytes()
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        """Local: temp + fsync + rename. URL: one object put (whole or absent on object stores)."""
+        if self.url:
+            parent = self.full(name).rsplit("/", 1)[0]
+            with contextlib.suppress(Exception):
+                self.fs.makedirs(parent, exist_ok=True)
+            with self.fs.open(self.full(name), "wb") as f:
+                f.write(data)
+        else:
+            from prlmfuse.fileio import atomic_write_bytes
+
+            atomic_write_bytes(self.path / name, data)
+
+    def remove(self, name: str) -> None:
+        if self.url:
+            if self.fs.exists(self.full(name)):
+                self.fs.rm(self.full(name), recursive=True)
+            return
+        target = self.path / name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                target.unlink()
+
+    def listdir(self, name: str = "") -> list[str]:
+        if self.url:
+            base = self.full(name) if name else self.root
+            if not self.fs.exists(base):
+                return []
+            return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(base, detail=False))
+        base = self.path / name if name else self.path
+        return sorted(os.listdir(base)) if base.is_dir() else []
+
+    def size(self, name: str = "") -> int:
+        if self.url:
+            return int(self.fs.du(self.full(name) if name else self.root, total=True))
+        base = self.path / name if name else self.path
+        if base.is_file():
+            return base.stat().st_size
+        return sum(p.stat().st_size for p in base.rglob("*") if p.is_file())
+
+
+# ----------------------------------------------------------------------------- checksum
+
+
+class ShardChecksum:
+    """sha256 over each array's bytes in row order, combined with names, dtypes and shapes."""
+
+    def __init__(self, arrays: dict[str, tuple[tuple[int, ...], np.dtype]]):
+        self.arrays = arrays
+        self.hashers = {name: hashlib.sha256() for name in arrays}
+
+    def update(self, name: str, rows: np.ndarray) -> None:
+        self.hashers[name].update(memoryview(np.ascontiguousarray(rows)).cast("B"))
+
+    def hexdigest(self) -> str:
+        total = hashlib.sha256()
+        for name in sorted(self.arrays):
+            shape, dtype = self.arrays[name]
+            total.update(f"{name}:{np.dtype(dtype).str}:{tuple(shape)}:{self.hashers[name].hexdigest()}\n".encode())
+        return total.hexdigest()
+
+
+# ----------------------------------------------------------------------------- writers
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def row_bytes(self) -> int:
+        return int(np.prod(self.shape[1:], dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+class ShardWriter:
+    """Sequential row appends into a shard of known array shapes; commit() publishes it."""
+
+    def __init__(self, specs: dict[str, ArraySpec]):
+        self.specs = specs
+        self.position = {name: 0 for name in specs}
+        self.checksum = ShardChecksum({n: (s.shape, s.dtype) for n, s in specs.items()})
+
+    def append(self, name: str, rows: np.ndarray) -> None:
+        spec = self.specs[name]
+        rows = np.asarray(rows, dtype=spec.dtype)
+        start = self.position[name]
+        if start + len(rows) > spec.shape[0]:
+            raise RuntimeError(f"shard array {name} overflow: {start}+{len(rows)} > {spec.shape[0]}")
+        self.checksum.update(name, rows)
+        self._write(name, start, rows)
+        self.position[name] = start + len(rows)
+
+    def commit(self) -> str:
+        for name, spec in self.specs.items():
+            if self.position[name] != spec.shape[0]:
+                raise RuntimeError(f"shard array {name} incomplete: {self.position[name]} of {spec.shape[0]} rows")
+        self._finish()
+        return self.checksum.hexdigest()
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def _write(self, name: str, start: int, rows: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        raise NotImplementedError
+
+
+class Hdf5ShardWriter(ShardWriter):
+    """Contiguous datasets in a temp file; fsync + rename on commit (local paths only)."""
+
+    def __init__(self, location: Location, name: str, specs: dict[str, ArraySpec]):
+        import h5py
+
+        super().__init__(specs)
+        self.final = location.path / name
+        self.tmp = self.final.with_name(f".{name}.tmp-{os.getpid()}")
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        self.file = h5py.File(self.tmp, "w", libver="latest")
+        for array, spec in specs.items():
+            # contiguous layout: a sentence read is one exact slice, no chunk over-read
+            self.file.create_dataset(array, shape=spec.shape, dtype=spec.dtype)
+
+    def _write(self, name, start, rows):
+        if len(rows):
+            self.file[name][start : start + len(rows)] = rows
+
+    def _finish(self):
+        self.file.close()
+        with open(self.tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(self.tmp, self.final)
+        _fsync_dir(self.final.parent)
+
+    def abort(self):
+        with contextlib.suppress(Exception):
+            self.file.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.tmp.unlink()
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _chunk_rows(spec: ArraySpec) -> int:
+    return max(1, min(max(spec.shape[0], 1), CHUNK_BYTES // max(spec.row_bytes(), 1)))
+
+
+class ZarrShardWriter(ShardWriter):
+    """A Zarr v3 group, uncompressed. Rows are buffered so every write covers whole chunks
+    (a partial-chunk write would read the chunk back and rewrite it).
+
+    Local: built in a temp directory and renamed on commit. URL: written in place; the caller
+    counts it complete only once its progress record is written after commit().
+    """
+
+    def __init__(self, location: Location, name: str, specs: dict[str, ArraySpec]):
+        import zarr
+
+        super().__init__(specs)
+        self.location, self.name = location, name
+        if location.url:
+            location.remove(name)
+            store = zarr.storage.FsspecStore.from_url(location.url_of(name), read_only=False)
+            self.tmp = None
+        else:
+            self.final = location.path / name
+            self.tmp = self.final.with_name(f".{name}.tmp-{os.getpid()}")
+            if self.tmp.exists():
+                shutil.rmtree(self.tmp)
+            self.final.parent.mkdir(parents=True, exist_ok=True)
+            store = zarr.storage.LocalStore(self.tmp)
+        self.group = zarr.open_group(store, mode="w")
+        self.arrays = {}
+        self.pending: dict[str, list[np.ndarray]] = {}
+        self.flushed = {}
+        for array, spec in specs.items():
+            self.arrays[array] = self.group.create_array(
+                array, shape=spec.shape, dtype=spec.dtype, chunks=(_chunk_rows(spec),) + spec.shape[1:],
+                compressors=None, fill_value=0,
+            )
+            self.pending[array] = []
+            self.flushed[array] = 0
+
+    def _write(self, name, start, rows):
+        self.pending[name].append(rows)
+        self._flush(name, final=False)
+
+    def _flush(self, name: str, *, final: bool) -> None:
+        chunk = self.arrays[name].chunks[0]
+        pending_rows = sum(len(p) for p in self.pending[name])
+        writable = pending_rows if final else (pending_rows // chunk) * chunk
+        if writable == 0:
+            return
+        block = np.concatenate(self.pending[name]) if len(self.pending[name]) > 1 else self.pending[name][0]
+        start = self.flushed[name]
+        self.arrays[name][start : start + writable] = block[:writable]
+        self.flushed[name] = start + writable
+        self.pending[name] = [block[writable:]] if writable < len(block) else []
+
+    def _finish(self):
+        for name in self.arrays:
+            self._flush(name, final=True)
+        if self.tmp is not None:
+            for root, _dirs, files in os.walk(self.tmp):
+                for file in files:
+                    with open(os.path.join(root, file), "rb+") as f:
+                        os.fsync(f.fileno())
+            if self.final.exists():
+                shutil.rmtree(self.final)
+            os.replace(self.tmp, self.final)
+            _fsync_dir(self.final.parent)
+
+    def abort(self):
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def shard_suffix(backend: str) -> str:
+    return {"zarr": ".zarr", "hdf5": ".h5"}[check_backend(backend)]
+
+
+def create_shard(location: Location, backend: str, name: str, specs: dict[str, ArraySpec]) -> ShardWriter:
+    if backend == "hdf5":
+        if location.url:
+            raise UserError(f"the hdf5 backend needs a local directory, got {location}; use --backend zarr for URLs")
+        return Hdf5ShardWriter(location, name, specs)
+    return ZarrShardWriter(location, name, specs)
+
+
+# ----------------------------------------------------------------------------- readers
+
+
+class ShardHandle:
+    """Read access to one complete shard; arrays are sliced along their first axis."""
+
+    def __init__(self, location: Location, backend: str, name: str):
+        self.backend = backend
+        if backend == "hdf5":
+            import h5py
+
+            # rdcc: HDF5's chunk cache is useless for contiguous datasets; keep per-process memory flat
+            self.file = h5py.File(location.path / name, "r", rdcc_nbytes=0)
+            self.arrays = {key: self.file[key] for key in self.file.keys()}
+        else:
+            import zarr
+
+            if location.url:
+                store = zarr.storage.FsspecStore.from_url(location.url_of(name), read_only=True)
+            else:
+                store = zarr.storage.LocalStore(location.path / name, read_only=True)
+            group = zarr.open_group(store, mode="r")
+            self.file = None
+            self.arrays = {key: group[key] for key in group.array_keys()}
+
+    def names(self) -> list[str]:
+        return sorted(self.arrays)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.arrays[name].shape)
+
+    def dtype(self, name: str) -> np.dtype:
+        return np.dtype(self.arrays[name].dtype)
+
+    def read(self, name: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
+        return np.asarray(self.arrays[name][slice(start, stop)])
+
+    def close(self) -> None:
+        if self.file is not None:
+            with contextlib.suppress(Exception):
+                self.file.close()
+        self.arrays = {}
