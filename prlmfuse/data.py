@@ -14,7 +14,6 @@ lists), and the user's own files (`register_text`).
 from __future__ import annotations
 
 import bz2
-import contextlib
 import csv
 import gzip
 import hashlib
@@ -270,7 +269,11 @@ def _install_corpus(
         if replace_existing:
             old = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}.old"
             os.rename(out, old)
-            os.rename(tmp, out)
+            try:
+                os.rename(tmp, out)
+            except BaseException:
+                os.rename(old, out)  # put the previous corpus back rather than leave no corpus
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             try:
