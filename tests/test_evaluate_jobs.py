@@ -1,0 +1,162 @@
+"""Batch-evaluation pieces that need no trained model: run checks, cache-key checks, result files."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+
+from prlmfuse.errors import UserError
+from prlmfuse.evaluate.jobs import (
+    EvaluationResults,
+    RunResult,
+    check_cache_key,
+    open_run,
+    plot_scores,
+    read_dev_curve,
+    results_markdown,
+    run_layer_rows,
+    write_results,
+)
+
+TRAIN_FIELDS = {
+    "format": 1,
+    "checkpoint": "tiny-bert",
+    "checkpoint_identity": "a" * 64,
+    "family": "bert",
+    "num_layers": 2,
+    "hidden_size": 32,
+    "layers": [1],
+    "pooled_layers": [0, 1],
+    "dtype": "float16",
+    "autocast": "off",
+    "truncation": {"max_length": 64, "mode": "middle", "head": "1/4"},
+    "corpus_sha256": "1" * 64,
+    "prlmfuse_version": "0.1.0",
+}
+PRLM = {"checkpoint": "tiny-bert", "identity": "a" * 64, "layers": [1], "layer_mode": "fixed", "dtype": "float16"}
+
+
+def _manifest(**changes):
+    fields = dict(TRAIN_FIELDS, corpus_sha256="2" * 64)
+    fields.update(changes)
+    return {"key": "k", "key_fields": fields, "dtype": fields["dtype"], "complete": True}
+
+
+def test_test_cache_of_same_checkpoint_and_settings_is_accepted():
+    check_cache_key(_manifest(), TRAIN_FIELDS, PRLM, where="test-cache", src_sha256="2" * 64)
+    # More layers than the run trained on is fine: the run's rows are picked out.
+    check_cache_key(_manifest(layers=[0, 1, 2], pooled_layers=[0, 1, 2]), TRAIN_FIELDS, PRLM, where="test-cache")
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"checkpoint_identity": "b" * 64}, "checkpoint_identity"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"truncation": {"max_length": 32, "mode": "middle", "head": "1/4"}}, "truncation"),
+        ({"autocast": "bfloat16"}, "autocast"),
+        ({"layers": [2]}, "layers"),
+    ],
+)
+def test_test_cache_with_different_key_is_refused(change, field):
+    with pytest.raises(UserError, match=field) as info:
+        check_cache_key(_manifest(**change), TRAIN_FIELDS, PRLM, where="test-cache")
+    assert "test-cache" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_stale_test_cache_is_refused():
+    with pytest.raises(UserError, match="another version of the test source"):
+        check_cache_key(_manifest(), TRAIN_FIELDS, PRLM, where="test-cache", src_sha256="3" * 64)
+
+
+def test_without_train_manifest_the_run_record_is_checked():
+    check_cache_key(_manifest(), None, PRLM, where="test-cache")
+    with pytest.raises(UserError, match="checkpoint_identity"):
+        check_cache_key(_manifest(checkpoint_identity="c" * 64), None, PRLM, where="test-cache")
+    with pytest.raises(UserError, match="dtype"):
+        check_cache_key(_manifest(dtype="float32"), None, PRLM, where="test-cache")
+
+
+def test_layer_rows_pick_trained_layers_from_a_superset_cache():
+    rows, pooled = run_layer_rows(PRLM, 2, [0, 1, 2], [0, 1, 2], where="c")
+    assert rows == (1,) and pooled is None
+    dyn = dict(PRLM, layers=[1, 2], layer_mode="dyn_aver")
+    rows, pooled = run_layer_rows(dyn, 3, [0, 1, 2, 3], [0, 1, 2, 3], where="c")
+    assert rows == (1, 2) and pooled == (0, 1, 2)
+    with pytest.raises(UserError, match="trained on"):
+        run_layer_rows(dict(PRLM, layers=[3]), 2, [1, 2], [0, 1, 2], where="c")
+
+
+def test_run_dir_without_checkpoints_is_a_one_line_user_error(tmp_path):
+    run_dir = tmp_path / "run-a"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text(json.dumps({"name": "run-a", "model": {}, "corpus": {}}))
+    with pytest.raises(UserError) as info:
+        open_run(run_dir)
+    message = str(info.value)
+    assert str(run_dir) in message and "train it first" in message and "\n" not in message
+    with pytest.raises(UserError, match="run directory not found"):
+        open_run(tmp_path / "missing")
+
+
+def test_dev_curve_reads_dev_rows_and_skips_torn_lines(tmp_path):
+    rows = [
+        {"update": 50, "loss": 9.0, "lr": 1e-4},
+        {"update": 100, "dev_loss": 7.5, "epoch": 0},
+        {"update": 200, "dev_loss": 6.25, "epoch": 1},
+    ]
+    text = "".join(json.dumps(r) + "\n" for r in rows) + '{"update": 300, "dev_lo'
+    (tmp_path / "metrics.jsonl").write_text(text)
+    assert read_dev_curve(tmp_path) == [(100, 7.5), (200, 6.25)]
+
+
+def _row(run, bleu, prlm="-", **kw):
+    base = dict(
+        run=run, test_set="test", run_dir=f"/runs/{run}", task="translation", prlm=prlm, layer="-2" if prlm != "-" else "-",
+        merge="sum" if prlm != "-" else "-", position="ffn" if prlm != "-" else "-", side="source" if prlm != "-" else "-",
+        num_sentences=10, bleu=bleu, chrf=40.0, rouge1=50.0, rouge2=30.0, rougeL=45.0, sentences_per_s=12.5,
+        tokens_per_s=300.0, decode_seconds=0.8, checkpoints=["update-00000010.safetensors"], hyp_file=f"hyp.{run}.test.txt",
+        reused=False, signature={"bleu": "nrefs:1|case:mixed|eff:no|tok:13a|smooth:exp|version:2.6.0"},
+        ci_low=bleu - 1.5, ci_high=bleu + 1.25,
+    )
+    base.update(kw)
+    return RunResult(**base)
+
+
+def test_result_files_hold_the_table(tmp_path):
+    rows = [
+        _row("baseline", 20.0),
+        _row("minilm", 21.5, prlm="minilm-l6", delta={"bleu": 1.5}, p_value={"bleu": 0.012}),
+    ]
+    results = EvaluationResults(
+        out=tmp_path, baseline="baseline", rows=rows,
+        settings={"beam": 5, "lenpen": 1.0, "average_last": 5, "bootstrap_samples": 1000, "seed": 12345},
+    )
+    write_results(results)
+    plot_scores(results, tmp_path / "scores.png")
+    md = (tmp_path / "results.md").read_text()
+    assert "| run | PrLM | layer | merge | position | side | BLEU (Δ, p) | chrF |" in md
+    assert "| minilm | minilm-l6 | -2 | sum | ffn | source | 21.50 (+1.50, p=0.012) | 40.00 |" in md
+    assert "| baseline | - | - | - | - | - | 20.00 (-) |" in md
+    assert "tok:13a" in md
+    table = list(csv.DictReader((tmp_path / "results.csv").open()))
+    assert [r["run"] for r in table] == ["baseline", "minilm"]
+    assert float(table[1]["bleu_delta"]) == 1.5 and float(table[1]["bleu_p"]) == 0.012
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["baseline"] == "baseline" and data["rows"][1]["p_value"] == {"bleu": 0.012}
+    assert (tmp_path / "scores.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_summarization_table_has_rouge_columns(tmp_path):
+    rows = [_row("base", 10.0, task="summarization", main_metric="rougeL", ci_low=44.0, ci_high=46.0)]
+    results = EvaluationResults(
+        out=tmp_path, baseline=None, rows=rows,
+        settings={"beam": 5, "lenpen": 1.0, "average_last": 5, "bootstrap_samples": 1000, "seed": 12345},
+    )
+    md = results_markdown(results)
+    assert "R-1 | R-2 | R-L (Δ, p)" in md
+    assert "rougeL [44.00, 46.00]" in md
+    assert not math.isnan(rows[0].rougeL)
