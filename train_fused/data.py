@@ -1,0 +1,241 @@
+"""Stage-two data: BPE'd sentence pairs, token-budget batches, PrLM features read from the cache.
+
+The PrLM never runs here. Each batch's features come from `CacheReader.features(i)` (and
+`pooled(i)` for Dyn[CLS]/Dyn[Aver]) inside DataLoader worker processes: the batch sampler runs
+in the main process and hands a whole list of indices to a worker, whose dataset reads and pads
+the features for that list in one `__getitems__` call, while the model trains on earlier batches.
+Readers open lazily in whichever process first touches them (never carried across a fork).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from prlmfuse.cache_features import CacheReader
+from prlmfuse.train_fused.bpe import BOS_ID, EOS_ID, PAD_ID
+from prlmfuse.train_fused.modeling import PrLMFeatures
+
+
+@dataclass(frozen=True)
+class FeatureSource:
+    """Where one PrLM branch's features for one split come from, and which cached rows the run uses."""
+
+    path: str
+    # Rows of CacheReader.features(i) (positions in the cache's `layers`) fed to the model, in order.
+    layer_rows: tuple[int, ...]
+    with_pooled: bool = False  # Dyn[CLS] / Dyn[Aver] also need CacheReader.pooled(i)
+    in_memory: bool = False
+
+
+@dataclass
+class Batch:
+    """One (local) batch: padded token tensors plus one PrLMFeatures per PrLM branch."""
+
+    ids: torch.Tensor  # [B] sentence indices in the split (= cache indices)
+    src_tokens: torch.Tensor  # [B, S] long, source BPE + </s>, right-padded with <pad>
+    tgt_in: torch.Tensor  # [B, T] long, <s> + target BPE
+    tgt_out: torch.Tensor  # [B, T] long, target BPE + </s>
+    prlm: list[PrLMFeatures] = field(default_factory=list)
+    ntokens: int = 0  # real target tokens (the loss normaliser)
+
+    @property
+    def nsentences(self) -> int:
+        return int(self.ids.shape[0])
+
+
+class PairDataset(Dataset):
+    """Aligned BPE pairs of one split; item i is sentence i of the corpus split and of every cache."""
+
+    def __init__(self, src_ids: list[np.ndarray], tgt_ids: list[np.ndarray], sources: list[FeatureSource]):
+        if len(src_ids) != len(tgt_ids):
+            raise ValueError(f"{len(src_ids)} source lines vs {len(tgt_ids)} target lines")
+        self.src_ids = src_ids
+        self.tgt_ids = tgt_ids
+        self.sources = list(sources)
+        self._readers: list[CacheReader] | None = None
+        # +1: </s> on the source, <s> / </s> on the shifted target sides.
+        self.src_lens = np.fromiter((len(s) + 1 for s in src_ids), dtype=np.int64, count=len(src_ids))
+        self.tgt_lens = np.fromiter((len(t) + 1 for t in tgt_ids), dtype=np.int64, count=len(tgt_ids))
+
+    def __len__(self) -> int:
+        return len(self.src_ids)
+
+    def __getstate__(self) -> dict:
+        # Workers get the paths and reopen the caches themselves.
+        state = self.__dict__.copy()
+        state["_readers"] = None
+        return state
+
+    def readers(self) -> list[CacheReader]:
+        if self._readers is None:
+            self._readers = [CacheReader(s.path, in_memory=s.in_memory) for s in self.sources]
+        return self._readers
+
+    def __getitem__(self, index: int) -> Batch:
+        return self.__getitems__([index])
+
+    def __getitems__(self, indices: list[int]) -> Batch:
+        indices = [int(i) for i in indices]
+        bsz = len(indices)
+        src_len = max((int(self.src_lens[i]) for i in indices), default=1)
+        tgt_len = max((int(self.tgt_lens[i]) for i in indices), default=1)
+        src_tokens = torch.full((bsz, src_len), PAD_ID, dtype=torch.long)
+        tgt_in = torch.full((bsz, tgt_len), PAD_ID, dtype=torch.long)
+        tgt_out = torch.full((bsz, tgt_len), PAD_ID, dtype=torch.long)
+        ntokens = 0
+        for row, i in enumerate(indices):
+            src = torch.from_numpy(self.src_ids[i].astype(np.int64))
+            tgt = torch.from_numpy(self.tgt_ids[i].astype(np.int64))
+            src_tokens[row, : len(src)] = src
+            src_tokens[row, len(src)] = EOS_ID
+            tgt_in[row, 0] = BOS_ID
+            tgt_in[row, 1 : len(tgt) + 1] = tgt
+            tgt_out[row, : len(tgt)] = tgt
+            tgt_out[row, len(tgt)] = EOS_ID
+            ntokens += len(tgt) + 1
+        prlm = [self._features(reader, source, indices) for reader, source in zip(self.readers(), self.sources)]
+        return Batch(
+            ids=torch.tensor(indices, dtype=torch.long),
+            src_tokens=src_tokens,
+            tgt_in=tgt_in,
+            tgt_out=tgt_out,
+            prlm=prlm,
+            ntokens=ntokens,
+        )
+
+    @staticmethod
+    def _features(reader: CacheReader, source: FeatureSource, indices: list[int]) -> PrLMFeatures:
+        rows = list(source.layer_rows)
+        per_sentence = [reader.features(i) for i in indices]  # [n_cached_layers, T_i, d] each
+        width = int(reader.hidden_size)
+        max_len = max((f.shape[1] for f in per_sentence), default=1)
+        max_len = max(max_len, 1)
+        states = torch.zeros(len(indices), len(rows), max_len, width, dtype=torch.float32)
+        mask = torch.zeros(len(indices), max_len, dtype=torch.bool)
+        for b, f in enumerate(per_sentence):
+            n = f.shape[1]
+            selected = f if rows == list(range(f.shape[0])) else f[rows]
+            states[b, :, :n] = selected
+            mask[b, :n] = True
+        pooled = None
+        if source.with_pooled:
+            pooled = torch.stack([reader.pooled(i) for i in indices]) if indices else torch.zeros(
+                0, len(reader.pooled_layers), 2, width
+            )
+            pooled = pooled.to(torch.float32)
+        return PrLMFeatures(states=states, mask=mask, pooled=pooled)
+
+
+class TokenBudgetBatchSampler:
+    """Length-bucketed batches under a padded token budget; a seeded new batch order every epoch.
+
+    Batches are formed once (sentences sorted by length, so each batch pads little), then
+    shuffled per epoch with `seed + epoch`: the same epoch always yields the same order, which
+    is what lets a resumed run continue at `start` inside it. Under DDP every rank builds the
+    same global batches and keeps its own contiguous slice of each.
+    """
+
+    def __init__(
+        self,
+        src_lens: np.ndarray,
+        tgt_lens: np.ndarray,
+        max_tokens: int,
+        *,
+        indices: np.ndarray | None = None,
+        shuffle: bool = True,
+        seed: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        self.max_tokens = int(max_tokens)
+        self.shuffle = shuffle
+        self.seed = int(seed)
+        self.rank = rank
+        self.world_size = world_size
+        self.epoch = 0
+        self.start = 0
+        self.batches = self.build_batches(src_lens, tgt_lens, max_tokens, indices=indices, seed=seed)
+
+    @staticmethod
+    def build_batches(
+        src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, *, indices: np.ndarray | None = None, seed: int = 1
+    ) -> list[list[int]]:
+        if indices is None:
+            indices = np.arange(len(src_lens))
+        sizes = np.maximum(src_lens, tgt_lens)
+        # Random tie-breaking, then a stable sort by target then source length (fairseq's ordering).
+        order = np.random.RandomState(seed).permutation(indices)
+        order = order[np.argsort(src_lens[order], kind="stable")]
+        order = order[np.argsort(tgt_lens[order], kind="stable")]
+        batches: list[list[int]] = []
+        current: list[int] = []
+        longest = 0
+        for i in order.tolist():
+            size = int(sizes[i])
+            if current and (len(current) + 1) * max(longest, size) > max_tokens:
+                batches.append(current)
+                current, longest = [], 0
+            current.append(i)
+            longest = max(longest, size)
+        if current:
+            batches.append(current)
+        return batches
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Epoch (0-based) whose order to yield next, skipping its first `start` batches."""
+        self.epoch = int(epoch)
+        self.start = int(start)
+
+    def epoch_order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.batches)))
+        rng = np.random.RandomState((self.seed * 1_000_003 + epoch) % 2**32)
+        return rng.permutation(len(self.batches)).tolist()
+
+    def local_slice(self, batch: list[int]) -> list[int]:
+        n = len(batch)
+        lo = self.rank * n // self.world_size
+        hi = (self.rank + 1) * n // self.world_size
+        return batch[lo:hi]
+
+    def __iter__(self):
+        for b in self.epoch_order(self.epoch)[self.start :]:
+            yield self.local_slice(self.batches[b])
+
+    def __len__(self) -> int:
+        return max(0, len(self.batches) - self.start)
+
+
+def _keep_batch(batch: Batch) -> Batch:
+    # __getitems__ already built the whole batch; the default collate would try to re-collate it.
+    return batch
+
+
+def make_loader(
+    dataset: PairDataset, batch_sampler: TokenBudgetBatchSampler, *, num_workers: int, prefetch_factor: int = 4
+) -> DataLoader:
+    """DataLoader over whole batches; workers (forkserver) read and pad the features ahead of the model."""
+    # A private generator: creating a loader iterator must not advance the global torch RNG
+    # (dropout), or a resumed run would drift from an uninterrupted one.
+    generator = torch.Generator().manual_seed(0)
+    if num_workers <= 0:
+        return DataLoader(
+            dataset, batch_sampler=batch_sampler, collate_fn=_keep_batch, num_workers=0, generator=generator
+        )
+    methods = multiprocessing.get_all_start_methods()
+    context = "forkserver" if "forkserver" in methods else "spawn"
+    return DataLoader(
+        dataset,
+        batch_sampler=batch_sampler,
+        collate_fn=_keep_batch,
+        num_workers=num_workers,
+        multiprocessing_context=context,
+        persistent_workers=True,
+        prefetch_factor=prefetch_factor,
+        generator=generator,
+    )
