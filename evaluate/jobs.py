@@ -585,6 +585,12 @@ def evaluate_runs(
     dupes = sorted({n for n in names if names.count(n) > 1})
     if dupes:
         raise UserError(f"run name {dupes[0]!r} appears twice among the run directories; evaluate each run once")
+    safe = [_safe_name(n) for n in names]
+    clash = sorted({n for n, sn in zip(names, safe) if safe.count(sn) > 1})
+    if clash:
+        raise UserError(
+            f"runs {', '.join(repr(n) for n in clash)} would share hypothesis file names in {out}; rename one of them"
+        )
     if beam < 1:
         raise UserError(f"beam must be >= 1, got {beam}")
     if batch_tokens < 1:
