@@ -115,6 +115,14 @@ class Location:
         """What zarr's FsspecStore.from_url receives for a child of this location."""
         return f"{self.raw.rstrip('/')}/{name}"
 
+    def zarr_store(self, name: str, *, read_only: bool):
+        import zarr
+
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        # fsspec's local filesystem does not create parent directories of chunk files by itself
+        options = {"auto_mkdir": True} if protocol in ("file", "local") and not read_only else None
+        return zarr.storage.FsspecStore.from_url(self.url_of(name), storage_options=options, read_only=read_only)
+
     def exists(self, name: str) -> bool:
         return self.fs.exists(self.full(name)) if self.url else (self.path / name).exists()
 
@@ -243,7 +251,7 @@ class Hdf5ShardWriter(ShardWriter):
 
         super().__init__(specs)
         self.final = location.path / name
-        self.tmp = self.final.with_name(f".{name}.tmp-{os.getpid()}")
+        self.tmp = self.final.with_name(f".{self.final.name}.tmp-{os.getpid()}")
         self.final.parent.mkdir(parents=True, exist_ok=True)
         self.file = h5py.File(self.tmp, "w", libver="latest")
         for array, spec in specs.items():
@@ -296,11 +304,11 @@ class ZarrShardWriter(ShardWriter):
         self.location, self.name = location, name
         if location.url:
             location.remove(name)
-            store = zarr.storage.FsspecStore.from_url(location.url_of(name), read_only=False)
+            store = location.zarr_store(name, read_only=False)
             self.tmp = None
         else:
             self.final = location.path / name
-            self.tmp = self.final.with_name(f".{name}.tmp-{os.getpid()}")
+            self.tmp = self.final.with_name(f".{self.final.name}.tmp-{os.getpid()}")
             if self.tmp.exists():
                 shutil.rmtree(self.tmp)
             self.final.parent.mkdir(parents=True, exist_ok=True)
@@ -381,7 +389,7 @@ class ShardHandle:
             import zarr
 
             if location.url:
-                store = zarr.storage.FsspecStore.from_url(location.url_of(name), read_only=True)
+                store = location.zarr_store(name, read_only=True)
             else:
                 store = zarr.storage.LocalStore(location.path / name, read_only=True)
             group = zarr.open_group(store, mode="r")

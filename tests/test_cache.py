@@ -1,0 +1,398 @@
+"""Stage one, the feature cache: extraction semantics, storage round trips, keys, errors, verify."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from prlmfuse.cache_features import (
+    CacheReader,
+    build_cache,
+    cache_key,
+    inspect_cache,
+    parse_layers,
+    verify_cache,
+)
+from prlmfuse.cache_features.extract import (
+    FeatureExtractor,
+    collate,
+    encode_corpus,
+    middle_cut,
+    pad_token_id,
+    plan_batches,
+)
+from prlmfuse.errors import UserError
+
+_support_spec = importlib.util.spec_from_file_location(
+    "test_cache_support", Path(__file__).with_name("test_cache_support.py")
+)
+support = importlib.util.module_from_spec(_support_spec)
+_support_spec.loader.exec_module(support)
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """family -> directory of a saved tiny random-weight checkpoint (built once per module)."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {family: support.build_tiny(family, root / family) for family in support.FAMILIES}
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    return support.write_corpus(tmp_path / "train.src", support.SENTENCES * 3)
+
+
+def _load(path):
+    from transformers import AutoModel, AutoTokenizer
+
+    return AutoModel.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def _reference(path, lines, layer, max_length):
+    """Per-sentence fp32 features from a plain full forward, one sentence at a time."""
+    model, tokenizer = _load(path)
+    encoded = encode_corpus(tokenizer, lines, max_length=max_length)
+    out = []
+    with torch.inference_mode():
+        for i in range(encoded.num_sentences):
+            ids = torch.from_numpy(encoded.ids(i).astype(np.int64))[None]
+            hidden = model(input_ids=ids, attention_mask=torch.ones_like(ids), output_hidden_states=True).hidden_states
+            out.append(hidden[layer][0])
+    return out
+
+
+# ----------------------------------------------------------------------------- pure pieces
+
+
+def test_parse_layers_forms_and_range():
+    assert parse_layers("-2", 6).token_layers == (5,)
+    assert parse_layers("-2,-3", 6).token_layers == (4, 5)
+    assert parse_layers("all", 2).token_layers == (0, 1, 2)
+    assert parse_layers([3, -1, 6], 6).token_layers == (3, 6)
+    assert parse_layers("-2", 6).pooled_layers == (0, 1, 2, 3, 4, 5)
+    with pytest.raises(UserError, match=r"valid range is -7\.\.6"):
+        parse_layers("7", 6)
+    with pytest.raises(UserError, match="comma-separated"):
+        parse_layers("penultimate", 6)
+
+
+def test_middle_cut_keeps_head_tail_and_specials():
+    ids = [101] + list(range(1000, 1100)) + [102]
+    cut = middle_cut(ids, 20)
+    assert len(cut) == 20 and cut[0] == 101 and cut[-1] == 102
+    assert cut[:5] == ids[:5] and cut[5:] == ids[-15:]
+    assert middle_cut(ids[:10], 20) == ids[:10]
+
+
+def test_plan_is_length_sorted_budgeted_and_stable():
+    lengths = np.array([5, 3, 5, 9, 3, 1, 5, 40])
+    batches = plan_batches(lengths, max_tokens=12)
+    flat = np.concatenate(batches)
+    assert sorted(flat.tolist()) == list(range(8))
+    assert flat.tolist() == [5, 1, 4, 0, 2, 6, 3, 7]  # ties keep corpus order
+    for batch in batches:
+        assert len(batch) == 1 or len(batch) * lengths[batch].max() <= 12
+    assert [b.tolist() for b in plan_batches(lengths, 12)] == [b.tolist() for b in batches]
+
+
+def test_empty_lines_and_causal_without_bos(tiny):
+    _, bert_tok = _load(tiny["bert"])
+    _, gpt2_tok = _load(tiny["gpt2"])
+    bert = encode_corpus(bert_tok, ["", "a"], max_length=16)
+    assert bert.ids(0).tolist() == [bert_tok.cls_token_id, bert_tok.sep_token_id]
+    gpt2 = encode_corpus(gpt2_tok, ["", "a"], max_length=16)
+    assert gpt2.ids(0).tolist() == [gpt2_tok.bos_token_id]
+
+
+# ----------------------------------------------------------------------------- model semantics
+
+
+@pytest.mark.parametrize("family", support.FAMILIES)
+def test_truncated_view_equals_full_forward_hidden_states(tiny, family):
+    """Every layer k computed by the sliced view equals HF's hidden_states[k] (final norm only on the last)."""
+    model, tokenizer = _load(tiny[family])
+    num_layers = model.config.num_hidden_layers
+    encoded = encode_corpus(tokenizer, support.SENTENCES, max_length=48)
+    ids, mask = collate(encoded, np.arange(encoded.num_sentences), pad_token_id(tokenizer))
+    with torch.inference_mode():
+        full = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    real = mask.bool()
+    for k in range(num_layers + 1):
+        extractor = FeatureExtractor(model, parse_layers(str(k), num_layers), autocast=False)
+        token_states, pooled = extractor(ids, mask)
+        torch.testing.assert_close(token_states[0][real], full[k][real], rtol=0, atol=0)
+        for j in range(k + 1):
+            torch.testing.assert_close(pooled[:, j, 0], full[j][:, 0], rtol=0, atol=1e-6)
+            mean = (full[j] * mask[..., None]).sum(1) / mask.sum(1, keepdim=True)
+            torch.testing.assert_close(pooled[:, j, 1], mean, rtol=1e-5, atol=1e-6)
+    # the caller's model is untouched: still all layers, final norm in place
+    with torch.inference_mode():
+        again = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    assert len(again) == num_layers + 1
+    torch.testing.assert_close(again[-1], full[-1], rtol=0, atol=0)
+
+
+def test_features_do_not_depend_on_batch_composition(tiny, corpus, tmp_path):
+    small = build_cache(str(tiny["bert"]), corpus, tmp_path / "small", dtype="float32", max_tokens=24,
+                        autocast=False, progress=False, layers="all")
+    large = build_cache(str(tiny["bert"]), corpus, tmp_path / "large", dtype="float32", max_tokens=4096,
+                        autocast=False, progress=False, layers="all")
+    assert len(small.manifest["shards"]) >= 1
+    a, b = CacheReader(small.path), CacheReader(large.path)
+    assert a.key == b.key  # the budget is not part of what is cached
+    reference = _reference(tiny["bert"], support.SENTENCES * 3, 2, max_length=64)
+    for i in range(len(a)):
+        torch.testing.assert_close(a.features(i), b.features(i), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.pooled(i), b.pooled(i), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(a.features(i)[2], reference[i], rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- storage round trips
+
+
+_TOLERANCE = {"float32": 1e-6, "float16": 2e-3, "bfloat16": 1.6e-2, "int8": 1.6e-2}
+
+
+@pytest.mark.parametrize("backend", ["zarr", "hdf5"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "int8"])
+def test_roundtrip_every_backend_and_dtype(tiny, corpus, tmp_path, backend, dtype):
+    out = tmp_path / "cache"
+    result = build_cache(str(tiny["gpt2"]), corpus, out, layers="-2,-1", backend=backend, dtype=dtype,
+                         max_tokens=64, autocast=False, progress=False, shard_bytes=4096)
+    assert not result.reused and len(result.manifest["shards"]) > 2
+    verify_cache(out)
+    reader = CacheReader(out)
+    assert reader.layers == [2, 3] and reader.pooled_layers == [0, 1, 2, 3] and reader.hidden_size == 32
+    lines = support.SENTENCES * 3
+    ref2 = _reference(tiny["gpt2"], lines, 2, max_length=64)
+    ref3 = _reference(tiny["gpt2"], lines, 3, max_length=64)
+    for i in range(len(lines)):
+        features = reader.features(i)
+        assert features.dtype == torch.float32 and features.shape == (2, len(ref2[i]), 32)
+        for stored, ref in ((features[0], ref2[i]), (features[1], ref3[i])):
+            # relative to each token's absmax: int8 is per-token absmax quantized
+            err = (stored - ref).abs().amax(-1) / ref.abs().amax(-1)
+            assert float(err.max()) <= _TOLERANCE[dtype], (i, float(err.max()))
+        pooled = reader.pooled(i)
+        assert pooled.shape == (4, 2, 32)
+        pooled_tol = _TOLERANCE["float16" if dtype == "int8" else dtype] * 4
+        torch.testing.assert_close(pooled[2, 0], ref2[i][0], rtol=pooled_tol, atol=pooled_tol)
+        torch.testing.assert_close(pooled[3, 1], ref3[i].mean(0), rtol=pooled_tol, atol=pooled_tol)
+    assert reader.lengths[8] == 1  # the empty line: one BOS token for a causal LM without one
+    stats = inspect_cache(out)
+    assert stats["num_sentences"] == len(lines) and stats["num_tokens"] == int(reader.lengths.sum())
+    assert stats["truncated_sentences"] == 3 and stats["truncated_tokens"] > 0
+    assert stats["size_on_disk"] > 0 and stats["bytes_per_token"] > 0
+
+
+def test_in_memory_reader_equals_on_disk(tiny, corpus, tmp_path):
+    build_cache(str(tiny["bert"]), corpus, tmp_path / "c", dtype="int8", progress=False, shard_bytes=2048)
+    disk, memory = CacheReader(tmp_path / "c"), CacheReader(tmp_path / "c", in_memory=True)
+    for i in range(len(disk)):
+        assert torch.equal(disk.features(i), memory.features(i))
+        assert torch.equal(disk.pooled(i), memory.pooled(i))
+    with pytest.raises(IndexError):
+        disk.features(len(disk))
+
+
+@pytest.mark.parametrize("url_scheme", ["memory", "file"])
+def test_zarr_on_fsspec_urls(tiny, corpus, tmp_path, url_scheme):
+    local = build_cache(str(tiny["distilbert"]), corpus, tmp_path / "local", progress=False, shard_bytes=2048)
+    url = f"memory://prlmfuse-test-{tmp_path.name}/cache" if url_scheme == "memory" else f"file://{tmp_path}/remote"
+    remote = build_cache(str(tiny["distilbert"]), corpus, url, progress=False, shard_bytes=2048)
+    assert remote.key == local.key
+    assert [s["sha256"] for s in remote.manifest["shards"]] == [s["sha256"] for s in local.manifest["shards"]]
+    verify_cache(url)
+    a, b = CacheReader(local.path), CacheReader(url)
+    for i in range(len(a)):
+        assert torch.equal(a.features(i), b.features(i))
+    again = build_cache(str(tiny["distilbert"]), corpus, url, progress=False, shard_bytes=2048)
+    assert again.reused
+    with pytest.raises(UserError, match="hdf5 backend needs a local directory"):
+        build_cache(str(tiny["distilbert"]), corpus, url + "-h5", backend="hdf5", progress=False)
+
+
+def test_reader_in_forked_dataloader_workers(tiny, corpus, tmp_path):
+    """Handles the parent opened are dropped in forked workers (pid check); pickled state carries none."""
+    build_cache(str(tiny["bert"]), corpus, tmp_path / "c", backend="hdf5", progress=False, shard_bytes=2048)
+    reader = CacheReader(tmp_path / "c")
+    expected = [reader.features(i).sum().item() for i in range(len(reader))]  # parent now holds open handles
+    assert reader._handles
+    loader = torch.utils.data.DataLoader(
+        range(len(reader)), batch_size=4, num_workers=2, multiprocessing_context="fork",
+        collate_fn=lambda idx: torch.tensor([reader.features(i).sum().item() for i in idx]),
+    )
+    assert torch.cat(list(loader)).tolist() == pytest.approx(expected)
+    assert reader.__getstate__()["_handles"] == {}
+
+
+# ----------------------------------------------------------------------------- key, reuse, force, lock
+
+
+def test_autocast_bf16_is_close_to_fp32_and_keyed(tiny, corpus, tmp_path):
+    fp32 = build_cache(str(tiny["xlm-roberta"]), corpus, tmp_path / "fp32", dtype="float32", autocast=False,
+                       progress=False)
+    bf16 = build_cache(str(tiny["xlm-roberta"]), corpus, tmp_path / "bf16", dtype="float32", autocast=True,
+                       progress=False)
+    assert fp32.key != bf16.key and bf16.manifest["key_fields"]["autocast"] == "bfloat16"
+    a, b = CacheReader(fp32.path), CacheReader(bf16.path)
+    worst = 0.0
+    for i in range(len(a)):
+        x, y = a.features(i), b.features(i)
+        worst = max(worst, float(((x - y).norm(dim=-1) / x.norm(dim=-1)).max()))
+    assert 0 < worst < 0.05  # bf16 has ~3 significant digits; 3 layers keep the relative error small
+
+
+def test_reuse_mismatch_and_force(tiny, corpus, tmp_path, capsys):
+    out = tmp_path / "c"
+    first = build_cache(str(tiny["electra"]), corpus, out, progress=True)
+    assert not first.reused
+    second = build_cache(str(tiny["electra"]), corpus, out, progress=True)
+    assert second.reused and second.key == first.key
+    assert "cached" in capsys.readouterr().err
+    with pytest.raises(UserError, match="different cache.*--force"):
+        build_cache(str(tiny["electra"]), corpus, out, layers="-1", progress=False)
+    with pytest.raises(UserError, match="different cache"):
+        build_cache(str(tiny["electra"]), corpus, out, backend="hdf5", progress=False)
+    replaced = build_cache(str(tiny["electra"]), corpus, out, layers="-1", force=True, progress=False)
+    assert not replaced.reused and replaced.key != first.key
+    assert CacheReader(out).layers == [3]
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="holds no prlmfuse cache"):
+        build_cache(str(tiny["electra"]), corpus, tmp_path / "foreign", force=True, progress=False)
+
+
+def test_cache_key_fields(tiny, corpus):
+    from prlmfuse.checkpoints import resolve_checkpoint
+
+    info = resolve_checkpoint(str(tiny["bert"]))
+    fields = cache_key(info, corpus, "-2", "float16", autocast=False)
+    assert fields["checkpoint_identity"] == info.identity
+    assert fields["layers"] == [2] and fields["dtype"] == "float16" and fields["autocast"] == "off"
+    assert fields["truncation"]["max_length"] == info.max_length
+    assert len(fields["corpus_sha256"]) == 64 and fields["prlmfuse_version"]
+
+
+def test_second_build_waits_for_the_lock(tiny, corpus, tmp_path, capsys):
+    import fcntl
+
+    out = tmp_path / "c"
+    out.mkdir()
+    results = []
+    with open(out / ".lock", "a+") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        worker = threading.Thread(
+            target=lambda: results.append(build_cache(str(tiny["bert"]), corpus, out, progress=True))
+        )
+        worker.start()
+        for _ in range(200):  # wait until the build announces that it waits (it cannot finish while we hold it)
+            if "waiting" in capsys.readouterr().err:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("second build did not report waiting for the lock")
+        assert worker.is_alive() and not results
+        fcntl.flock(held.fileno(), fcntl.LOCK_UN)
+    worker.join(60)
+    assert results and not results[0].reused
+    verify_cache(out)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_user_errors(tiny, corpus, tmp_path):
+    ckpt = str(tiny["bert"])
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"fine\n\xff\xfe broken\n")
+    with pytest.raises(UserError, match=r"bad.txt:2: invalid UTF-8"):
+        build_cache(ckpt, bad, tmp_path / "o1", progress=False)
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    with pytest.raises(UserError, match="is empty"):
+        build_cache(ckpt, empty, tmp_path / "o2", progress=False)
+    with pytest.raises(UserError, match="unknown dtype 'fp8'; valid: float16, bfloat16, float32, int8"):
+        build_cache(ckpt, corpus, tmp_path / "o3", dtype="fp8", progress=False)
+    with pytest.raises(UserError, match="unknown backend 'lmdb'; valid: zarr, hdf5"):
+        build_cache(ckpt, corpus, tmp_path / "o4", backend="lmdb", progress=False)
+    with pytest.raises(UserError, match=r"valid range is -4\.\.3"):
+        build_cache(ckpt, corpus, tmp_path / "o5", layers="-5", progress=False)
+    with pytest.raises(UserError) as unknown:
+        build_cache(str(tmp_path / "no-such-checkpoint"), corpus, tmp_path / "o6", progress=False)
+    assert "\n" not in str(unknown.value)
+
+
+def test_verify_names_bad_shard_and_truncated_manifest(tiny, corpus, tmp_path):
+    for backend in ("zarr", "hdf5"):
+        out = tmp_path / backend
+        result = build_cache(str(tiny["bert"]), corpus, out, backend=backend, dtype="float32", progress=False,
+                             shard_bytes=2048, max_tokens=64, autocast=False)
+        verify_cache(out)
+        victim = result.manifest["shards"][1]["name"]
+        shard_path = out / "shards" / victim
+        target = max((p for p in shard_path.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size) \
+            if shard_path.is_dir() else shard_path
+        data = bytearray(target.read_bytes())
+        data[-7] ^= 0xFF
+        target.write_bytes(bytes(data))
+        with pytest.raises(UserError, match=victim):
+            verify_cache(out)
+    # a missing shard
+    import shutil
+
+    missing = result.manifest["shards"][0]["name"]
+    (tmp_path / "hdf5" / "shards" / missing).unlink()
+    with pytest.raises(UserError, match=f"{missing} is missing"):
+        verify_cache(tmp_path / "hdf5")
+    # a truncated manifest
+    manifest = tmp_path / "zarr" / "manifest.json"
+    manifest.write_text(manifest.read_text()[:100])
+    with pytest.raises(UserError, match="truncated or corrupt"):
+        verify_cache(tmp_path / "zarr")
+    with pytest.raises(UserError, match="truncated or corrupt"):
+        inspect_cache(tmp_path / "zarr")
+    shutil.rmtree(tmp_path / "zarr")
+
+
+def test_manifest_shard_names_cannot_escape(tiny, corpus, tmp_path):
+    out = tmp_path / "c"
+    build_cache(str(tiny["bert"]), corpus, out, progress=False)
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["shards"][0]["name"] = "../../etc/passwd"
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="invalid shard name"):
+        CacheReader(out)
+    with pytest.raises(UserError, match="invalid shard name"):
+        verify_cache(out)
+
+
+# ----------------------------------------------------------------------------- the real checkpoint
+
+
+def test_real_minilm_penultimate_layer(tmp_path):
+    lines = [
+        "In the beginning God created the heavens and the earth.",
+        "",
+        "Jesus wept.",
+        "And God said, Let there be light: and there was light. " * 80,  # > 512 tokens: middle cut
+    ]
+    corpus = support.write_corpus(tmp_path / "c.txt", lines)
+    checkpoint = str(support.minilm_dir())
+    result = build_cache(checkpoint, corpus, tmp_path / "c", autocast=False, dtype="float32", progress=False)
+    assert result.manifest["truncated_sentences"] == 1 and result.manifest["max_length"] == 512
+    reader = CacheReader(result.path)
+    assert reader.hidden_size == 384 and reader.layers == [5] and reader.pooled_layers == list(range(6))
+    reference = _reference(support.minilm_dir(), lines, 5, max_length=512)
+    for i in range(len(lines)):
+        torch.testing.assert_close(reader.features(i)[0], reference[i], rtol=1e-4, atol=1e-4)
+    assert reader.lengths[1] == 2 and reader.lengths[3] == 512
