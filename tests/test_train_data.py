@@ -1,0 +1,157 @@
+"""Stage-two data: token-budget batches, epoch order, DDP slices, the LR schedule, features from a real cache."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from prlmfuse.cache_features import CacheReader
+from prlmfuse.train_fused.bpe import BOS_ID, EOS_ID, PAD_ID
+from prlmfuse.train_fused.data import FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader
+from prlmfuse.train_fused.trainer import inverse_sqrt_lr
+
+_spec = importlib.util.spec_from_file_location("test_train_support", Path(__file__).with_name("test_train_support.py"))
+support = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(support)
+
+torch.set_num_threads(1)
+
+
+def _lengths(n: int = 500, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.RandomState(seed)
+    return rng.randint(2, 60, size=n), rng.randint(2, 80, size=n)
+
+
+def test_batches_respect_budget_and_cover_each_pair_once():
+    src, tgt = _lengths()
+    sampler = TokenBudgetBatchSampler(src, tgt, 400, seed=1)
+    seen = [i for b in sampler.batches for i in b]
+    assert sorted(seen) == list(range(len(src)))
+    for b in sampler.batches:
+        assert len(b) * max(max(src[i], tgt[i]) for i in b) <= 400
+    # Length bucketing: little padding overall.
+    padded = sum(len(b) * max(tgt[i] for i in b) for b in sampler.batches)
+    assert padded < 1.25 * tgt.sum()
+
+
+def test_oversized_pair_gets_a_batch_of_its_own():
+    sampler = TokenBudgetBatchSampler(np.array([5, 500, 6]), np.array([5, 3, 6]), 100)
+    assert [500] in [[int(np.array([5, 500, 6])[i]) for i in b] for b in sampler.batches]
+
+
+def test_epoch_order_is_seeded_and_resumable():
+    src, tgt = _lengths()
+    a = TokenBudgetBatchSampler(src, tgt, 400, seed=1)
+    b = TokenBudgetBatchSampler(src, tgt, 400, seed=1)
+    a.set_epoch(3)
+    b.set_epoch(3)
+    full = list(a)
+    assert full == list(b)
+    a.set_epoch(4)
+    assert list(a) != full  # a new order every epoch
+    b.set_epoch(3, start=5)
+    assert list(b) == full[5:] and len(b) == len(full) - 5
+
+
+def test_ddp_slices_are_disjoint_and_cover_the_global_batch():
+    src, tgt = _lengths()
+    single = TokenBudgetBatchSampler(src, tgt, 400, seed=2)
+    ranks = [TokenBudgetBatchSampler(src, tgt, 400, seed=2, rank=r, world_size=2) for r in range(2)]
+    for s in [single, *ranks]:
+        s.set_epoch(1)
+    for whole, r0, r1 in zip(single, *ranks):
+        assert not set(r0) & set(r1)
+        assert sorted(r0 + r1) == sorted(whole)
+
+
+def test_dev_order_is_unshuffled_and_indices_filter():
+    src, tgt = _lengths(50)
+    sampler = TokenBudgetBatchSampler(src, tgt, 200, indices=np.arange(0, 50, 2), shuffle=False)
+    sampler.set_epoch(7)
+    assert list(sampler) == sampler.batches
+    assert sorted(i for b in sampler.batches for i in b) == list(range(0, 50, 2))
+
+
+def test_inverse_sqrt_schedule_matches_fairseq():
+    lr, warmup = 7e-4, 4000
+    assert inverse_sqrt_lr(1, lr, warmup) == pytest.approx(lr / warmup)
+    assert inverse_sqrt_lr(2000, lr, warmup) == pytest.approx(lr / 2)
+    assert inverse_sqrt_lr(4000, lr, warmup) == pytest.approx(lr)
+    assert inverse_sqrt_lr(16000, lr, warmup) == pytest.approx(lr / 2)
+    assert inverse_sqrt_lr(9000, lr, warmup) == pytest.approx(lr * math.sqrt(4000 / 9000))
+    values = [inverse_sqrt_lr(u, lr, warmup) for u in range(1, 8001)]
+    assert max(values) == pytest.approx(lr) and values.index(max(values)) == warmup - 1
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    corpus = support.small_bible(root, train=40, dev=8, test=8)
+    ckpt = support.tiny_prlm(root / "bert")
+    paths = support.build_caches(ckpt, corpus, root / "cache", layers="1,-1")
+    return corpus, paths
+
+
+def _pairs(n: int, seed: int = 0):
+    rng = np.random.RandomState(seed)
+    src = [rng.randint(4, 50, size=rng.randint(0, 9)).astype(np.int32) for _ in range(n)]
+    tgt = [rng.randint(4, 50, size=rng.randint(0, 9)).astype(np.int32) for _ in range(n)]
+    return src, tgt
+
+
+def test_collate_pads_tokens_and_features_from_the_cache(cache):
+    corpus, paths = cache
+    reader = CacheReader(paths["train"])
+    assert reader.layers == [1, 3]
+    src, tgt = _pairs(40)
+    # Row 1 of the cached layers = hidden_states index 3 (the last of 3 layers).
+    dataset = PairDataset(src, tgt, [FeatureSource(paths["train"], layer_rows=(1,), with_pooled=True)])
+    indices = [5, 0, 17]
+    batch = dataset.__getitems__(indices)
+    assert batch.ids.tolist() == indices
+    for row, i in enumerate(indices):
+        n, m = len(src[i]), len(tgt[i])
+        assert batch.src_tokens[row, :n].tolist() == src[i].tolist() and batch.src_tokens[row, n] == EOS_ID
+        assert (batch.src_tokens[row, n + 1 :] == PAD_ID).all()
+        assert batch.tgt_in[row, 0] == BOS_ID and batch.tgt_in[row, 1 : m + 1].tolist() == tgt[i].tolist()
+        assert batch.tgt_out[row, :m].tolist() == tgt[i].tolist() and batch.tgt_out[row, m] == EOS_ID
+    assert batch.ntokens == sum(len(tgt[i]) + 1 for i in indices)
+    (feats,) = batch.prlm
+    lengths = [int(reader.lengths[i]) for i in indices]
+    assert feats.states.shape == (3, 1, max(lengths), reader.hidden_size)
+    assert feats.mask.sum(1).tolist() == lengths
+    for row, i in enumerate(indices):
+        torch.testing.assert_close(feats.states[row, 0, : lengths[row]], reader.features(i)[1])
+        assert (feats.states[row, :, lengths[row] :] == 0).all()
+        torch.testing.assert_close(feats.pooled[row], reader.pooled(i))
+    assert feats.pooled.shape == (3, len(reader.pooled_layers), 2, reader.hidden_size)
+
+
+def test_workers_deliver_the_same_batches_as_in_process(cache):
+    corpus, paths = cache
+    src, tgt = _pairs(40, seed=1)
+    sources = [FeatureSource(paths["train"], layer_rows=(0, 1))]
+    dataset = PairDataset(src, tgt, sources)
+    sampler = TokenBudgetBatchSampler(dataset.src_lens, dataset.tgt_lens, 60, seed=4)
+    sampler.set_epoch(2, start=1)
+    expected = [dataset.__getitems__(b) for b in sampler]
+    memory = PairDataset(src, tgt, [FeatureSource(paths["train"], layer_rows=(0, 1), in_memory=True)])
+    got_workers = list(make_loader(dataset, sampler, num_workers=2))
+    got_memory = list(make_loader(memory, sampler, num_workers=0))
+    assert len(got_workers) == len(expected) == len(got_memory) > 1
+    for e, w, m in zip(expected, got_workers, got_memory):
+        for got in (w, m):
+            assert torch.equal(e.ids, got.ids) and torch.equal(e.src_tokens, got.src_tokens)
+            assert torch.equal(e.prlm[0].states, got.prlm[0].states) and torch.equal(e.prlm[0].mask, got.prlm[0].mask)
+
+
+def test_empty_slice_is_an_empty_batch(cache):
+    corpus, paths = cache
+    src, tgt = _pairs(4)
+    batch = PairDataset(src, tgt, [FeatureSource(paths["train"], layer_rows=(0,))]).__getitems__([])
+    assert batch.nsentences == 0 and batch.ntokens == 0 and batch.prlm[0].states.shape[0] == 0
