@@ -1,0 +1,308 @@
+"""Stage two end to end on real (small) data: a tiny BERT's cached features, the Bible corpus, train_run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import prlmfuse
+from prlmfuse.errors import UserError
+from prlmfuse.train_fused import PrLMUse, average_checkpoints, load_run, train_run
+from prlmfuse.train_fused.data import FeatureSource, PairDataset
+
+_spec = importlib.util.spec_from_file_location("test_train_support", Path(__file__).with_name("test_train_support.py"))
+support = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(support)
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    corpus = support.small_bible(root)
+    ckpt = support.tiny_prlm(root / "bert")
+    paths = support.build_caches(ckpt, corpus, root / "cache", layers="-2,-1")
+    return corpus, ckpt, paths
+
+
+def _weights(run_dir: Path, update: int) -> dict[str, torch.Tensor]:
+    return load_file(str(run_dir / "checkpoints" / f"update-{update:08d}.safetensors"))
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_fused_run_layout_run_json_and_load_run(world, tmp_path):
+    corpus, ckpt, paths = world
+    use = PrLMUse(checkpoint=str(ckpt), layer=-2)
+    run = support.tiny_run("fused", prlms=[use], bf16=True, max_updates=16)
+    run_dir = train_run(run, corpus, [support.caches_for(use, paths)], tmp_path / "fused", progress=False)
+    assert run_dir == tmp_path / "fused"
+
+    for name in ("run.json", "bpe.json", "best.safetensors", "trainer_state.json", "metrics.jsonl"):
+        assert (run_dir / name).is_file(), name
+    state = json.loads((run_dir / "trainer_state.json").read_text())
+    assert state["update"] == 16 and state["checkpoint"] == "checkpoints/update-00000016.safetensors"
+    # save_every=4, keep_last=3: the last three saves remain.
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("update-*.safetensors")) == [
+        f"update-{u:08d}.safetensors" for u in (8, 12, 16)
+    ]
+
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["prlmfuse_version"] == prlmfuse.__version__
+    assert info["corpus"]["root"] == str(corpus.root.resolve())
+    assert info["corpus"]["sha256"]["train"]["src"] == corpus.src_sha256("train")
+    assert info["model"]["d_model"] == 64 and info["model"]["enc_layers"] == 2  # tiny preset resolved to sizes
+    (prlm,) = info["prlms"]
+    assert prlm["layers"] == [2] and prlm["cache_layers"] == [2, 3] and prlm["layer_mode"] == "fixed"
+    for split in ("train", "dev", "test"):
+        manifest = json.loads((Path(paths[split]) / "manifest.json").read_text())
+        assert prlm["caches"][split] == {"path": paths[split], "key": manifest["key"]}
+    assert info["train"]["name"] == "fused" and info["train"]["prlms"][0]["layer"] == -2
+
+    records = _metrics(run_dir)
+    train_records = [r for r in records if "loss" in r]
+    dev_records = [r for r in records if "dev_loss" in r]
+    assert [r["update"] for r in dev_records] == [4, 8, 12, 16]
+    assert {"update", "loss", "lr", "tokens_per_s", "wall_time", "data_wait_fraction"} <= set(train_records[0])
+    assert train_records[-1]["loss"] < train_records[0]["loss"]  # it learns
+    assert state["best_dev_loss"] == min(r["dev_loss"] for r in dev_records)
+
+    model, bpe, loaded = load_run(run_dir, "last")
+    assert not model.training and loaded["weights"].endswith("update-00000016.safetensors")
+    for name, tensor in _weights(run_dir, 16).items():
+        torch.testing.assert_close(model.state_dict()[name], tensor)
+    assert bpe.vocab_size == info["model"]["vocab_size"]
+    # The loaded model runs on features read exactly as in training.
+    dataset = PairDataset([torch.tensor(bpe.encode("God said")).numpy()], [torch.tensor(bpe.encode("神")).numpy()],
+                          [FeatureSource(paths["test"], layer_rows=(0,))])
+    batch = dataset.__getitems__([0])
+    with torch.no_grad():
+        logits = model(batch.src_tokens, batch.tgt_in, batch.prlm)
+    assert logits.shape == (1, batch.tgt_in.shape[1], bpe.vocab_size) and torch.isfinite(logits).all()
+
+    average = average_checkpoints(run_dir, last=2)
+    expected = {k: (_weights(run_dir, 12)[k] + _weights(run_dir, 16)[k]) / 2 for k in _weights(run_dir, 16)}
+    for name, tensor in load_file(str(average)).items():
+        torch.testing.assert_close(tensor, expected[name])
+    _, _, best_info = load_run(run_dir, "best")
+    assert best_info["weights"].endswith("best.safetensors")
+    model_avg, _, avg_info = load_run(run_dir, "average", last=2)
+    assert Path(avg_info["weights"]) == run_dir / "average-last2.safetensors"
+
+
+def test_resume_continues_the_same_schedule(world, tmp_path):
+    """2N updates straight == N updates, stop, resume N more: same weights, same loss curve."""
+    corpus, ckpt, paths = world
+    use = PrLMUse(checkpoint=str(ckpt), layer="dwatt")
+    caches = [support.caches_for(use, paths)]
+    straight = train_run(support.tiny_run("r", prlms=[use], dropout=0.1, max_updates=12, save_every=3), corpus, caches,
+                         tmp_path / "straight", progress=False)
+    split = tmp_path / "split"
+    train_run(support.tiny_run("r", prlms=[use], dropout=0.1, max_updates=6, save_every=3), corpus, caches, split, progress=False)
+    # Lines logged after the last checkpoint of an interrupted run must not survive the resume.
+    with open(split / "metrics.jsonl", "a") as f:
+        f.write('{"update": 7, "loss": 99.0}\n{"update": 8, "lo')
+    train_run(support.tiny_run("r", prlms=[use], dropout=0.1, max_updates=12, save_every=3), corpus, caches, split, progress=False)
+    a, b = _weights(straight, 12), _weights(split, 12)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-6)
+    strip = lambda rs: [{k: v for k, v in r.items() if k not in ("tokens_per_s", "updates_per_s", "wall_time", "data_wait_fraction")} for r in rs]
+    assert strip(_metrics(straight)) == strip(_metrics(split))
+    state = json.loads((split / "trainer_state.json").read_text())
+    assert state["update"] == 12 and state["lr"] == pytest.approx(7e-4 * (4 / 12) ** 0.5)
+
+
+def test_in_memory_features_train_like_features_from_disk(world, tmp_path):
+    corpus, ckpt, paths = world
+    use = PrLMUse(checkpoint=str(ckpt), layer="concat")
+    caches = [support.caches_for(use, paths)]
+    disk = train_run(support.tiny_run("m", prlms=[use], max_updates=4, num_workers=2), corpus, caches, tmp_path / "disk", progress=False)
+    memory = train_run(support.tiny_run("m", prlms=[use], max_updates=4, in_memory_features=True), corpus, caches,
+                       tmp_path / "memory", progress=False)
+    a, b = _weights(disk, 4), _weights(memory, 4)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name])
+
+
+def test_baseline_and_patience(world, tmp_path):
+    corpus, _, _ = world
+    # lr 0: the dev loss never improves, so patience 2 stops after the third evaluation.
+    run = support.tiny_run("base", lr=0.0, max_updates=100, save_every=2, patience=2)
+    run_dir = train_run(run, corpus, [], tmp_path / "base", progress=False)
+    state = json.loads((run_dir / "trainer_state.json").read_text())
+    assert state["update"] == 6 and state["bad_evals"] == 2
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["prlms"] == [] and info["model"]["prlms"] == []
+
+
+def test_refusals_are_one_line_user_errors(world, tmp_path):
+    corpus, ckpt, paths = world
+    use = PrLMUse(checkpoint=str(ckpt), layer=-2)
+    wrong = support.caches_for(use, {**paths, "train": paths["dev"]})
+    with pytest.raises(UserError, match=r"different train source .*corpus_sha256 .* sha256 ") as e:
+        train_run(support.tiny_run(prlms=[use]), corpus, [wrong], tmp_path / "a", progress=False)
+    assert "\n" not in str(e.value)
+
+    deep = PrLMUse(checkpoint=str(ckpt), layer=-3)
+    with pytest.raises(UserError, match=r"layer -3 \(hidden_states index 1 of 3 layers\).*holds layers \[2, 3\]"):
+        train_run(support.tiny_run(prlms=[deep]), corpus, [support.caches_for(deep, paths)], tmp_path / "b", progress=False)
+
+    bad_mode = PrLMUse(checkpoint=str(ckpt), layer="average-ish")
+    with pytest.raises(UserError, match="not a layer index"):
+        train_run(support.tiny_run(prlms=[bad_mode]), corpus, [support.caches_for(bad_mode, paths)], tmp_path / "c", progress=False)
+
+    with pytest.raises(UserError, match="1 PrLM.*0 cache"):
+        train_run(support.tiny_run(prlms=[use]), corpus, [], tmp_path / "d", progress=False)
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(paths["train"], damaged)
+    # Flip a byte early in the first chunk of the layer-2 features (sure to hold real rows).
+    chunk = next(p for p in sorted(damaged.rglob("*")) if p.is_file() and "layer_002" in str(p) and p.name != "zarr.json")
+    data = bytearray(chunk.read_bytes())
+    data[64] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="damaged|corrupt|unreadable"):
+        train_run(support.tiny_run(prlms=[use]), corpus, [support.caches_for(use, {**paths, "train": str(damaged)})],
+                  tmp_path / "e", progress=False)
+
+    done = train_run(support.tiny_run(max_updates=2, save_every=2), corpus, [], tmp_path / "f", progress=False)
+    with pytest.raises(UserError, match="already holds a trained run"):
+        train_run(support.tiny_run(max_updates=4), corpus, [], done, resume=False, progress=False)
+    with pytest.raises(UserError, match=r"different configuration \(train\.lr"):
+        train_run(support.tiny_run(max_updates=4, lr=1e-3), corpus, [], done, progress=False)
+    with pytest.raises(UserError, match="best, last or average"):
+        load_run(done, "median")
+
+
+def test_no_prlm_is_loaded_during_training(world, tmp_path, monkeypatch):
+    """Caches from a checkpoint that is then deleted; every way to instantiate a PrLM is booby-trapped."""
+    corpus, ckpt, _ = world
+    gone = tmp_path / "bert-copy"
+    shutil.copytree(ckpt, gone)
+    paths = support.build_caches(gone, corpus, tmp_path / "cache", layers="-1")
+    shutil.rmtree(gone)
+
+    import transformers
+    from transformers import modeling_utils
+
+    instantiated = []
+
+    def trap(*args, **kwargs):
+        instantiated.append(args)
+        raise AssertionError("a PrLM was instantiated during training")
+
+    monkeypatch.setattr(modeling_utils.PreTrainedModel, "__init__", trap)
+    monkeypatch.setattr(transformers.AutoModel, "from_pretrained", trap)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", trap)
+    import prlmfuse.checkpoints as checkpoints
+
+    monkeypatch.setattr(checkpoints, "load_prlm", trap)
+    monkeypatch.setattr(checkpoints, "resolve_checkpoint", trap)
+
+    use = PrLMUse(checkpoint=str(gone), layer=-1)
+    run_dir = train_run(support.tiny_run("nolm", prlms=[use], max_updates=4), corpus, [support.caches_for(use, paths)],
+                        tmp_path / "run", progress=False)
+    assert json.loads((run_dir / "trainer_state.json").read_text())["update"] == 4
+    assert instantiated == [] and not gone.exists()
+
+
+# ---------------------------------------------------------------------------------------- slow
+
+_DRIVER = r"""
+import importlib.util, json, sys
+from pathlib import Path
+import torch
+
+def main():
+    torch.set_num_threads(1)
+    spec = importlib.util.spec_from_file_location("s", {support!r})
+    s = importlib.util.module_from_spec(spec); spec.loader.exec_module(s)
+    from prlmfuse.data import load_corpus
+    from prlmfuse.train_fused import PrLMUse, train_run
+    args = json.loads(sys.argv[1])
+    corpus = load_corpus(args["corpus"])
+    use = PrLMUse(checkpoint=args["ckpt"], layer=-2)
+    run = s.tiny_run("sub", prlms=[use], **args["run"])
+    train_run(run, corpus, [s.caches_for(use, args["paths"])], args["out"], progress=False)
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def _driver(tmp_path: Path) -> Path:
+    path = tmp_path / "driver.py"
+    path.write_text(_DRIVER.format(support=str(Path(__file__).with_name("test_train_support.py"))))
+    return path
+
+
+@pytest.mark.slow
+def test_kill_9_then_resume_matches_an_uninterrupted_run(world, tmp_path):
+    corpus, ckpt, paths = world
+    overrides = dict(max_updates=40, save_every=5, dropout=0.1, num_workers=1, max_tokens=200)
+    args = {"corpus": str(corpus.root), "ckpt": str(ckpt), "paths": paths, "run": overrides}
+    driver = _driver(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    straight = tmp_path / "straight"
+    subprocess.run([sys.executable, str(driver), json.dumps({**args, "out": str(straight)})], check=True, env=env)
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, str(driver), json.dumps({**args, "out": str(killed)})], env=env,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    state = killed / "trainer_state.json"
+    while time.time() < deadline and proc.poll() is None:
+        if state.is_file() and json.loads(state.read_text())["update"] >= 15:
+            break
+        time.sleep(0.05)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its DataLoader worker, mid-update
+    proc.wait()
+    interrupted_at = json.loads(state.read_text())["update"]
+    assert interrupted_at < 40
+    subprocess.run([sys.executable, str(driver), json.dumps({**args, "out": str(killed)})], check=True, env=env)
+
+    a, b = _weights(straight, 40), _weights(killed, 40)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-6)
+    assert not list(killed.rglob(".*.tmp"))
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_match_one_process(world, tmp_path):
+    corpus, ckpt, paths = world
+    overrides = dict(max_updates=6, save_every=3, max_tokens=400)
+    args = {"corpus": str(corpus.root), "ckpt": str(ckpt), "paths": paths, "run": overrides}
+    driver = _driver(tmp_path)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    single = tmp_path / "single"
+    subprocess.run([sys.executable, str(driver), json.dumps({**args, "out": str(single)})], check=True, env=env)
+    ddp = tmp_path / "ddp"
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(driver),
+         json.dumps({**args, "out": str(ddp)})],
+        check=True, env=env,
+    )
+    a, b = _weights(single, 6), _weights(ddp, 6)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
+    info = json.loads((ddp / "run.json").read_text())
+    assert info["world_size"] == 2
+    single_dev = [r["dev_loss"] for r in _metrics(single) if "dev_loss" in r]
+    ddp_dev = [r["dev_loss"] for r in _metrics(ddp) if "dev_loss" in r]
+    assert ddp_dev == pytest.approx(single_dev, rel=1e-4)
