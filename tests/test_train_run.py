@@ -299,10 +299,18 @@ def test_two_gloo_processes_match_one_process(world, tmp_path):
         check=True, env=env,
     )
     a, b = _weights(single, 6), _weights(ddp, 6)
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5)
     info = json.loads((ddp / "run.json").read_text())
     assert info["world_size"] == 2
+    # The initial weights (same seed as train_run), to measure how far training moved them.
+    from prlmfuse.train_fused.modeling import FusedTransformer, ModelConfig
+
+    torch.manual_seed(3)
+    start = FusedTransformer(ModelConfig.from_dict(info["model"])).state_dict()
+    moved = torch.sqrt(sum(((a[k] - start[k]).double() ** 2).sum() for k in a))
+    apart = torch.sqrt(sum(((a[k] - b[k]).double() ** 2).sum() for k in a))
+    # Summation order differs (two half-batch sums vs one), and Adam turns the rounding noise of
+    # near-zero gradients into +-lr steps; the two trajectories must still agree to 1%.
+    assert moved > 1e-3 and apart < 0.01 * moved, (float(apart), float(moved))
     single_dev = [r["dev_loss"] for r in _metrics(single) if "dev_loss" in r]
     ddp_dev = [r["dev_loss"] for r in _metrics(ddp) if "dev_loss" in r]
     assert ddp_dev == pytest.approx(single_dev, rel=1e-4)
