@@ -1,0 +1,173 @@
+"""End to end on tiny real pieces: random-weight BERT -> caches -> two trained runs -> evaluate_runs / translate."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from prlmfuse.errors import UserError
+
+WORDS = "light dark water earth sky seed grass star day night god land sea fish bird tree".split()
+
+
+def _tiny_bert(out: Path) -> Path:
+    """A 2-layer, 32-wide random BERT with a WordPiece tokenizer, saved like a real checkpoint."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(vocab_size=120, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
+    tok.train_from_iterator([" ".join(WORDS)] * 4, trainer)
+    cls_id, sep_id = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
+    tok.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", cls_id), ("[SEP]", sep_id)]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+        mask_token="[MASK]", model_max_length=64,
+    )
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=len(tokenizer), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=64)
+    out.mkdir(parents=True)
+    BertModel(config).save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def _write_split(folder: Path, name: str, n: int, rng: random.Random) -> tuple[Path, Path]:
+    # Toy "translation": reverse the words and capitalise them.
+    src, tgt = [], []
+    for _ in range(n):
+        words = [rng.choice(WORDS) for _ in range(rng.randint(3, 7))]
+        src.append(" ".join(words))
+        tgt.append(" ".join(w.capitalize() for w in reversed(words)))
+    s, t = folder / f"{name}.src", folder / f"{name}.tgt"
+    s.write_text("\n".join(src) + "\n")
+    t.write_text("\n".join(tgt) + "\n")
+    return s, t
+
+
+def _run_config(name, prlms=()):
+    from prlmfuse.train_fused.config import RunConfig
+
+    return RunConfig(
+        name=name, preset="tiny", prlms=list(prlms), bpe_vocab=400, max_tokens=256, max_updates=12, max_epochs=None,
+        warmup=4, lr=2e-3, save_every=4, keep_last=5, log_every=4, num_workers=0, bf16=False, seed=1,
+    )
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A corpus, its caches and two trained runs (baseline, fused); built once for the module."""
+    from prlmfuse.cache_features import build_cache
+    from prlmfuse.data import register_text
+    from prlmfuse.train_fused import PrLMCaches, train_run
+    from prlmfuse.train_fused.config import PrLMUse
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("e2e")
+    rng = random.Random(0)
+    raw = root / "raw"
+    raw.mkdir()
+    files = {split: _write_split(raw, split, n, rng) for split, n in (("train", 64), ("dev", 8), ("test", 10))}
+    corpus = register_text(
+        root / "corpus", train_src=files["train"][0], train_tgt=files["train"][1], dev_src=files["dev"][0],
+        dev_tgt=files["dev"][1], test_src=files["test"][0], test_tgt=files["test"][1], src_lang="en", tgt_lang="en",
+    )
+    checkpoint = str(_tiny_bert(root / "tiny-bert"))
+    caches = {}
+    for split in ("train", "dev", "test"):
+        caches[split] = build_cache(
+            checkpoint, corpus.src_path(split), root / "caches" / split, layers="-2", dtype="float16",
+            autocast=False, progress=False,
+        ).path
+    use = PrLMUse(checkpoint=checkpoint, layer=-2)
+    baseline = train_run(_run_config("baseline"), corpus, [], root / "runs" / "baseline", progress=False)
+    fused = train_run(
+        _run_config("fused", [use]), corpus,
+        [PrLMCaches(use=use, train=caches["train"], dev=caches["dev"], test=caches["test"])],
+        root / "runs" / "fused", progress=False,
+    )
+    return {"root": root, "corpus": corpus, "checkpoint": checkpoint, "caches": caches,
+            "baseline": Path(baseline), "fused": Path(fused)}
+
+
+def test_evaluate_runs_writes_every_file_and_skips_unchanged_runs(world):
+    from prlmfuse.evaluate import evaluate_runs
+    from prlmfuse.fileio import read_lines
+
+    out = world["root"] / "eval"
+    results = evaluate_runs([world["baseline"], world["fused"]], out=out, beam=2, average_last=3, progress=False)
+    assert results.baseline == "baseline"  # the one run without PrLM branches
+    for name in ("results.md", "results.csv", "results.json", "scores.png", "dev_loss.png",
+                 "hyp.baseline.test.txt", "hyp.fused.test.txt"):
+        assert (out / name).is_file(), name
+    assert (out / "scores.png").read_bytes()[:4] == b"\x89PNG"
+    assert len(read_lines(out / "hyp.fused.test.txt")) == 10
+    fused = results.row("fused")
+    assert fused.prlm == world["checkpoint"] and fused.layer == "-2" and fused.merge == "sum"
+    assert len(fused.checkpoints) == 3  # average of the last 3 of the kept checkpoints
+    assert "bleu" in fused.delta and 0.0 < fused.p_value["bleu"] <= 1.0
+    assert fused.sentences_per_s > 0 and fused.tokens_per_s >= 0
+    assert fused.ci_low <= fused.bleu <= fused.ci_high
+    md = (out / "results.md").read_text()
+    assert "| fused |" in md and "| baseline |" in md and "tok:13a" in md
+    assert not any(r.reused for r in results.rows)
+
+    hyp_before = (out / "hyp.fused.test.txt").read_bytes()
+    again = evaluate_runs([world["baseline"], world["fused"]], out=out, beam=2, average_last=3, progress=False)
+    assert all(r.reused for r in again.rows)
+    assert (out / "hyp.fused.test.txt").read_bytes() == hyp_before
+    assert again.row("fused").bleu == fused.bleu
+
+    # A decode setting that changes hypotheses is a new key: decoded again.
+    third = evaluate_runs([world["fused"]], out=out, beam=1, average_last=3, progress=False)
+    assert not third.row("fused").reused
+
+
+def test_live_features_give_the_same_hypotheses_as_the_cache(world):
+    from prlmfuse.evaluate import evaluate_runs, translate
+    from prlmfuse.fileio import read_lines
+
+    out = world["root"] / "eval-live"
+    results = evaluate_runs([world["fused"]], out=out, beam=2, average_last=2, progress=False)
+    cached = read_lines(out / results.row("fused").hyp_file)
+    lines = read_lines(world["corpus"].src_path("test"))
+    live = translate(world["fused"], lines, beam=2, average_last=2)
+    assert live == cached
+    # Order and batching do not matter: a subset gives the same lines.
+    assert translate(world["fused"], lines[3:6], beam=2, average_last=2) == cached[3:6]
+
+
+def test_test_cache_built_differently_is_refused(world):
+    from prlmfuse.cache_features import build_cache
+    from prlmfuse.evaluate import evaluate_runs
+
+    other = world["root"] / "runs" / "fused-f32"
+    shutil.copytree(world["fused"], other)
+    f32 = build_cache(world["checkpoint"], world["corpus"].src_path("test"), world["root"] / "caches" / "test-f32",
+                      layers="-2", dtype="float32", autocast=False, progress=False)
+    record = json.loads((other / "run.json").read_text())
+    record["name"] = "fused-f32"
+    record["prlms"][0]["caches"]["test"] = {"path": f32.path, "key": f32.key}
+    (other / "run.json").write_text(json.dumps(record))
+    with pytest.raises(UserError, match="dtype") as info:
+        evaluate_runs([other], out=world["root"] / "eval-f32", beam=1, progress=False)
+    assert f32.path in str(info.value)
+
+
+def test_evaluating_an_untrained_run_dir_is_a_user_error(world, tmp_path):
+    from prlmfuse.evaluate import evaluate_runs
+
+    empty = tmp_path / "not-trained"
+    empty.mkdir()
+    with pytest.raises(UserError, match="train it first"):
+        evaluate_runs([world["baseline"], empty], out=tmp_path / "eval", progress=False)
