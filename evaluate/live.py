@@ -86,7 +86,7 @@ def live_features(
             progress=progress,
             trust_remote_code=trust_remote_code,
         )
-        reader = CacheReader(result.path)
+        reader = CacheReader(result.path, in_memory=True)
         check_cache_key(reader.manifest, train_fields, prlm, where=f"live features of {name}",
                         src_sha256=sha256_file(corpus_file))
         layer_rows, pooled_rows = run_layer_rows(
