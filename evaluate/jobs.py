@@ -81,7 +81,8 @@ class RunView:
         if not self.prlms:
             return {"prlm": "-", "layer": "-", "merge": "-", "position": "-", "side": "-"}
         model = self.model_config
-        names = [str(p.get("checkpoint", "?")) for p in self.prlms]
+        # A local checkpoint directory is shown by its folder name; aliases and hub ids as written.
+        names = [_short_checkpoint(str(p.get("checkpoint", "?"))) for p in self.prlms]
         layers = [str(p.get("layer", p.get("layer_mode", "?"))) for p in self.prlms]
         return {
             "prlm": " + ".join(names),
@@ -90,6 +91,12 @@ class RunView:
             "position": str(model.get("position", "?")),
             "side": str(model.get("side", "?")),
         }
+
+
+def _short_checkpoint(name: str) -> str:
+    if os.path.isabs(name) or name.startswith((".", "~")):
+        return Path(name).name or name
+    return name
 
 
 def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
@@ -568,6 +575,7 @@ def evaluate_runs(
     max_len_b: int = 10,
     batch_tokens: int = 4096,
     bf16: bool = False,
+    bleu_tokenize: str | None = None,
     bootstrap_samples: int = BOOTSTRAP_SAMPLES,
     seed: int = DEFAULT_SEED,
     progress: bool = True,
@@ -577,7 +585,8 @@ def evaluate_runs(
     test_sets: split names of each run's corpus (default: ["test"]); features come from the
     caches recorded in run.json for that split. baseline: a run name (or its directory name);
     default the one run without PrLM branches, if there is exactly one. no_repeat_ngram_size:
-    default 3 for summarization corpora, 0 otherwise.
+    default 3 for summarization corpora, 0 otherwise. bleu_tokenize: sacrebleu tokenizer for
+    every run (e.g. 'intl'); default by target language ('zh', 'ja-mecab', 'ko-mecab', '13a').
     """
     out = Path(out)
     runs = [open_run(d) for d in run_dirs]
@@ -652,11 +661,11 @@ def evaluate_runs(
                     "hyp_tokens": decoded.hyp_tokens,
                 }
                 atomic_write_json(meta_path, meta)
-            scores = corpus_scores(hyps, refs, tgt_lang=run.tgt_lang, task=run.task)
+            scores = corpus_scores(hyps, refs, tgt_lang=run.tgt_lang, task=run.task, bleu_tokenize=bleu_tokenize)
             main_metric = "rougeL" if run.task == "summarization" else "bleu"
             tested = ("bleu", "rougeL") if run.task == "summarization" else ("bleu",)
             stats = {
-                m: sentence_stats(hyps, refs, metric=m, tgt_lang=run.tgt_lang)
+                m: sentence_stats(hyps, refs, metric=m, tgt_lang=run.tgt_lang, bleu_tokenize=bleu_tokenize)
                 for m in tested
             } if hyps else {}
             sentence_level[(run.name, split)] = stats
@@ -683,6 +692,7 @@ def evaluate_runs(
     settings_record = {
         "beam": beam, "lenpen": lenpen, "average_last": average_last, "max_len_a": max_len_a,
         "max_len_b": max_len_b, "no_repeat_ngram_size": no_repeat_ngram_size, "bf16": bf16,
+        "bleu_tokenize": bleu_tokenize,
         "bootstrap_samples": bootstrap_samples, "seed": seed, "test_sets": splits,
     }
     results = EvaluationResults(out=out, baseline=baseline_name, rows=rows, settings=settings_record)

@@ -113,7 +113,7 @@ def test_evaluate_runs_writes_every_file_and_skips_unchanged_runs(world):
     assert (out / "scores.png").read_bytes()[:4] == b"\x89PNG"
     assert len(read_lines(out / "hyp.fused.test.txt")) == 10
     fused = results.row("fused")
-    assert fused.prlm == world["checkpoint"] and fused.layer == "-2" and fused.merge == "sum"
+    assert fused.prlm == "tiny-bert" and fused.layer == "-2" and fused.merge == "sum"
     assert len(fused.checkpoints) == 3  # average of the last 3 of the kept checkpoints
     assert "bleu" in fused.delta and 0.0 < fused.p_value["bleu"] <= 1.0
     assert fused.sentences_per_s > 0 and fused.tokens_per_s >= 0
