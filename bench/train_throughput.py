@@ -1,0 +1,218 @@
+"""Training-step cost of fusing a PrLM from the cache, against the alternatives, in ONE process.
+
+Same batches (token budget over the Bible English->Japanese corpus), same model size, same
+optimizer step (the trainer's own `Trainer.train_step`) for four systems:
+
+  (a) baseline   the plain Transformer, batches through DataLoader workers
+  (b) cached     fused, PrLM features read from the cache on disk by DataLoader workers
+  (c) in-memory  fused, the cache loaded into RAM, read in-process
+  (d) live PrLM  fused, the frozen PrLM tokenizes and runs inside every training step (bert-nmt)
+
+Each system runs `--warmup` untimed then `--steps` timed updates; the whole a-b-c-d sequence is
+repeated `--rounds` times and each system keeps its fastest round (a noisy neighbour on the
+shared CPU then hurts every system alike). Data wait = time the loop spent waiting for the next
+batch, as a fraction of the step time. The last line is `RESULT {json}`.
+
+    python bench/train_throughput.py [--checkpoint minilm-l6] [--preset small] [--steps 40]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def _corpus(home: Path, train_pairs: int):
+    """The first `train_pairs` Bible verses (and short dev/test) as a corpus of their own."""
+    from prlmfuse.data import build_bible, load_corpus, register_text
+
+    full = build_bible(home / "corpora" / "bible-en-ja")
+    out = home / "bench" / f"bible-en-ja-first{train_pairs}"
+    if (out / "corpus.json").is_file():
+        return load_corpus(out)
+    files = {}
+    raw = Path(tempfile.mkdtemp(prefix="train-bench-"))
+    for split, n in (("train", train_pairs), ("dev", 64), ("test", 64)):
+        for side in ("src", "tgt"):
+            lines = (full.root / f"{split}.{side}").read_text(encoding="utf-8").splitlines()[:n]
+            path = raw / f"{split}.{side}"
+            path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+            files[f"{split}_{side}"] = path
+    return register_text(out, **files, src_lang="en", tgt_lang="ja", name=f"bible-en-ja-first{train_pairs}")
+
+
+class _LivePrLM:
+    """bert-nmt's way: tokenize the raw source and run the frozen PrLM inside the training step."""
+
+    def __init__(self, info, layer: int, autocast: bool):
+        from prlmfuse.checkpoints import load_prlm
+
+        self.model, self.tokenizer = load_prlm(info)
+        self.layer = layer
+        self.max_length = int(info.max_length)
+        self.autocast = autocast
+
+    @torch.no_grad()
+    def features(self, lines: list[str]):
+        from prlmfuse.train_fused.modeling import PrLMFeatures
+
+        enc = self.tokenizer(lines, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            hidden = self.model(**enc, output_hidden_states=True).hidden_states[self.layer]
+        return PrLMFeatures(states=hidden.float()[:, None], mask=enc["attention_mask"].bool(), pooled=None)
+
+
+def _run_system(name, trainer, loader, steps: int, warmup: int, live: _LivePrLM | None, src_lines) -> dict:
+    """Time `steps` updates after `warmup`; returns mean step seconds and the data-wait fraction."""
+    batches = iter(loader)
+    wait = total = 0.0
+    tokens = 0
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        batch = next(batches)
+        t1 = time.perf_counter()
+        if live is not None:
+            batch.prlm = [live.features([src_lines[j] for j in batch.ids.tolist()])]
+        trainer.train_step(batch)
+        t2 = time.perf_counter()
+        if i >= warmup:
+            wait += t1 - t0
+            total += t2 - t0
+            tokens += batch.ntokens
+    del batches
+    return {"step_s": total / steps, "data_wait_fraction": wait / total, "tgt_tokens_per_s": tokens / total}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", default="minilm-l6", help="checkpoint alias or local dir (default minilm-l6)")
+    parser.add_argument("--preset", default="small", help="model preset (default small)")
+    parser.add_argument("--layer", type=int, default=-2)
+    parser.add_argument("--max-tokens", type=int, default=3500)
+    parser.add_argument("--steps", type=int, default=40, help="timed updates per system and round")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed updates per system and round")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--train-pairs", type=int, default=6000)
+    parser.add_argument("--bpe-vocab", type=int, default=8000)
+    parser.add_argument("--home", default=None, help="where corpus and caches go (default $PRLMFUSE_HOME)")
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    from prlmfuse.cache_features import build_cache
+    from prlmfuse.checkpoints import prepare_checkpoint, resolve_checkpoint
+    from prlmfuse.data import prlmfuse_home
+    from prlmfuse.train_fused.bpe import train_bpe
+    from prlmfuse.train_fused.config import PrLMUse, RunConfig
+    from prlmfuse.train_fused.data import FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader
+    from prlmfuse.train_fused.distributed import DistContext
+    from prlmfuse.train_fused.modeling import FusedTransformer, PrLMSpec
+    from prlmfuse.train_fused.trainer import Trainer, build_model_config, fast_bf16_available
+
+    home = Path(args.home) if args.home else prlmfuse_home()
+    corpus = _corpus(home, args.train_pairs)
+    try:
+        info = prepare_checkpoint(args.checkpoint)
+    except Exception:  # not an alias: a local directory or hub id
+        info = resolve_checkpoint(args.checkpoint)
+    absolute_layer = args.layer if args.layer >= 0 else info.num_layers + 1 + args.layer
+    caches = {}
+    for split in ("train", "dev"):
+        out = home / "bench" / "caches" / f"{Path(info.name).name}-{corpus.name}-{split}"
+        caches[split] = build_cache(args.checkpoint, corpus.src_path(split), out, layers=str(absolute_layer), progress=True).path
+    print(f"corpus {corpus.root} ({corpus.num_pairs('train')} train pairs), caches {caches['train']}", file=sys.stderr)
+
+    src_lines = (corpus.root / "train.src").read_text(encoding="utf-8").splitlines()
+    tgt_lines = (corpus.root / "train.tgt").read_text(encoding="utf-8").splitlines()
+    bpe = train_bpe(src_lines + tgt_lines, args.bpe_vocab)
+    src_ids = [np.asarray(x, dtype=np.int32) for x in bpe.encode_batch(src_lines)]
+    tgt_ids = [np.asarray(x, dtype=np.int32) for x in bpe.encode_batch(tgt_lines)]
+    sampler_args = dict(seed=1, shuffle=False)
+    # The same batches for every system: epoch 0 of the trainer's length-bucketed, shuffled order.
+    order_sampler = TokenBudgetBatchSampler(
+        np.array([len(s) + 1 for s in src_ids]), np.array([len(t) + 1 for t in tgt_ids]), args.max_tokens, seed=1
+    )
+    needed = args.warmup + args.steps
+    chosen = [order_sampler.batches[b] for b in order_sampler.epoch_order(0)][:needed]
+    if len(chosen) < needed:
+        raise SystemExit(f"only {len(chosen)} batches; raise --train-pairs")
+
+    def sampler_over(batches):
+        s = TokenBudgetBatchSampler(np.ones(1, dtype=np.int64), np.ones(1, dtype=np.int64), args.max_tokens, **sampler_args)
+        s.batches = batches
+        return s
+
+    use = PrLMUse(checkpoint=args.checkpoint, layer=args.layer)
+    run = RunConfig(name="bench", preset=args.preset, prlms=[use], max_tokens=args.max_tokens, max_updates=needed,
+                    num_workers=args.workers, dropout=0.1)
+    spec = PrLMSpec(name=info.name, width=info.hidden_size, num_layers=1, num_pooled=absolute_layer + 1)
+    bf16 = run.bf16 and fast_bf16_available()
+    ctx = DistContext()
+    tmp_run = Path(tempfile.mkdtemp(prefix="train-bench-run-"))
+
+    def make_trainer(prlm_specs, sources):
+        torch.manual_seed(1)
+        model = FusedTransformer(build_model_config(run, bpe.vocab_size, prlm_specs))
+        dataset = PairDataset(src_ids, tgt_ids, sources)
+        return Trainer(run, tmp_run, model, dataset, dataset, ctx, progress=False), dataset
+
+    disk = [FeatureSource(str(caches["train"]), layer_rows=(0,))]
+    memory = [FeatureSource(str(caches["train"]), layer_rows=(0,), in_memory=True)]
+    systems = {
+        "a": make_trainer([], []),
+        "b": make_trainer([spec], disk),
+        "c": make_trainer([spec], memory),
+        "d": make_trainer([spec], []),  # features come from the live PrLM, not from a cache
+    }
+    # (c) loads the whole cache into RAM before timing, as in_memory_features does at startup.
+    systems["c"][1].readers()[0].features(0)
+    live = _LivePrLM(info, args.layer, autocast=bf16)
+    print(f"model {args.preset}: {systems['a'][0].model.num_parameters() / 1e6:.1f}M baseline, "
+          f"{systems['b'][0].model.num_parameters() / 1e6:.1f}M fused; bf16 autocast {bf16}; "
+          f"{needed} batches of <= {args.max_tokens} tokens; PrLM {info.name} ({info.num_layers} layers, d={info.hidden_size})",
+          file=sys.stderr)
+
+    results: dict[str, list[dict]] = {k: [] for k in systems}
+    for r in range(args.rounds):
+        for key, (trainer, dataset) in systems.items():
+            workers = 0 if key in ("c", "d") else args.workers
+            loader = make_loader(dataset, sampler_over(chosen), num_workers=workers)
+            if key == "d":
+                loader = make_loader(PairDataset(src_ids, tgt_ids, []), sampler_over(chosen), num_workers=args.workers)
+            out = _run_system(key, trainer, loader, args.steps, args.warmup, live if key == "d" else None, src_lines)
+            del loader
+            results[key].append(out)
+            print(f"round {r + 1} ({key}): {out['step_s'] * 1000:.0f} ms/step, data wait {out['data_wait_fraction']:.1%}, "
+                  f"{out['tgt_tokens_per_s']:.0f} tgt tok/s", file=sys.stderr)
+
+    best = {k: min(v, key=lambda o: o["step_s"]) for k, v in results.items()}
+    names = {"a": "baseline", "b": "fused, cache on disk (workers)", "c": "fused, cache in memory", "d": "fused, live PrLM"}
+    for k, name in names.items():
+        print(f"({k}) {name:32s} {best[k]['step_s'] * 1000:8.1f} ms/step  data wait {best[k]['data_wait_fraction']:6.1%}")
+    result = {
+        "checkpoint": args.checkpoint,
+        "preset": args.preset,
+        "max_tokens": args.max_tokens,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "bf16": bf16,
+        "step_ms": {k: round(v["step_s"] * 1000, 1) for k, v in best.items()},
+        "b_over_a": round(best["b"]["step_s"] / best["a"]["step_s"], 3),
+        "b_over_c": round(best["b"]["step_s"] / best["c"]["step_s"], 3),
+        "d_over_b": round(best["d"]["step_s"] / best["b"]["step_s"], 3),
+        "data_wait_fraction": round(best["b"]["data_wait_fraction"], 4),
+    }
+    print("RESULT " + json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
