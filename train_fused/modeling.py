@@ -80,12 +80,14 @@ side; positions count real tokens only, so padding never changes the real tokens
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from prlmfuse.errors import UserError
 
@@ -312,6 +314,19 @@ def positions_from_mask(mask: Tensor) -> Tensor:
     return (mask.long().cumsum(dim=1) - 1).clamp(min=0)
 
 
+def _sdpa_backend_for(q: Tensor):
+    """Attention kernel choice: on CPU in bf16 with autograd, the math backend.
+
+    CPU flash attention's backward in bf16 is about 2x slower than autograd through the math
+    backend for our sequence lengths, while its forward is about 6x faster (torch 2.13, measured
+    for B=64, 4 heads, 32 tokens, head_dim 64). So training steps under bf16 autocast use the
+    math backend and everything else (fp32, inference, decoding) lets torch choose.
+    """
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad:
+        return sdpa_kernel(SDPBackend.MATH)
+    return contextlib.nullcontext()
+
+
 class MultiheadAttention(nn.Module):
     """Scaled dot-product attention with separate projections; keys/values may have another width."""
 
@@ -361,14 +376,15 @@ class MultiheadAttention(nn.Module):
                 offset = k_len - q_len
                 causal_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(diagonal=offset)
                 attn_mask = causal_mask if attn_mask is None else attn_mask & causal_mask
-        out = F.scaled_dot_product_attention(
-            q,
-            keys,
-            values,
-            attn_mask=attn_mask,
-            dropout_p=self.attn_dropout if self.training else 0.0,
-            is_causal=is_causal,
-        )
+        with _sdpa_backend_for(q):
+            out = F.scaled_dot_product_attention(
+                q,
+                keys,
+                values,
+                attn_mask=attn_mask,
+                dropout_p=self.attn_dropout if self.training else 0.0,
+                is_causal=is_causal,
+            )
         out = self.out_proj(out.transpose(1, 2).reshape(batch, q_len, d_model))
         if empty_rows is not None:
             out = out.masked_fill(empty_rows[:, None, None], 0.0)
