@@ -36,7 +36,7 @@ from prlmfuse.evaluate.metrics import (
     paired_p_value,
     sentence_stats,
 )
-from prlmfuse.fileio import atomic_path, atomic_write_json, atomic_write_text, read_json, read_lines, sha256_file
+from prlmfuse.fileio import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json, read_lines, sha256_file
 
 RUN_FILE = "run.json"
 BPE_FILE = "bpe.json"
@@ -500,7 +500,11 @@ class RunResult:
     p_value: dict = field(default_factory=dict)  # metric -> paired bootstrap p
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        # `reused` says how this call got the hypotheses, not what they score: it stays out of the
+        # results files so that re-running a finished evaluation rewrites nothing.
+        d = asdict(self)
+        del d["reused"]
+        return d
 
 
 @dataclass
@@ -924,5 +928,7 @@ def plot_dev_loss(runs: list[RunView], path: Path) -> None:
 
 
 def _save_figure(fig, path: Path) -> None:
-    with atomic_path(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
+    # Rendered in memory first so that an unchanged figure leaves the file untouched.
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, metadata={"Software": None})
+    atomic_write_bytes(path, buf.getvalue())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -19,6 +20,18 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """A full disk or an exhausted quota, however the writing library reports it.
+
+    Python, h5py and zarr raise OSError with errno set; safetensors (Rust) raises SafetensorError
+    whose text ends in "(os error 28)".
+    """
+    codes = (errno.ENOSPC, errno.EDQUOT)
+    if isinstance(error, OSError) and error.errno in codes:
+        return True
+    return any(f"(os error {code})" in str(error) for code in codes)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -55,6 +68,12 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` atomically; a file that already holds exactly these bytes is left untouched,
+    so re-running a finished step changes nothing on disk (not even modification times)."""
+    p = Path(path)
+    with contextlib.suppress(OSError):
+        if p.stat().st_size == len(data) and p.read_bytes() == data:
+            return
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)
 

@@ -259,17 +259,19 @@ def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None, jobs=
 # ---------------------------------------------------------------------------- plan
 
 
-def _run_state(path: Path) -> str:
-    state_file = path / "trainer_state.json"
-    if not state_file.is_file():
-        return "new"
-    try:
-        state = json.loads(state_file.read_text())
-    except ValueError:
-        return "corrupt trainer_state.json"
-    if state.get("finished"):
-        return f"done ({state.get('update', '?')} updates)"
-    return f"resume at update {state.get('update', '?')}"
+def _run_state(run: RunConfig, path: Path) -> tuple[str, int]:
+    """What training `run` still has to do: ("new" | "resume at update N" | "done", updates done)."""
+    from prlmfuse.train_fused.checkpointing import latest_trainer_state
+
+    state = latest_trainer_state(path) if path.is_dir() else None
+    if state is None:
+        return "new", 0
+    update = int(state.get("update", 0))
+    if (run.max_updates is not None and update >= run.max_updates) or (
+        run.max_epochs is not None and int(state.get("epoch", 0)) >= run.max_epochs
+    ) or (run.patience is not None and int(state.get("bad_evals", 0)) >= run.patience):
+        return f"done at update {update}", update
+    return f"resume at update {update}", update
 
 
 def _measured_speed(cfg: PipelineConfig) -> float | None:
@@ -305,20 +307,17 @@ def print_plan(cfg: PipelineConfig, names: list[str] | None) -> None:
         for e in cfg.cache.checkpoints:
             click.echo(f"cache: {e.name} train/dev/test [to build once the corpus exists]")
     speed = _measured_speed(cfg)
-    total_updates = 0
+    total_updates = total_tokens = 0
     for run in _selected_runs(cfg, names):
-        state = _run_state(run_dir(cfg, run.name))
-        budget = run.max_updates if run.max_updates is not None else f"{run.max_epochs} epochs"
+        state, done = _run_state(run, run_dir(cfg, run.name))
+        budget = f"{run.max_updates} updates" if run.max_updates is not None else f"{run.max_epochs} epochs"
         prlms = ", ".join(f"{u.checkpoint}[{u.layer}]" for u in run.prlms) or "none (baseline)"
-        click.echo(f"train: {run.name:<28} [{state}] PrLM: {prlms}; budget {budget} x {run.max_tokens} tokens")
+        click.echo(f"train: {run.name:<28} [{state}] PrLM: {prlms}; budget {budget} of {run.max_tokens}-token batches")
         if run.max_updates is not None and not state.startswith("done"):
-            done = 0
-            m = re.search(r"update (\d+)", state)
-            if m:
-                done = int(m.group(1))
             total_updates += max(0, run.max_updates - done)
+            total_tokens += max(0, run.max_updates - done) * run.max_tokens
     if total_updates:
-        click.echo(f"estimate: {total_updates} updates left, about {total_updates * 3500 / 1e6:.1f}M target-side token slots")
+        click.echo(f"estimate: {total_updates} updates left, at most {total_tokens / 1e6:.1f}M tokens")
         if speed:
             click.echo(f"estimate: about {total_updates / speed / 60:.0f} min at the {speed:.2f} updates/s measured so far")
         else:

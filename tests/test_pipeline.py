@@ -1,0 +1,121 @@
+"""`prlmfuse run` end to end on a tiny pipeline, then again to show the second run is a no-op."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_spec = importlib.util.spec_from_file_location("test_train_support", Path(__file__).with_name("test_train_support.py"))
+support = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(support)
+
+PIPELINE = """\
+workdir: work
+data:
+  kind: text
+  src: en
+  tgt: ja
+  files:
+    train_src: {raw}/train.src
+    train_tgt: {raw}/train.tgt
+    dev_src: {raw}/dev.src
+    dev_tgt: {raw}/dev.tgt
+    test_src: {raw}/test.src
+    test_tgt: {raw}/test.tgt
+cache:
+  backend: {backend}
+  checkpoints:
+    - name: {prlm}
+      layers: [-2]
+train:
+  defaults: {{preset: tiny, bpe_vocab: 400, max_tokens: 400, max_updates: 6, max_epochs: null, warmup: 3,
+             save_every: 3, keep_last: 3, num_workers: 0, bf16: false, dropout: 0.0}}
+  runs:
+    baseline: {{}}
+    fused: {{prlms: [{{checkpoint: {prlm}, layer: -2}}]}}
+evaluate: {{baseline: baseline, beam: 2, average_last: 2, max_len_b: 5}}
+"""
+
+
+def _tree_state(root: Path) -> dict[str, int]:
+    """Every file under root with its modification time (ns): what a no-op must leave untouched."""
+    # Lock files are not content: taking a lock may touch them.
+    return {
+        str(p.relative_to(root)): p.stat().st_mtime_ns
+        for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".lock"
+    }
+
+
+def _prlmfuse(*args, cwd):
+    env = dict(os.environ)
+    return subprocess.run([sys.executable, "-m", "prlmfuse.cli", *args], cwd=cwd, env=env, capture_output=True, text=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_pipeline(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    corpus = support.small_bible(root / "corpus", train=200, dev=16, test=16)
+    prlm = support.tiny_prlm(root / "prlm", layers=3, width=32)
+    path = root / "pipeline.yaml"
+    path.write_text(PIPELINE.format(raw=root / "corpus" / "raw", prlm=prlm, backend="zarr"), encoding="utf-8")
+    return root, path, corpus
+
+
+@pytest.mark.slow
+def test_run_end_to_end_then_again_is_a_no_op(tiny_pipeline):
+    root, path, _ = tiny_pipeline
+    plan = _prlmfuse("run", str(path), "--dry-run", cwd=root)
+    assert plan.returncode == 0, plan.stderr
+    assert "to build" in plan.stdout and "[new]" in plan.stdout
+
+    first = _prlmfuse("run", str(path), cwd=root)
+    assert first.returncode == 0, first.stderr[-3000:]
+    work = root / "work"
+    results = (work / "results" / "results.md").read_text(encoding="utf-8")
+    assert "baseline" in results and "fused" in results and "BLEU" in results
+    for run in ("baseline", "fused"):
+        assert (work / "runs" / run / "run.json").is_file()
+        assert list((work / "runs" / run / "checkpoints").glob("update-*.safetensors"))
+    before = _tree_state(work)
+
+    second = _prlmfuse("run", str(path), cwd=root)
+    assert second.returncode == 0, second.stderr[-3000:]
+    after = _tree_state(work)
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    assert not changed, f"a second run of a finished pipeline must change nothing, but touched {changed}"
+
+    plan = _prlmfuse("run", str(path), "--dry-run", cwd=root)
+    assert plan.returncode == 0, plan.stderr
+    assert "to build" not in plan.stdout and plan.stdout.count("[done at update 6]") == 2
+
+
+def test_dry_run_on_a_fresh_pipeline_writes_nothing(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for split in ("train", "dev", "test"):
+        (raw / f"{split}.src").write_text("a b\nc d\n", encoding="utf-8")
+        (raw / f"{split}.tgt").write_text("x\ny\n", encoding="utf-8")
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(PIPELINE.format(raw=raw, prlm="minilm-l6", backend="hdf5"), encoding="utf-8")
+    from prlmfuse.config import load_pipeline
+    from prlmfuse.pipeline import print_plan
+
+    print_plan(load_pipeline(path), None)
+    assert not (tmp_path / "work").exists()
+
+
+def test_training_before_the_cache_exists_says_what_to_run(tiny_pipeline, tmp_path):
+    root, path, _ = tiny_pipeline
+    from prlmfuse.config import load_pipeline
+    from prlmfuse.errors import UserError
+    from prlmfuse.pipeline import train_runs
+
+    cfg = load_pipeline(path)
+    cfg.workdir = tmp_path / "elsewhere"
+    with pytest.raises(UserError, match=r"--only data"):
+        train_runs(cfg)
