@@ -195,6 +195,10 @@ def cache_inspect(path: str, as_json: bool) -> None:
             click.echo(f"{k}:")
             for kk, vv in v.items():
                 click.echo(f"  {kk}: {vv}")
+        elif isinstance(v, float):
+            click.echo(f"{k}: {v:.1f}")
+        elif isinstance(v, int) and (k.endswith("bytes") or k == "size_on_disk"):
+            click.echo(f"{k}: {v} ({v / 2**20:.1f} MiB)")
         else:
             click.echo(f"{k}: {v}")
 
