@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -30,7 +31,7 @@ import numpy as np
 import torch
 
 from prlmfuse.errors import UserError
-from prlmfuse.fileio import read_lines, sha256_file
+from prlmfuse.fileio import is_disk_full, read_lines, sha256_file
 
 from .extract import (
     EncodedCorpus,
@@ -71,6 +72,13 @@ from .storage import (
 DEFAULT_SHARD_BYTES = 64 << 20
 _WRITER_QUEUE_BATCHES = 4  # bounded: at most this many encoded batches wait for the disk
 _OUR_NAMES = {MANIFEST, BUILD_RECORD, SHARD_DIR, PROGRESS_DIR, ".lock"}
+# Temp names of fileio.atomic_path (".<final name>.<random>.tmp") and of the shard writers
+# (".<shard>.tmp-<pid>"): what a kill -9 mid-write leaves behind. Never trusted, removed on resume.
+_STALE_TEMP = {
+    "": re.compile(r"^\.(manifest|build)\.json\..+\.tmp$"),
+    PROGRESS_DIR: re.compile(r"^\.shard-\d{5}\.(zarr|h5)\.json\..+\.tmp$"),
+    SHARD_DIR: re.compile(r"^\.shard-\d{5}\.(zarr|h5)\.tmp-\d+$"),
+}
 
 
 @dataclass(frozen=True)
@@ -84,6 +92,10 @@ class CacheResult:
 def _say(message: str, enabled: bool) -> None:
     if enabled:
         print(message, file=sys.stderr, flush=True)
+
+
+def _disk_full_error(what: str, location) -> UserError:
+    return UserError(f"disk full while writing {what} in {location}; free space and rerun to resume")
 
 
 # ----------------------------------------------------------------------------- distributed
@@ -187,7 +199,9 @@ class _BackgroundWriter:
         self._put(("commit",))
 
     def close(self) -> list[dict]:
-        self._put(None)
+        # The sentinel goes in even after an error: the thread keeps draining, so this never
+        # blocks, and the thread ends instead of waiting forever on an abandoned queue.
+        self.queue.put(None)
         self.thread.join()
         if self.error is not None:
             raise self.error
@@ -218,7 +232,7 @@ class _BackgroundWriter:
                     write_json_at(self.location, f"{PROGRESS_DIR}/{name}.json", record)
                     self.records.append(record)
             except BaseException as e:  # noqa: BLE001 - re-raised in the model thread
-                self.error = e
+                self.error = _disk_full_error(f"shard {name}", self.location) if is_disk_full(e) else e
                 if writer is not None:
                     writer.abort()
                     writer = None
@@ -251,19 +265,21 @@ def _clear_build_state(location: Location) -> None:
 
 
 def _remove_stale_temps(location: Location) -> None:
+    """Delete what killed builds left half-written (called under the directory lock)."""
     if location.url:
         return
-    shard_dir = location.path / SHARD_DIR
-    if shard_dir.is_dir():
-        for entry in os.listdir(shard_dir):
-            if entry.startswith(".shard-") and ".tmp-" in entry:
-                location.remove(f"{SHARD_DIR}/{entry}")
+    for sub, pattern in _STALE_TEMP.items():
+        directory = location.path / sub
+        if directory.is_dir():
+            for entry in os.listdir(directory):
+                if pattern.match(entry):
+                    location.remove(f"{sub}/{entry}" if sub else entry)
 
 
 def _prepare_directory(location: Location, key: str, fields: dict, backend: str, plan_params: dict,
                        force: bool, verbose: bool) -> dict | None:
     """Decide reuse / resume / fresh build. Returns the manifest when the cache can be reused."""
-    entries = set(location.listdir())
+    entries = {e for e in location.listdir() if not _STALE_TEMP[""].match(e)}
     foreign = entries - _OUR_NAMES
     if foreign and not (entries & {MANIFEST, BUILD_RECORD}):
         raise UserError(
@@ -300,7 +316,12 @@ def _prepare_directory(location: Location, key: str, fields: dict, backend: str,
                 "or choose another --out"
             )
     _remove_stale_temps(location)
-    write_json_at(location, BUILD_RECORD, {"key": key, "key_fields": fields, "backend": backend, "plan": plan_params})
+    try:
+        write_json_at(location, BUILD_RECORD, {"key": key, "key_fields": fields, "backend": backend, "plan": plan_params})
+    except OSError as e:
+        if is_disk_full(e):
+            raise _disk_full_error(BUILD_RECORD, location) from None
+        raise
     return None
 
 
@@ -387,29 +408,40 @@ def build_cache(
 
     dist = _Dist()
     try:
-        # rank 0 decides reuse / resume / replace under the lock; the other ranks follow its verdict
-        with _directory_lock(location, enabled=dist.rank == 0, verbose=progress):
-            verdict, error = 0, None  # 0 build, 1 reuse, 2 failed
-            manifest = None
-            if dist.rank == 0:
-                try:
-                    manifest = _prepare_directory(location, key, fields, backend, plan_params, force, progress)
-                    verdict = 1 if manifest is not None else 0
-                except BaseException as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
-                    verdict, error = 2, e
-            verdict = dist.max(verdict)
-            if verdict == 2:
-                raise error if error is not None else UserError(f"cache build of {out} failed on rank 0")
-            if verdict == 1:
-                if manifest is None:
-                    manifest = read_json_at(location, MANIFEST, "cache manifest")
-                _say(f"cached: {out} already holds this cache (key {key[:12]}), nothing to do", progress)
-                return CacheResult(str(out), key, True, manifest)
-            manifest = _build(info, load_prlm, lines, location, selection, fields, key, backend, dtype,
-                              max_tokens, shard_bytes, autocast, progress, dist)
-            return CacheResult(str(out), key, False, manifest)
+        return _locked_build(info, load_prlm, lines, location, out, selection, fields, key, plan_params, backend,
+                             dtype, max_tokens, shard_bytes, autocast, force, progress, dist)
+    except OSError as e:
+        # anything not already named (the lock file, a directory): still one actionable line
+        if is_disk_full(e):
+            raise _disk_full_error("the cache", location) from None
+        raise
     finally:
         dist.close()
+
+
+def _locked_build(info, load_prlm, lines, location, out, selection, fields, key, plan_params, backend, dtype,
+                  max_tokens, shard_bytes, autocast, force, progress, dist: _Dist) -> CacheResult:
+    """Reuse, resume or build `location`: rank 0 decides under the lock; the other ranks follow its verdict."""
+    with _directory_lock(location, enabled=dist.rank == 0, verbose=progress):
+        verdict, error = 0, None  # 0 build, 1 reuse, 2 failed
+        manifest = None
+        if dist.rank == 0:
+            try:
+                manifest = _prepare_directory(location, key, fields, backend, plan_params, force, progress)
+                verdict = 1 if manifest is not None else 0
+            except BaseException as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
+                verdict, error = 2, e
+        verdict = dist.max(verdict)
+        if verdict == 2:
+            raise error if error is not None else UserError(f"cache build of {out} failed on rank 0")
+        if verdict == 1:
+            if manifest is None:
+                manifest = read_json_at(location, MANIFEST, "cache manifest")
+            _say(f"cached: {out} already holds this cache (key {key[:12]}), nothing to do", progress)
+            return CacheResult(str(out), key, True, manifest)
+        manifest = _build(info, load_prlm, lines, location, selection, fields, key, backend, dtype,
+                          max_tokens, shard_bytes, autocast, progress, dist)
+        return CacheResult(str(out), key, False, manifest)
 
 
 def _build(info, load_prlm, lines, location, selection, fields, key, backend, dtype, max_tokens, shard_bytes,
@@ -509,5 +541,10 @@ def _write_manifest(location, key, fields, backend, dtype, selection, d, corpus:
         "max_length": fields["truncation"]["max_length"],
         "complete": True,
     }
-    write_json_at(location, MANIFEST, manifest)
+    try:
+        write_json_at(location, MANIFEST, manifest)
+    except OSError as e:
+        if is_disk_full(e):
+            raise _disk_full_error(MANIFEST, location) from None
+        raise
     return manifest

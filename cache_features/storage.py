@@ -14,6 +14,8 @@ both backends, so `verify_cache` never depends on how a backend lays bytes on di
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import hashlib
 import os
 import shutil
@@ -253,16 +255,27 @@ class Hdf5ShardWriter(ShardWriter):
         self.final = location.path / name
         self.tmp = self.final.with_name(f".{self.final.name}.tmp-{os.getpid()}")
         self.final.parent.mkdir(parents=True, exist_ok=True)
-        self.file = h5py.File(self.tmp, "w", libver="latest")
-        for array, spec in specs.items():
-            # contiguous layout: a sentence read is one exact slice, no chunk over-read
-            self.file.create_dataset(array, shape=spec.shape, dtype=spec.dtype)
+        self.file = None
+        try:
+            self.file = h5py.File(self.tmp, "w", libver="latest")
+            _reserve_space(self.tmp, sum(int(np.prod(s.shape, dtype=np.int64)) * np.dtype(s.dtype).itemsize
+                                         for s in specs.values()) + _HDF5_METADATA_BYTES * (1 + len(specs)))
+            for array, spec in specs.items():
+                # contiguous layout: a sentence read is one exact slice, no chunk over-read
+                self.file.create_dataset(array, shape=spec.shape, dtype=spec.dtype)
+        except BaseException:
+            self.abort()  # e.g. a full disk: the caller never gets a writer to abort
+            raise
 
     def _write(self, name, start, rows):
         if len(rows):
             self.file[name][start : start + len(rows)] = rows
 
     def _finish(self):
+        # Flush while the file is open: a full disk then fails here as a plain OSError. The same
+        # failure inside close() leaves HDF5 an id it cannot release, and the process segfaults
+        # (h5py#914; seen here on a full tmpfs).
+        self.file.flush()
         self.file.close()
         with open(self.tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -270,10 +283,48 @@ class Hdf5ShardWriter(ShardWriter):
         _fsync_dir(self.final.parent)
 
     def abort(self):
-        with contextlib.suppress(Exception):
-            self.file.close()
+        if self.file is not None:
+            # Give the temp file's space back first, so that the metadata close() still writes
+            # finds room even when the disk is full (a failing close can crash, see _finish).
+            with contextlib.suppress(OSError):
+                os.truncate(self.tmp, 0)
+            with contextlib.suppress(Exception):
+                self.file.close()
         with contextlib.suppress(FileNotFoundError):
             self.tmp.unlink()
+
+
+# Room for HDF5's own bytes (superblock, one object header per dataset): ~400 B each, measured.
+_HDF5_METADATA_BYTES = 4096
+_FALLOC_FL_KEEP_SIZE = 1
+
+
+def _reserve_space(path: Path, nbytes: int) -> None:
+    """Allocate disk blocks for the first `nbytes` of `path` without changing its size.
+
+    HDF5 does not survive a write that fails inside its metadata flush: the dataset or file close
+    that hits the full disk leaves an id it cannot release, and the process segfaults (h5py#914,
+    reproduced on a full tmpfs). With every block the shard needs reserved up front, a full disk
+    fails here, as a plain OSError, before HDF5 has written anything it must flush.
+    """
+    try:
+        fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+        fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    except (AttributeError, OSError):
+        fallocate = None  # not Linux: fall back to a free-space check
+    if fallocate is not None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            if fallocate(fd, _FALLOC_FL_KEEP_SIZE, 0, nbytes) == 0:
+                return
+            code = ctypes.get_errno()
+        finally:
+            os.close(fd)
+        if code not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            raise OSError(code, os.strerror(code), str(path))
+    stats = os.statvfs(path.parent)
+    if stats.f_bavail * stats.f_frsize < nbytes:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -313,17 +364,21 @@ class ZarrShardWriter(ShardWriter):
                 shutil.rmtree(self.tmp)
             self.final.parent.mkdir(parents=True, exist_ok=True)
             store = zarr.storage.LocalStore(self.tmp)
-        self.group = zarr.open_group(store, mode="w")
         self.arrays = {}
         self.pending: dict[str, list[np.ndarray]] = {}
         self.flushed = {}
-        for array, spec in specs.items():
-            self.arrays[array] = self.group.create_array(
-                array, shape=spec.shape, dtype=spec.dtype, chunks=(_chunk_rows(spec),) + spec.shape[1:],
-                compressors=None, fill_value=0,
-            )
-            self.pending[array] = []
-            self.flushed[array] = 0
+        try:
+            self.group = zarr.open_group(store, mode="w")
+            for array, spec in specs.items():
+                self.arrays[array] = self.group.create_array(
+                    array, shape=spec.shape, dtype=spec.dtype, chunks=(_chunk_rows(spec),) + spec.shape[1:],
+                    compressors=None, fill_value=0,
+                )
+                self.pending[array] = []
+                self.flushed[array] = 0
+        except BaseException:
+            self.abort()  # e.g. a full disk: the caller never gets a writer to abort
+            raise
 
     def _write(self, name, start, rows):
         self.pending[name].append(rows)

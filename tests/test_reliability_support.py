@@ -1,0 +1,202 @@
+"""Helpers for the reliability tests (no tests here): a pre-imported "zygote" that forks jobs to be
+killed, a corpus of distinct sentences, and whole-cache comparisons.
+
+Loaded by tests/test_reliability*.py through importlib, like test_cache_support.
+
+Why a zygote: importing torch + transformers costs ~5-7 s on this machine, and the crash trials
+start dozens of builds and training runs. The zygote pays that once, then forks one child per
+job; each child starts its own session (so killpg also takes its DataLoader workers) and runs
+the job at once, so a kill offset measures time spent in the job, not in imports.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).parent
+_cache_spec = importlib.util.spec_from_file_location("test_cache_support", HERE / "test_cache_support.py")
+cache_support = importlib.util.module_from_spec(_cache_spec)
+_cache_spec.loader.exec_module(cache_support)
+
+
+def distinct_sentences(n: int, seed: int = 0) -> list[str]:
+    """n different sentences of 1..40 words from the tiny tokenizer's vocabulary (plus one empty line)."""
+    words = " ".join(cache_support.SENTENCES).replace(",", "").replace(".", "").split()
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    lines = [""]
+    while len(lines) < n:
+        line = " ".join(rng.choice(words) for _ in range(rng.randint(1, 40)))
+        if line not in seen:
+            seen.add(line)
+            lines.append(line)
+    return lines
+
+
+# ------------------------------------------------------------------------------------------ jobs
+# Functions the zygote's children run; everything arrives as JSON.
+
+
+def job_build_cache(checkpoint: str, corpus: str, out: str, result: str, **kwargs) -> None:
+    from prlmfuse.cache_features import build_cache
+
+    built = build_cache(checkpoint, corpus, out, **kwargs)
+    Path(result).write_text(json.dumps({"reused": built.reused, "key": built.key}))
+
+
+def job_train(corpus: str, ckpt: str, paths: dict, out: str, run: dict) -> None:
+    from prlmfuse.data import load_corpus
+    from prlmfuse.train_fused import PrLMUse, train_run
+
+    train_support = load_module("test_train_support")
+    use = PrLMUse(checkpoint=ckpt, layer=-2)
+    train_run(train_support.tiny_run("killed", prlms=[use], **run), load_corpus(corpus),
+              [train_support.caches_for(use, paths)], out, progress=False)
+
+
+def load_module(name: str):
+    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_ZYGOTE = r"""
+import json, os, sys, traceback
+import torch
+torch.set_num_threads(1)
+from transformers import BertModel, BertTokenizerFast, PreTrainedTokenizerFast  # noqa: F401 - preload
+import prlmfuse.cache_features, prlmfuse.checkpoints, prlmfuse.data  # noqa: F401
+import prlmfuse.train_fused.trainer  # noqa: F401
+from prlmfuse.errors import UserError
+import importlib.util
+spec = importlib.util.spec_from_file_location("test_reliability_support", {support!r})
+support = importlib.util.module_from_spec(spec); spec.loader.exec_module(support)
+print(json.dumps({{"ready": os.getpid()}}), flush=True)
+for line in sys.stdin:
+    msg = json.loads(line)
+    if msg["cmd"] == "wait":
+        _, status = os.waitpid(msg["pid"], 0)
+        print(json.dumps({{"status": os.waitstatus_to_exitcode(status)}}), flush=True)
+        continue
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setsid()  # its own process group: killpg takes its DataLoader workers too
+            log = os.open(msg["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(log, 1); os.dup2(log, 2)
+            sys.stdin.close()
+            getattr(support, msg["fn"])(**msg["kwargs"])
+            code = 0
+        except UserError as e:
+            print(f"error: {{e}}", file=sys.stderr)
+            code = 2
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush(); sys.stderr.flush()
+            os._exit(code)
+    print(json.dumps({{"pid": pid}}), flush=True)
+"""
+
+
+class Zygote:
+    """A Python process with torch, transformers and prlmfuse imported, forking one child per job."""
+
+    def __init__(self, env: dict | None = None):
+        script = textwrap.dedent(_ZYGOTE.format(support=str(Path(__file__))))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        )
+        assert "ready" in self._read(), "zygote failed to start"
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"zygote exited with {self.proc.wait()}")
+        return json.loads(line)
+
+    def start(self, fn: str, log: Path, **kwargs) -> int:
+        """Fork a child running support.<fn>(**kwargs), stdout and stderr appended to `log`; its pid."""
+        self.proc.stdin.write(json.dumps({"cmd": "start", "fn": fn, "log": str(log), "kwargs": kwargs}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()["pid"]
+
+    def wait(self, pid: int) -> int:
+        """Exit status of a child: 0, 2 for a UserError, 1 for any other exception, -9 when killed."""
+        self.proc.stdin.write(json.dumps({"cmd": "wait", "pid": pid}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()["status"]
+
+    def run(self, fn: str, log: Path, **kwargs) -> tuple[int, float]:
+        """Run a job to its end: (exit status, seconds)."""
+        started = time.perf_counter()
+        pid = self.start(fn, log, **kwargs)
+        status = self.wait(pid)
+        return status, time.perf_counter() - started
+
+    def run_and_kill(self, fn: str, log: Path, after: float, **kwargs) -> int:
+        """Start a job and SIGKILL its whole process group `after` seconds later (if still running)."""
+        pid = self.start(fn, log, **kwargs)
+        time.sleep(after)
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:  # already finished (or not yet in its own group)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return self.wait(pid)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+# ------------------------------------------------------------------------------------------ caches
+
+
+def temp_leftovers(directory: Path) -> list[str]:
+    """Names of temp files/dirs (anything hidden except the lock file) anywhere under `directory`."""
+    return sorted(str(p.relative_to(directory)) for p in directory.rglob(".*") if p.name != ".lock")
+
+
+def assert_same_cache(path: Path, reference: Path) -> None:
+    """Same manifest shards (names, counts, sha256), every sentence exactly once, equal features."""
+    from prlmfuse.cache_features import CacheReader, verify_cache
+    from prlmfuse.cache_features.storage import Location, ShardHandle
+
+    verify_cache(path)
+    a, b = CacheReader(path), CacheReader(reference)
+    assert a.key == b.key
+    assert a.manifest["shards"] == b.manifest["shards"]
+    location = Location(path)
+    ids = []
+    for shard in a.manifest["shards"]:
+        handle = ShardHandle(location, a.backend, f"shards/{shard['name']}")
+        ids.append(handle.read("sentence_ids"))
+        handle.close()
+    ids = np.concatenate(ids)
+    assert len(ids) == a.num_sentences and np.array_equal(np.sort(ids), np.arange(a.num_sentences))  # none lost or doubled
+    assert np.array_equal(a.lengths, b.lengths)
+    for i in range(len(b)):
+        assert torch.equal(a.features(i), b.features(i)), i
+        assert torch.equal(a.pooled(i), b.pooled(i)), i
+    a.close()
+    b.close()
+    assert temp_leftovers(path) == []
