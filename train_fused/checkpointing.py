@@ -26,12 +26,21 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, load_model, save_file, save_model
 
 from prlmfuse.errors import UserError
-from prlmfuse.fileio import atomic_path, atomic_write_json, read_json
+from prlmfuse.fileio import atomic_path, atomic_write_json, is_disk_full, read_json
 
 CHECKPOINT_DIR = "checkpoints"
 TRAINER_STATE = "trainer_state.json"
 BEST = "best.safetensors"
 _WEIGHTS_RE = re.compile(r"^update-(\d{8})\.safetensors$")
+# What trainer_state.json may name: files of this run's checkpoints/ folder, nothing else.
+_NAMED_FILE_RE = {
+    "checkpoint": re.compile(rf"^{CHECKPOINT_DIR}/update-\d{{8}}\.safetensors$"),
+    "optimizer": re.compile(rf"^{CHECKPOINT_DIR}/optimizer-\d{{8}}\.safetensors$"),
+}
+# atomic_path's temp names (".<final name>.<random>.tmp"): what a kill -9 mid-save leaves behind.
+_STALE_TEMP_RE = re.compile(r"^\.(update-\d{8}\.(safetensors|json)|optimizer-\d{8}\.safetensors|"
+                            r"trainer_state\.json|best\.safetensors|run\.json|bpe\.json|metrics\.jsonl|"
+                            r"average-last\d+\.safetensors)\..+\.tmp$")
 
 
 def weights_path(run_dir: Path, update: int) -> Path:
@@ -111,9 +120,25 @@ def save_checkpoint(
     is_best: bool,
     keep_last: int,
 ) -> Path:
-    """Write one complete checkpoint, then trainer_state.json naming it, then prune old ones."""
+    """Write one complete checkpoint, then trainer_state.json naming it, then prune old ones.
+
+    A full disk is a UserError naming the checkpoint; the temp file is gone and the previous
+    checkpoint (still the one trainer_state.json names) is untouched, so a rerun resumes from it.
+    """
     run_dir = Path(run_dir)
     update = int(trainer_state["update"])
+    try:
+        return _save_checkpoint(run_dir, update, model, optimizer, trainer_state, is_best=is_best, keep_last=keep_last)
+    except Exception as e:  # noqa: BLE001 - safetensors reports I/O errors as SafetensorError
+        if is_disk_full(e):
+            raise UserError(
+                f"disk full while writing checkpoint update-{update:08d} in {run_dir}; free space and rerun to resume"
+            ) from None
+        raise
+
+
+def _save_checkpoint(run_dir: Path, update: int, model, optimizer, trainer_state: dict, *, is_best: bool,
+                     keep_last: int) -> Path:
     weights = weights_path(run_dir, update)
     save_weights(model, weights, metadata={"update": str(update)})
     with atomic_path(optimizer_path(run_dir, update)) as tmp:
@@ -167,7 +192,7 @@ def latest_trainer_state(run_dir: str | os.PathLike) -> dict | None:
     run_dir = Path(run_dir)
     path = run_dir / TRAINER_STATE
     if path.is_file():
-        state = read_json(path, "trainer state")
+        state = _checked_state(read_json(path, "trainer state"), path)
         if not (run_dir / state.get("checkpoint", "")).is_file():
             raise UserError(
                 f"{path} names {state.get('checkpoint')!r}, which is missing; "
@@ -177,7 +202,37 @@ def latest_trainer_state(run_dir: str | os.PathLike) -> dict | None:
     updates = complete_checkpoints(run_dir)
     if not updates:
         return None
-    return read_json(state_path(run_dir, updates[-1]), "checkpoint state")
+    return _checked_state(read_json(state_path(run_dir, updates[-1]), "checkpoint state"), state_path(run_dir, updates[-1]))
+
+
+def _checked_state(state: dict, path: Path) -> dict:
+    """File names read from a trainer state must stay inside the run's checkpoints/ folder."""
+    if not isinstance(state, dict) or not isinstance(state.get("update"), int):
+        raise UserError(f"{path} is not a trainer state written by prlmfuse (no integer 'update'); "
+                        "restore it or start the run afresh in a new directory")
+    for key, pattern in _NAMED_FILE_RE.items():
+        name = state.get(key)
+        if not isinstance(name, str) or not pattern.match(name):
+            raise UserError(f"{path}: {key} {name!r} is not a file of this run's {CHECKPOINT_DIR}/ folder; "
+                            "the trainer state is corrupt, restore it or start the run afresh in a new directory")
+    return state
+
+
+def remove_stale_temps(run_dir: str | os.PathLike) -> list[str]:
+    """Delete temp files a killed save left beside the run's files; returns their names.
+
+    Only for the process that owns the run directory (train_run holds its lock): another
+    writer's temp file would otherwise vanish under it.
+    """
+    run_dir = Path(run_dir)
+    removed = []
+    for directory in (run_dir, run_dir / CHECKPOINT_DIR):
+        if directory.is_dir():
+            for entry in directory.iterdir():
+                if _STALE_TEMP_RE.match(entry.name) and entry.is_file():
+                    entry.unlink(missing_ok=True)
+                    removed.append(entry.name)
+    return removed
 
 
 def load_checkpoint(

@@ -12,7 +12,9 @@ weights an uninterrupted one would have.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import os
@@ -641,7 +643,40 @@ def train_run(
     _check_run(run, caches)
     ctx = init_distributed()
     branches = [_resolve_branch(use, cache, corpus) for use, cache in zip(run.prlms, caches)]
+    with contextlib.ExitStack() as stack:
+        if ctx.is_main:
+            stack.enter_context(_run_dir_lock(run_dir))
+            # Safe only under the lock: a killed save's temp file is nobody's now.
+            checkpointing.remove_stale_temps(run_dir)
+        return _train_locked(run, corpus, branches, run_dir, ctx, resume=resume, progress=progress)
 
+
+@contextlib.contextmanager
+def _run_dir_lock(run_dir: Path):
+    """One training process per run directory: a second one would interleave checkpoints."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / ".lock", "a+") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "?"
+            raise UserError(
+                f"{run_dir} is being trained by another process (pid {holder}); wait for it to finish "
+                "(a rerun then resumes or finds the run done) or choose another directory"
+            ) from None
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _train_locked(run: RunConfig, corpus, branches: list[_Branch], run_dir: Path, ctx: DistContext, *, resume: bool,
+                  progress: bool) -> Path:
     existing = checkpointing.latest_trainer_state(run_dir) if run_dir.is_dir() else None
     if existing is not None and not resume:
         raise UserError(

@@ -1,0 +1,243 @@
+"""Stage two under crashes, full disks, damaged caches and hostile run files.
+
+Fast: a full disk while saving a checkpoint; damaged caches refused before anything is written;
+trainer_state.json cannot name files outside the run; one trainer per run directory; temp files of
+a killed save are removed on resume.
+Slow: several kill -9 at seeded random moments of one run (DataLoader worker included), resumed to
+the end: the weights of an uninterrupted run, and metrics.jsonl continuing the update count and
+the inverse-sqrt learning rate.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+
+from prlmfuse.errors import UserError
+from prlmfuse.train_fused import PrLMUse, load_run, train_run
+from prlmfuse.train_fused import checkpointing
+from prlmfuse.train_fused.trainer import inverse_sqrt_lr
+
+_here = Path(__file__).parent
+_spec = importlib.util.spec_from_file_location("test_reliability_support", _here / "test_reliability_support.py")
+support = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(support)
+train_support = support.load_module("test_train_support")
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("reliability-train")
+    corpus = train_support.small_bible(root)
+    ckpt = train_support.tiny_prlm(root / "bert")
+    paths = train_support.build_caches(ckpt, corpus, root / "cache", layers="-2,-1")
+    return {"root": root, "corpus": corpus, "ckpt": ckpt, "paths": paths}
+
+
+def _weights(run_dir: Path, update: int) -> dict[str, torch.Tensor]:
+    return load_file(str(checkpointing.weights_path(run_dir, update)))
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _fused(world, name: str = "r", **overrides):
+    use = PrLMUse(checkpoint=str(world["ckpt"]), layer=-2)
+    return train_support.tiny_run(name, prlms=[use], **overrides), [train_support.caches_for(use, world["paths"])]
+
+
+def _assert_every_checkpoint_file_is_whole(run_dir: Path) -> None:
+    """Whatever carries a final name loads completely: weights, optimizer state, JSON states."""
+    directory = run_dir / "checkpoints"
+    for path in sorted(directory.iterdir() if directory.is_dir() else []):
+        if path.name.startswith("."):
+            continue  # a temp file: never trusted, removed on resume
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as f:
+                assert f.metadata()["update"] == str(int(path.stem.split("-")[1]))
+                for key in f.keys():
+                    f.get_tensor(key)
+        else:
+            assert json.loads(path.read_text())["update"] == int(path.stem.split("-")[1])
+    state = checkpointing.latest_trainer_state(run_dir)
+    if state is not None:
+        assert (run_dir / state["checkpoint"]).is_file() and (run_dir / state["optimizer"]).is_file()
+
+
+# ------------------------------------------------------------------------------------------ full disk
+
+
+def test_disk_full_while_saving_a_checkpoint_then_rerun(world, tmp_path, monkeypatch):
+    run, caches = _fused(world, max_updates=12, save_every=4)
+    straight = train_run(run, world["corpus"], caches, tmp_path / "straight", progress=False)
+
+    original = checkpointing.save_model
+
+    def save_model(model, filename, metadata=None):
+        if metadata and metadata.get("update") == "8":
+            Path(filename).write_bytes(b"half a checkpoint")  # what a full disk leaves: a torn temp file
+            # safetensors reports the failed write like this (seen on a full tmpfs)
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        return original(model, filename, metadata=metadata)
+
+    monkeypatch.setattr(checkpointing, "save_model", save_model)
+    out = tmp_path / "full"
+    with pytest.raises(UserError) as failed:
+        train_run(run, world["corpus"], caches, out, progress=False)
+    assert str(failed.value) == (
+        f"disk full while writing checkpoint update-00000008 in {out}; free space and rerun to resume"
+    )
+    # The previous checkpoint is whole and still the one to resume from; no torn file anywhere.
+    assert checkpointing.latest_trainer_state(out)["update"] == 4
+    assert checkpointing.complete_checkpoints(out) == [4]
+    assert support.temp_leftovers(out) == []
+    _assert_every_checkpoint_file_is_whole(out)
+
+    monkeypatch.setattr(checkpointing, "save_model", original)  # space is back
+    train_run(run, world["corpus"], caches, out, progress=False)
+    a, b = _weights(straight, 12), _weights(out, 12)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------ damaged caches
+
+
+def _damage(kind: str, cache: Path) -> str:
+    """Damage a copy of a cache; return what the refusal must name."""
+    manifest = json.loads((cache / "manifest.json").read_text())
+    shard = manifest["shards"][0]["name"]
+    if kind == "flipped byte":
+        chunk = next(p for p in sorted((cache / "shards" / shard).rglob("*"))
+                     if p.is_file() and "layer_002" in str(p) and p.name != "zarr.json")
+        data = bytearray(chunk.read_bytes())
+        data[100] ^= 0x01
+        chunk.write_bytes(bytes(data))
+        return f"shard {shard} fails its sha256 check"
+    if kind == "missing shard":
+        shutil.rmtree(cache / "shards" / shard)
+        return f"shard {shard} is missing"
+    (cache / "manifest.json").write_text((cache / "manifest.json").read_text()[:200])
+    return "truncated or corrupt"
+
+
+@pytest.mark.parametrize("kind", ["flipped byte", "missing shard", "truncated manifest"])
+def test_train_refuses_a_damaged_cache_before_writing_anything(world, tmp_path, kind):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(world["paths"]["train"], damaged)
+    needle = _damage(kind, damaged)
+    use = PrLMUse(checkpoint=str(world["ckpt"]), layer=-2)
+    run = train_support.tiny_run("d", prlms=[use])
+    caches = [train_support.caches_for(use, {**world["paths"], "train": str(damaged)})]
+    with pytest.raises(UserError) as refused:
+        train_run(run, world["corpus"], caches, tmp_path / "run", progress=False)
+    assert needle in str(refused.value) and str(damaged) in str(refused.value) and "\n" not in str(refused.value)
+    assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------------------------------ run directory
+
+
+def test_trainer_state_cannot_name_files_outside_the_run(world, tmp_path):
+    run = train_support.tiny_run("base", max_updates=2, save_every=2)
+    run_dir = train_run(run, world["corpus"], [], tmp_path / "base", progress=False)
+    state_file = run_dir / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    outside = tmp_path / "elsewhere.safetensors"
+    shutil.copy(run_dir / state["checkpoint"], outside)
+    for key, value in (("checkpoint", "../elsewhere.safetensors"), ("optimizer", str(outside)),
+                       ("checkpoint", "checkpoints/../../elsewhere.safetensors")):
+        state_file.write_text(json.dumps({**state, key: value}))
+        with pytest.raises(UserError, match=rf"{key} '.*' is not a file of this run's checkpoints/ folder"):
+            train_run(train_support.tiny_run("base", max_updates=4, save_every=2), world["corpus"], [], run_dir,
+                      progress=False)
+        with pytest.raises(UserError, match="is not a file of this run's checkpoints/ folder"):
+            load_run(run_dir, "last")
+
+
+def test_a_second_trainer_on_the_same_run_directory_is_refused(world, tmp_path):
+    run_dir = tmp_path / "busy"
+    run_dir.mkdir()
+    with open(run_dir / ".lock", "a+") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        held.write("4242")
+        held.flush()
+        with pytest.raises(UserError, match=r"is being trained by another process \(pid 4242\); wait for it"):
+            train_run(train_support.tiny_run("base", max_updates=2), world["corpus"], [], run_dir, progress=False)
+    assert not (run_dir / "checkpoints").exists()
+    train_run(train_support.tiny_run("base", max_updates=2, save_every=2), world["corpus"], [], run_dir, progress=False)
+    assert checkpointing.complete_checkpoints(run_dir) == [2]
+
+
+def test_temp_files_of_a_killed_save_are_removed_on_resume(world, tmp_path):
+    run_dir = train_run(train_support.tiny_run("base", max_updates=2, save_every=2), world["corpus"], [],
+                        tmp_path / "base", progress=False)
+    torn = [run_dir / "checkpoints" / ".update-00000004.safetensors.k2j3h4.tmp",
+            run_dir / "checkpoints" / ".optimizer-00000004.safetensors.a1b2c3.tmp",
+            run_dir / ".trainer_state.json.x7y8z9.tmp", run_dir / ".best.safetensors.q1w2e3.tmp"]
+    for path in torn:
+        path.write_bytes(b"torn")
+    mine = run_dir / ".notes"  # not a name prlmfuse writes: left alone
+    mine.write_text("keep")
+    train_run(train_support.tiny_run("base", max_updates=4, save_every=2), world["corpus"], [], run_dir, progress=False)
+    assert not any(p.exists() for p in torn) and mine.read_text() == "keep"
+    assert checkpointing.latest_trainer_state(run_dir)["update"] == 4
+
+
+# ------------------------------------------------------------------------------------------ slow: kill -9
+
+
+@pytest.mark.slow
+def test_several_kill_9_at_random_moments_then_resume(world, tmp_path):
+    overrides = dict(max_updates=40, save_every=5, dropout=0.1, num_workers=1, max_tokens=200, log_every=2)
+    job = dict(corpus=str(world["corpus"].root), ckpt=str(world["ckpt"]), paths=world["paths"], run=overrides)
+    zygote = support.Zygote()
+    try:
+        status, duration = zygote.run("job_train", tmp_path / "straight.log", out=str(tmp_path / "straight"), **job)
+        assert status == 0, (tmp_path / "straight.log").read_text()[-3000:]
+        killed = tmp_path / "killed"
+        rng = random.Random(7)
+        at_kill = []
+        for _ in range(3):
+            offset = rng.uniform(0.35, 0.9) * duration
+            status = zygote.run_and_kill("job_train", tmp_path / "killed.log", offset, out=str(killed), **job)
+            state = checkpointing.latest_trainer_state(killed) if killed.is_dir() else None
+            at_kill.append((round(offset, 2), status, state["update"] if state else 0))
+            if status == -9:
+                _assert_every_checkpoint_file_is_whole(killed)
+        status, _ = zygote.run("job_train", tmp_path / "killed.log", out=str(killed), **job)
+        assert status == 0, (tmp_path / "killed.log").read_text()[-3000:]
+    finally:
+        zygote.close()
+    print(at_kill)
+    mid_run = [k for k in at_kill if k[1] == -9 and k[2] < 40]
+    assert len(mid_run) >= 2 and len({k[2] for k in mid_run}) >= 2, at_kill  # killed at different points
+
+    straight = tmp_path / "straight"
+    a, b = _weights(straight, 40), _weights(killed, 40)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-6)
+    assert support.temp_leftovers(killed) == []
+    # The update count and the learning-rate schedule continue across every resume: the same
+    # records as the uninterrupted run, each lr on fairseq's inverse_sqrt curve, nothing twice.
+    resumed, reference = _metrics(killed), _metrics(straight)
+    train_rows = [r for r in resumed if "loss" in r]
+    assert [r["update"] for r in train_rows] == list(range(2, 41, 2))
+    for row in train_rows:
+        assert row["lr"] == inverse_sqrt_lr(row["update"], 7e-4, 4)
+    assert [r["lr"] for r in train_rows] == [r["lr"] for r in reference if "loss" in r]
+    assert [r["update"] for r in resumed if "dev_loss" in r] == list(range(5, 41, 5))
+    state = json.loads((killed / "trainer_state.json").read_text())
+    assert state["update"] == 40 and state["lr"] == inverse_sqrt_lr(40, 7e-4, 4)
