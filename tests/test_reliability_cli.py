@@ -1,0 +1,277 @@
+"""Bad input through the real CLI: one line on stderr starting "error: ", exit status 2, no traceback.
+
+Fast tests call the CLI entry point (`prlmfuse.cli.main`, what `python -m prlmfuse.cli` and the
+`prlmfuse` script run) in-process with a real argv; the slow ones launch real processes for the
+damaged-cache cases (each launch costs seconds of imports, so they are few).
+pipeline.yaml syntax errors and unknown keys are covered by tests/test_config.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from prlmfuse import cli
+
+_here = Path(__file__).parent
+_spec = importlib.util.spec_from_file_location("test_reliability_support", _here / "test_reliability_support.py")
+support = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(support)
+train_support = support.load_module("test_train_support")
+
+torch.set_num_threads(1)
+
+
+def run_cli(args, capsys, monkeypatch) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `prlmfuse ARGS`, run through the real entry point."""
+    monkeypatch.setattr(sys, "argv", ["prlmfuse", *map(str, args)])
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(result, *needles: str) -> str:
+    code, _, err = result
+    lines = err.splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """A text-corpus pipeline over a tiny BERT: data and caches built through `prlmfuse run --only ...`."""
+    root = tmp_path_factory.mktemp("reliability-cli")
+    train_support.small_bible(root, train=120, dev=12, test=12)
+    ckpt = train_support.tiny_prlm(root / "bert")
+    raw = root / "raw"
+    pipeline = root / "pipeline.yaml"
+    pipeline.write_text(textwrap.dedent(f"""\
+        workdir: {root / "work"}
+        data:
+          kind: text
+          src: en
+          tgt: ja
+          files: {{train_src: {raw}/train.src, train_tgt: {raw}/train.tgt, dev_src: {raw}/dev.src,
+                   dev_tgt: {raw}/dev.tgt, test_src: {raw}/test.src, test_tgt: {raw}/test.tgt}}
+        cache:
+          dtype: float16
+          checkpoints:
+            - name: {ckpt}
+              layers: [-2]
+        train:
+          defaults: {{preset: tiny, bpe_vocab: 600, max_tokens: 300, max_updates: 2, max_epochs: null,
+                      save_every: 2, warmup: 4, num_workers: 0, bf16: false}}
+          runs:
+            fused:
+              prlms: [{{checkpoint: {ckpt}, layer: -2}}]
+        evaluate: {{beam: 1}}
+        """))
+    mp = pytest.MonkeyPatch()
+    try:
+        for stage in ("data", "cache"):
+            mp.setattr(sys, "argv", ["prlmfuse", "run", str(pipeline), "--only", stage])
+            cli.main()
+    finally:
+        mp.undo()
+    caches = {p.parent.name.split("-")[0]: p.parent for p in (root / "work" / "cache").rglob("manifest.json")}
+    assert sorted(caches) == ["dev", "test", "train"]
+    return {"root": root, "ckpt": ckpt, "raw": raw, "pipeline": pipeline, "caches": caches}
+
+
+def _text_files(tmp_path: Path, **overrides: bytes) -> list[str]:
+    """`data text` arguments over small valid files, with some files' bytes replaced."""
+    args = []
+    for split in ("train", "dev", "test"):
+        for side in ("src", "tgt"):
+            path = tmp_path / f"{split}.{side}"
+            path.write_bytes(overrides.get(f"{split}_{side}", b"one sentence\nanother sentence\n"))
+            args += [f"--{split}-{side}", str(path)]
+    return args + ["--src-lang", "en", "--tgt-lang", "ja"]
+
+
+# ------------------------------------------------------------------------------------------ corpora
+
+
+def test_empty_corpus(tmp_path, capsys, monkeypatch):
+    result = run_cli(["data", "text", tmp_path / "c", *_text_files(tmp_path, dev_src=b"", dev_tgt=b"")],
+                     capsys, monkeypatch)
+    assert_one_line_error(result, "dev split is empty", "dev.src")
+
+
+def test_line_count_mismatch_shows_both_counts(tmp_path, capsys, monkeypatch):
+    result = run_cli(["data", "text", tmp_path / "c", *_text_files(tmp_path, train_tgt=b"a\nb\nc\n")],
+                     capsys, monkeypatch)
+    assert_one_line_error(result, "not line-aligned", f"{tmp_path / 'train.src'} has 2",
+                          f"{tmp_path / 'train.tgt'} has 3")
+
+
+def test_invalid_utf8_names_file_and_line(tmp_path, capsys, monkeypatch):
+    result = run_cli(["data", "text", tmp_path / "c", *_text_files(tmp_path, test_tgt=b"fine\nbro\xffken\n")],
+                     capsys, monkeypatch)
+    assert_one_line_error(result, f"{tmp_path / 'test.tgt'}:2: invalid UTF-8")
+
+
+def test_missing_input_file(tmp_path, capsys, monkeypatch, world):
+    result = run_cli(["cache", "build", "--checkpoint", world["ckpt"], "--corpus", tmp_path / "nope.txt",
+                      "--out", tmp_path / "c"], capsys, monkeypatch)
+    assert_one_line_error(result, "not found", "nope.txt")
+
+
+# ------------------------------------------------------------------------------------------ cache build
+
+
+def test_unknown_checkpoint(tmp_path, capsys, monkeypatch, world):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # no network here; fail at once
+    corpus = support.cache_support.write_corpus(tmp_path / "c.txt", ["a sentence"])
+    result = run_cli(["cache", "build", "--checkpoint", "no-such-org/no-such-model", "--corpus", corpus,
+                      "--out", tmp_path / "c"], capsys, monkeypatch)
+    assert_one_line_error(result, "unknown checkpoint 'no-such-org/no-such-model'", "minilm-l6")
+
+
+@pytest.mark.parametrize("option, value, needle", [
+    ("--layers", "7", "valid range is -4..3"),
+    ("--layers", "-2,x", "-2,x"),
+    ("--dtype", "fp8", "unknown dtype 'fp8'; valid: float16, bfloat16, float32, int8"),
+    ("--backend", "lmdb", "unknown backend 'lmdb'; valid: zarr, hdf5"),
+])
+def test_bad_cache_options(tmp_path, capsys, monkeypatch, world, option, value, needle):
+    corpus = support.cache_support.write_corpus(tmp_path / "c.txt", ["a sentence"])
+    result = run_cli(["cache", "build", "--checkpoint", world["ckpt"], "--corpus", corpus, "--out", tmp_path / "c",
+                      option, value], capsys, monkeypatch)
+    assert_one_line_error(result, needle)
+    assert not (tmp_path / "c" / "manifest.json").exists()
+
+
+def test_over_long_inputs_are_cut_and_counted_not_errors(tmp_path, capsys, monkeypatch, world):
+    long_line = " ".join(["the light and the darkness"] * 60)  # far past the tiny BERT's 128 positions
+    corpus = support.cache_support.write_corpus(tmp_path / "c.txt", ["short", long_line, "also short"])
+    code, _, err = run_cli(["cache", "build", "--checkpoint", world["ckpt"], "--corpus", corpus,
+                            "--out", tmp_path / "c"], capsys, monkeypatch)
+    assert code == 0, err
+    code, out, _ = run_cli(["cache", "inspect", tmp_path / "c", "--json"], capsys, monkeypatch)
+    info = json.loads(out)
+    assert code == 0 and info["truncated_sentences"] == 1 and info["truncated_tokens"] > 0
+    assert info["num_sentences"] == 3
+
+
+# ------------------------------------------------------------------------------------------ damaged caches
+
+
+def _damage(kind: str, cache: Path) -> str:
+    manifest = json.loads((cache / "manifest.json").read_text())
+    shard = manifest["shards"][0]["name"]
+    if kind == "flipped byte":
+        chunk = next(p for p in sorted((cache / "shards" / shard).rglob("*")) if p.is_file() and p.name != "zarr.json"
+                     and "layer_" in str(p))
+        data = bytearray(chunk.read_bytes())
+        data[10] ^= 0x40
+        chunk.write_bytes(bytes(data))
+        return f"shard {shard} fails its sha256 check"
+    if kind == "missing shard":
+        shutil.rmtree(cache / "shards" / shard)
+        return f"shard {shard} is missing"
+    (cache / "manifest.json").write_text((cache / "manifest.json").read_text()[:150])
+    return "truncated or corrupt"
+
+
+KINDS = ["flipped byte", "missing shard", "truncated manifest"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_cache_verify_names_the_problem(tmp_path, capsys, monkeypatch, world, kind):
+    cache = tmp_path / "cache"
+    shutil.copytree(world["caches"]["test"], cache)
+    assert run_cli(["cache", "verify", cache], capsys, monkeypatch)[0] == 0
+    needle = _damage(kind, cache)
+    assert_one_line_error(run_cli(["cache", "verify", cache], capsys, monkeypatch), needle, str(cache))
+
+
+@pytest.fixture
+def damaged_train_cache(world):
+    """Damage the pipeline's train cache for one test, then put the good one back."""
+    train = world["caches"]["train"]
+    backup = train.with_name(train.name + ".good")
+    shutil.copytree(train, backup)
+    yield train
+    shutil.rmtree(train)
+    backup.rename(train)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_train_refuses_a_damaged_cache(world, damaged_train_cache, capsys, monkeypatch, kind):
+    needle = _damage(kind, damaged_train_cache)
+    if kind == "truncated manifest":
+        # the pipeline sees no finished cache there and says how to make one; doing so repairs it
+        needle = "is not built; run `prlmfuse run"
+    result = run_cli(["train", "-p", world["pipeline"]], capsys, monkeypatch)
+    assert_one_line_error(result, needle, str(damaged_train_cache))
+    assert not (world["root"] / "work" / "runs").exists()
+    if kind == "truncated manifest":
+        assert run_cli(["run", world["pipeline"], "--only", "cache"], capsys, monkeypatch)[0] == 0
+        assert run_cli(["cache", "verify", damaged_train_cache], capsys, monkeypatch)[0] == 0
+
+
+def test_train_refuses_a_cache_of_another_corpus(world, damaged_train_cache, capsys, monkeypatch):
+    shutil.rmtree(damaged_train_cache)
+    shutil.copytree(world["caches"]["dev"], damaged_train_cache)  # a complete cache, of the dev sentences
+    result = run_cli(["train", "-p", world["pipeline"]], capsys, monkeypatch)
+    assert_one_line_error(result, f"cache {damaged_train_cache} was built from a different train source",
+                          "rebuild the cache for this corpus")
+
+
+# ------------------------------------------------------------------------------------------ evaluate / translate
+
+
+def test_evaluate_a_run_directory_without_checkpoints(tmp_path, capsys, monkeypatch):
+    run_dir = tmp_path / "untrained"
+    run_dir.mkdir()
+    result = run_cli(["evaluate", "--runs", run_dir, "--out", tmp_path / "results"], capsys, monkeypatch)
+    assert_one_line_error(result, f"run directory {run_dir} has no checkpoints", "train it first")
+    assert not (tmp_path / "results").exists()
+    text = tmp_path / "in.txt"
+    text.write_text("In the beginning\n")
+    result = run_cli(["translate", "--run", run_dir, "--input", text], capsys, monkeypatch)
+    assert_one_line_error(result, "has no checkpoints")
+
+
+# ------------------------------------------------------------------------------------------ slow: real processes
+
+
+def _prlmfuse(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "prlmfuse.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.slow
+def test_real_processes_exit_2_with_one_line(world, damaged_train_cache, tmp_path):
+    caches = {}
+    for kind in KINDS:
+        caches[kind] = tmp_path / kind.replace(" ", "-")
+        shutil.copytree(world["caches"]["test"], caches[kind])
+        needle = _damage(kind, caches[kind])
+        done = _prlmfuse("cache", "verify", caches[kind])
+        assert done.returncode == 2 and done.stdout == "", done.stderr
+        assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1 and needle in done.stderr
+
+    needle = _damage("flipped byte", damaged_train_cache)
+    done = _prlmfuse("train", "-p", world["pipeline"])
+    assert done.returncode == 2 and done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr
+    assert needle in done.stderr and "Traceback" not in done.stderr
