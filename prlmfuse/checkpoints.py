@@ -779,7 +779,7 @@ def _convert_gguf(source: Path, out: Path) -> None:
 
     # This is what from_pretrained(gguf_file=...) does internally, minus its hard requirement on
     # `accelerate` (only used there for device placement, which a CPU conversion does not need).
-    config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name)
+    config = AutoConfig.from_pretrained(source.parent, gguf_file=source.name, trust_remote_code=False)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
     tensors = load_gguf_checkpoint(str(source), return_tensors=True, model_to_load=skeleton)["tensors"]
@@ -797,7 +797,7 @@ def _convert_gguf(source: Path, out: Path) -> None:
 
     # transformers' GGUF tokenizer conversion keeps the byte-level BPE but takes its special tokens
     # from Llama defaults (eos <|im_start|>, a prepended BOS); the GGUF metadata says otherwise.
-    converted = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    converted = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name, trust_remote_code=False)
     fields = GGUFReader(str(source)).fields
 
     def field(key: str, default=None):

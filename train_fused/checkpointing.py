@@ -276,7 +276,11 @@ def average_checkpoints(run_dir: str | os.PathLike, last: int = 5, out: str | os
     total: dict[str, torch.Tensor] = {}
     dtypes: dict[str, torch.dtype] = {}
     for u in chosen:
-        tensors = load_file(str(weights_path(run_dir, u)))
+        try:
+            tensors = load_file(str(weights_path(run_dir, u)))
+        except SafetensorError as e:
+            raise UserError(f"weights file {weights_path(run_dir, u)} is corrupt ({e}); delete that checkpoint "
+                            "(its update-*.safetensors, optimizer-*.safetensors and .json) and average again") from None
         if total and set(tensors) != set(total):
             raise UserError(
                 f"checkpoint {weights_path(run_dir, u)} has different tensors from the others; "
