@@ -18,6 +18,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -382,10 +383,23 @@ class DecodeOutput:
         return self.hyp_tokens / self.seconds if self.seconds > 0 else float("nan")
 
 
-def encode_sources(bpe, lines: Sequence[str], max_positions: int) -> list[np.ndarray]:
-    """BPE ids of each source line, cut so that ids + </s> fit the model's positions."""
+def encode_sources(bpe, lines: Sequence[str], max_positions: int, *, stats: dict | None = None) -> list[np.ndarray]:
+    """BPE ids of each source line, cut so that ids + </s> fit the model's positions.
+
+    Over-long lines are cut, not refused; `stats`, if given, receives how many were cut ("truncated").
+    """
     limit = max(1, int(max_positions) - 1)
-    return [np.asarray(ids[:limit], dtype=np.int64) for ids in bpe.encode_batch(list(lines))]
+    encoded = bpe.encode_batch(list(lines))
+    if stats is not None:
+        stats["truncated"] = sum(1 for ids in encoded if len(ids) > limit)
+        stats["limit"] = limit
+    return [np.asarray(ids[:limit], dtype=np.int64) for ids in encoded]
+
+
+def note_truncated(stats: dict, what: str) -> None:
+    if stats.get("truncated"):
+        print(f"{what}: {stats['truncated']} source line(s) longer than {stats['limit']} BPE tokens were cut",
+              file=sys.stderr, flush=True)
 
 
 def decode_corpus(
@@ -643,7 +657,10 @@ def evaluate_runs(
             else:
                 if model is None:
                     model, bpe = load_model(run, weights)
-                src_ids = encode_sources(bpe, src_lines, int(run.model_config.get("max_positions", 1024)))
+                cut: dict = {}
+                src_ids = encode_sources(bpe, src_lines, int(run.model_config.get("max_positions", 1024)), stats=cut)
+                if progress:
+                    note_truncated(cut, f"{run.name}/{split}")
                 decoded = decode_corpus(
                     model, bpe, src_ids, branches, settings, batch_tokens=batch_tokens,
                     progress=progress, desc=f"{run.name}/{split}",
@@ -663,6 +680,7 @@ def evaluate_runs(
                     "sentences_per_s": decoded.sentences_per_s,
                     "tokens_per_s": decoded.tokens_per_s,
                     "hyp_tokens": decoded.hyp_tokens,
+                    "truncated_sources": cut["truncated"],
                 }
                 atomic_write_json(meta_path, meta)
             scores = corpus_scores(hyps, refs, tgt_lang=run.tgt_lang, task=run.task, bleu_tokenize=bleu_tokenize)

@@ -24,6 +24,7 @@ from prlmfuse.evaluate.jobs import (
     decode_corpus,
     encode_sources,
     load_model,
+    note_truncated,
     open_run,
     run_layer_rows,
     select_weights,
@@ -130,7 +131,10 @@ def translate(
     settings = DecodeSettings(beam=beam, lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b,
                               no_repeat_ngram_size=int(nrng), bf16=bf16)
     model, bpe = load_model(run, weights)
-    src_ids = encode_sources(bpe, lines, int(run.model_config.get("max_positions", 1024)))
+    cut: dict = {}
+    src_ids = encode_sources(bpe, lines, int(run.model_config.get("max_positions", 1024)), stats=cut)
+    if progress:
+        note_truncated(cut, f"{run.name}/translate")
     with tempfile.TemporaryDirectory(prefix="prlmfuse-live-") as workdir:
         branches = live_features(run.run_dir, lines, workdir, trust_remote_code=trust_remote_code, progress=progress)
         decoded = decode_corpus(model, bpe, src_ids, branches, settings, batch_tokens=batch_tokens,

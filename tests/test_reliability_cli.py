@@ -275,3 +275,24 @@ def test_real_processes_exit_2_with_one_line(world, damaged_train_cache, tmp_pat
     done = _prlmfuse("train", "-p", world["pipeline"])
     assert done.returncode == 2 and done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr
     assert needle in done.stderr and "Traceback" not in done.stderr
+
+
+def test_over_long_test_sentences_are_cut_and_counted_at_evaluate(world, tmp_path, capsys, monkeypatch):
+    from prlmfuse.data import register_text
+    from prlmfuse.train_fused import train_run
+
+    raw = world["raw"]
+    (tmp_path / "test.src").write_text("In the beginning.\n" + "God created the heavens and the earth " * 250 + "\n")
+    (tmp_path / "test.tgt").write_text("初めに。\n神は天と地を創造された。\n")
+    corpus = register_text(tmp_path / "corpus", train_src=raw / "train.src", train_tgt=raw / "train.tgt",
+                           dev_src=raw / "dev.src", dev_tgt=raw / "dev.tgt", test_src=tmp_path / "test.src",
+                           test_tgt=tmp_path / "test.tgt", src_lang="en", tgt_lang="ja")
+    run_dir = train_run(train_support.tiny_run("base", max_updates=2, save_every=2), corpus, [], tmp_path / "base",
+                        progress=False)
+    code, _, err = run_cli(["evaluate", "--runs", run_dir, "--out", tmp_path / "results", "--beam", "1",
+                            "--average-last", "1"], capsys, monkeypatch)
+    assert code == 0, err
+    assert "base/test: 1 source line(s) longer than 1023 BPE tokens were cut" in err
+    meta = json.loads((tmp_path / "results" / "hyp.base.test.json").read_text())
+    assert meta["truncated_sources"] == 1
+    assert len((tmp_path / "results" / "hyp.base.test.txt").read_text().splitlines()) == 2
