@@ -37,10 +37,11 @@ _NAMED_FILE_RE = {
     "checkpoint": re.compile(rf"^{CHECKPOINT_DIR}/update-\d{{8}}\.safetensors$"),
     "optimizer": re.compile(rf"^{CHECKPOINT_DIR}/optimizer-\d{{8}}\.safetensors$"),
 }
-# atomic_path's temp names (".<final name>.<random>.tmp"): what a kill -9 mid-save leaves behind.
+# atomic_path's temp names (".<final name>.<random>.tmp") of the files training writes: what a kill -9
+# mid-save leaves behind. (average-last*.safetensors temps are not among them: evaluate may be
+# writing one right now, without the training lock.)
 _STALE_TEMP_RE = re.compile(r"^\.(update-\d{8}\.(safetensors|json)|optimizer-\d{8}\.safetensors|"
-                            r"trainer_state\.json|best\.safetensors|run\.json|bpe\.json|metrics\.jsonl|"
-                            r"average-last\d+\.safetensors)\..+\.tmp$")
+                            r"trainer_state\.json|best\.safetensors|run\.json|bpe\.json|metrics\.jsonl)\..+\.tmp$")
 
 
 def weights_path(run_dir: Path, update: int) -> Path:
