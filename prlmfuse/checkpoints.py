@@ -515,6 +515,11 @@ def load_prlm(info: CheckpointInfo) -> tuple["PreTrainedModel", "PreTrainedToken
     if model_class is not None and "add_pooling_layer" in inspect.signature(model_class.__init__).parameters:
         # The pooler is never used for features, and the converted checkpoints do not ship one.
         kwargs["add_pooling_layer"] = False
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    # Without the pooler, transformers warns that the checkpoint's pooler weights go unused: expected.
+    hf_logging.set_verbosity_error()
     try:
         model = AutoModel.from_pretrained(
             info.path, config=config, trust_remote_code=info.trust_remote_code, use_safetensors=True, **kwargs
@@ -524,6 +529,8 @@ def load_prlm(info: CheckpointInfo) -> tuple["PreTrainedModel", "PreTrainedToken
         )
     except OSError as e:
         raise UserError(f"cannot load checkpoint '{info.name}' from {info.path}: {str(e).splitlines()[0]}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
     model.eval()
     model.requires_grad_(False)
     tokenizer.padding_side = "right"

@@ -72,11 +72,13 @@ def ensure_data(cfg: PipelineConfig, *, build: bool = True):
     from prlmfuse import data as corpora
 
     root = corpus_dir(cfg)
-    if (root / "corpus.json").is_file():
+    if not build or (root / "corpus.json").is_file() and _rank_world()[1] == 1:
+        if not (root / "corpus.json").is_file():
+            raise UserError(f"no corpus in {root}; run `prlmfuse run {cfg.path} --only data` first")
         return corpora.load_corpus(root)
-    if not build:
-        raise UserError(f"no corpus in {root}; run `prlmfuse run {cfg.path} --only data` first")
-    if _is_main():
+    # Rank 0 builds (or finds) the corpus and every rank passes the same barrier, whatever it saw:
+    # a rank that skipped it would meet rank 0 inside the cache build's collectives instead.
+    if _is_main() and not (root / "corpus.json").is_file():
         d = cfg.data
         _say(f"data: building {d.kind} corpus in {root}")
         if d.kind == "bible":
