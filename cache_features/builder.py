@@ -18,7 +18,6 @@ then, seeing the finished cache, reuses it. URLs are not locked (object stores h
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import queue
 import re
@@ -31,7 +30,7 @@ import numpy as np
 import torch
 
 from prlmfuse.errors import UserError
-from prlmfuse.fileio import is_disk_full, read_lines, sha256_file
+from prlmfuse.fileio import pid_lock, is_disk_full, read_lines, sha256_file
 
 from .extract import (
     EncodedCorpus,
@@ -138,27 +137,13 @@ class _Dist:
 
 @contextlib.contextmanager
 def _directory_lock(location: Location, enabled: bool, verbose: bool):
+    """A second build of the same local directory waits for the first (then finds its cache)."""
     if not enabled or location.url:
         yield
         return
-    location.path.mkdir(parents=True, exist_ok=True)
     lock_path = location.path / ".lock"
-    with open(lock_path, "a+") as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "?"
-            _say(f"waiting: another build (pid {holder}) holds {lock_path}", True)
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+    with pid_lock(lock_path, when_held=lambda pid: _say(f"waiting: another build (pid {pid}) holds {lock_path}", True)):
+        yield
 
 
 # ----------------------------------------------------------------------------- writer thread

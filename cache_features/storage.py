@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from prlmfuse.errors import UserError
+from prlmfuse.fileio import fsync_dir
 
 STORAGE_DTYPES = ("float16", "bfloat16", "float32", "int8")
 BACKENDS = ("zarr", "hdf5")
@@ -280,7 +281,7 @@ class Hdf5ShardWriter(ShardWriter):
         with open(self.tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(self.tmp, self.final)
-        _fsync_dir(self.final.parent)
+        fsync_dir(self.final.parent)
 
     def abort(self):
         if self.file is not None:
@@ -327,13 +328,6 @@ def _reserve_space(path: Path, nbytes: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
 
-def _fsync_dir(directory: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def _chunk_rows(spec: ArraySpec) -> int:
@@ -407,7 +401,7 @@ class ZarrShardWriter(ShardWriter):
             if self.final.exists():
                 shutil.rmtree(self.final)
             os.replace(self.tmp, self.final)
-            _fsync_dir(self.final.parent)
+            fsync_dir(self.final.parent)
 
     def abort(self):
         if self.tmp is not None:

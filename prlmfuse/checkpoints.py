@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import numpy as np
 
 from prlmfuse.errors import UserError
-from prlmfuse.fileio import _fsync_dir, atomic_write_json, sha256_file
+from prlmfuse.fileio import fsync_dir, atomic_write_json, sha256_file
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -253,7 +253,7 @@ def _fsync_tree(directory: Path) -> None:
         if p.is_file():
             with open(p, "rb+") as f:
                 os.fsync(f.fileno())
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def _publish_dir(tmp: Path, final: Path) -> None:
@@ -264,7 +264,7 @@ def _publish_dir(tmp: Path, final: Path) -> None:
         old = final.parent / f".{final.name}.old-{os.getpid()}-{time.time_ns()}"
         os.rename(final, old)
     os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from prlmfuse.errors import UserError
-from prlmfuse.train_fused.config import PrLMUse, RunConfig
+from prlmfuse.train_fused.config import RunConfig
 
 CORPUS_KINDS = ("bible", "debian-descriptions", "text")
 BACKENDS = ("zarr", "hdf5")
@@ -383,7 +383,7 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
         for i, use in enumerate(run.prlms):
             if use.checkpoint not in cached:
                 close = difflib.get_close_matches(use.checkpoint, sorted(cached), n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else f"; add it to cache.checkpoints"
+                hint = f"; did you mean {close[0]!r}?" if close else "; add it to cache.checkpoints"
                 raise where.error(
                     ("train", "runs", run.name.split(".")[0], "prlms", i, "checkpoint"),
                     f"{use.checkpoint!r} is not in cache.checkpoints{hint}",

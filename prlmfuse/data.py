@@ -35,7 +35,7 @@ from typing import Iterator
 
 from prlmfuse import __version__
 from prlmfuse.errors import UserError
-from prlmfuse.fileio import _fsync_dir, read_json, read_lines, sha256_file
+from prlmfuse.fileio import fsync_dir, read_json, read_lines, sha256_file
 
 SPLITS = ("train", "dev", "test")
 SIDES = ("src", "tgt")
@@ -265,7 +265,7 @@ def _install_corpus(
             _write_synced(tmp / f"{split}.{side}", data)
         # corpus.json last: a directory with it is a complete corpus.
         _write_synced(tmp / CORPUS_JSON, (json.dumps(meta, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode())
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         if replace_existing:
             old = out.parent / f".{out.name}.{uuid.uuid4().hex[:8]}.old"
             os.rename(out, old)
@@ -282,7 +282,7 @@ def _install_corpus(
                 raise UserError(
                     f"{out} appeared while the corpus was being built (another run?); run again"
                 ) from None
-        _fsync_dir(out.parent)
+        fsync_dir(out.parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

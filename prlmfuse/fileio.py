@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import errno
 import hashlib
 import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from prlmfuse.errors import UserError
 
@@ -34,7 +35,8 @@ def is_disk_full(error: BaseException) -> bool:
     return any(f"(os error {code})" in str(error) for code in codes)
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """Make a rename or a new file in `directory` durable."""
     with contextlib.suppress(OSError):
         fd = os.open(directory, os.O_RDONLY)
         try:
@@ -60,7 +62,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         with open(tmp_path, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp_path, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
@@ -122,3 +124,29 @@ def read_lines(path: str | os.PathLike) -> list[str]:
     if text == "":
         return [] if not data else [""]
     return [line.rstrip("\r") for line in text.split("\n")]
+
+
+@contextlib.contextmanager
+def pid_lock(lock_path: Path, *, when_held: Callable[[str], None]) -> Iterator[None]:
+    """An exclusive flock on `lock_path` that records the holder's pid.
+
+    When another process holds it, `when_held(holder_pid)` decides: return to wait for the lock,
+    or raise (e.g. a UserError naming the holder) to give up. The kernel drops the lock when its
+    holder dies, so a kill -9 never leaves a stale lock behind.
+    """
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a+") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            when_held(f.read().strip() or "?")
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)

@@ -119,3 +119,23 @@ def test_training_before_the_cache_exists_says_what_to_run(tiny_pipeline, tmp_pa
     cfg.workdir = tmp_path / "elsewhere"
     with pytest.raises(UserError, match=r"--only data"):
         train_runs(cfg)
+
+
+@pytest.mark.slow
+def test_the_same_pipeline_file_runs_under_torchrun(tiny_pipeline, tmp_path):
+    root, path, _ = tiny_pipeline
+    distributed = tmp_path / "pipeline.yaml"
+    distributed.write_text(path.read_text().replace("workdir: work", f"workdir: {tmp_path / 'work'}"))
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "prlmfuse.cli", "run", str(distributed)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    import json
+
+    work = tmp_path / "work"
+    for run in ("baseline", "fused"):
+        info = json.loads((work / "runs" / run / "run.json").read_text())
+        assert info["world_size"] == 2
+    assert "fused" in (work / "results" / "results.md").read_text(encoding="utf-8")

@@ -13,7 +13,6 @@ import importlib.util
 import json
 import os
 import random
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -22,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from prlmfuse.cache_features import CacheReader, build_cache, verify_cache
+from prlmfuse.cache_features import build_cache, verify_cache
 from prlmfuse.errors import UserError
 
 _spec = importlib.util.spec_from_file_location("test_reliability_support", Path(__file__).with_name("test_reliability_support.py"))

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fcntl
 import json
 import math
 import os
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 import prlmfuse
 from prlmfuse.cache_features import CacheReader, verify_cache
 from prlmfuse.errors import UserError
-from prlmfuse.fileio import atomic_write_json, atomic_write_text, read_json, read_lines
+from prlmfuse.fileio import pid_lock, atomic_write_json, atomic_write_text, read_json, read_lines
 from prlmfuse.train_fused import checkpointing
 from prlmfuse.train_fused.bpe import PAD_ID, BPE, train_bpe
 from prlmfuse.train_fused.config import PrLMUse, RunConfig
@@ -654,25 +653,15 @@ def train_run(
 @contextlib.contextmanager
 def _run_dir_lock(run_dir: Path):
     """One training process per run directory: a second one would interleave checkpoints."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / ".lock", "a+") as f:
-        try:
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "?"
-            raise UserError(
-                f"{run_dir} is being trained by another process (pid {holder}); wait for it to finish "
-                "(a rerun then resumes or finds the run done) or choose another directory"
-            ) from None
-        f.seek(0)
-        f.truncate()
-        f.write(str(os.getpid()))
-        f.flush()
-        try:
-            yield
-        finally:
-            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+    def refuse(pid: str) -> None:
+        raise UserError(
+            f"{run_dir} is being trained by another process (pid {pid}); wait for it to finish "
+            "(a rerun then resumes or finds the run done) or choose another directory"
+        )
+
+    with pid_lock(run_dir / ".lock", when_held=refuse):
+        yield
 
 
 def _train_locked(run: RunConfig, corpus, branches: list[_Branch], run_dir: Path, ctx: DistContext, *, resume: bool,
