@@ -175,23 +175,6 @@ def test_over_long_inputs_are_cut_and_counted_not_errors(tmp_path, capsys, monke
 # ------------------------------------------------------------------------------------------ damaged caches
 
 
-def _damage(kind: str, cache: Path) -> str:
-    manifest = json.loads((cache / "manifest.json").read_text())
-    shard = manifest["shards"][0]["name"]
-    if kind == "flipped byte":
-        chunk = next(p for p in sorted((cache / "shards" / shard).rglob("*")) if p.is_file() and p.name != "zarr.json"
-                     and "layer_" in str(p))
-        data = bytearray(chunk.read_bytes())
-        data[10] ^= 0x40
-        chunk.write_bytes(bytes(data))
-        return f"shard {shard} fails its sha256 check"
-    if kind == "missing shard":
-        shutil.rmtree(cache / "shards" / shard)
-        return f"shard {shard} is missing"
-    (cache / "manifest.json").write_text((cache / "manifest.json").read_text()[:150])
-    return "truncated or corrupt"
-
-
 KINDS = ["flipped byte", "missing shard", "truncated manifest"]
 
 
@@ -200,7 +183,7 @@ def test_cache_verify_names_the_problem(tmp_path, capsys, monkeypatch, world, ki
     cache = tmp_path / "cache"
     shutil.copytree(world["caches"]["test"], cache)
     assert run_cli(["cache", "verify", cache], capsys, monkeypatch)[0] == 0
-    needle = _damage(kind, cache)
+    needle = support.damage_cache(kind, cache)
     assert_one_line_error(run_cli(["cache", "verify", cache], capsys, monkeypatch), needle, str(cache))
 
 
@@ -217,7 +200,7 @@ def damaged_train_cache(world):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_train_refuses_a_damaged_cache(world, damaged_train_cache, capsys, monkeypatch, kind):
-    needle = _damage(kind, damaged_train_cache)
+    needle = support.damage_cache(kind, damaged_train_cache)
     if kind == "truncated manifest":
         # the pipeline sees no finished cache there and says how to make one; doing so repairs it
         needle = "is not built; run `prlmfuse run"
@@ -266,12 +249,12 @@ def test_real_processes_exit_2_with_one_line(world, damaged_train_cache, tmp_pat
     for kind in KINDS:
         caches[kind] = tmp_path / kind.replace(" ", "-")
         shutil.copytree(world["caches"]["test"], caches[kind])
-        needle = _damage(kind, caches[kind])
+        needle = support.damage_cache(kind, caches[kind])
         done = _prlmfuse("cache", "verify", caches[kind])
         assert done.returncode == 2 and done.stdout == "", done.stderr
         assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1 and needle in done.stderr
 
-    needle = _damage("flipped byte", damaged_train_cache)
+    needle = support.damage_cache("flipped byte", damaged_train_cache)
     done = _prlmfuse("train", "-p", world["pipeline"])
     assert done.returncode == 2 and done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr
     assert needle in done.stderr and "Traceback" not in done.stderr

@@ -12,6 +12,7 @@ the job at once, so a kill offset measures time spent in the job, not in imports
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import json
 import os
 import random
@@ -200,3 +201,21 @@ def assert_same_cache(path: Path, reference: Path) -> None:
     a.close()
     b.close()
     assert temp_leftovers(path) == []
+
+
+def damage_cache(kind: str, cache: Path) -> str:
+    """Damage a built cache one way; returns what `cache verify` must say about it."""
+    manifest = json.loads((cache / "manifest.json").read_text())
+    shard = manifest["shards"][0]["name"]
+    if kind == "flipped byte":
+        chunk = next(p for p in sorted((cache / "shards" / shard).rglob("*"))
+                     if p.is_file() and "layer_" in str(p) and p.name != "zarr.json")
+        data = bytearray(chunk.read_bytes())
+        data[10] ^= 0x40
+        chunk.write_bytes(bytes(data))
+        return f"shard {shard} fails its sha256 check"
+    if kind == "missing shard":
+        shutil.rmtree(cache / "shards" / shard)
+        return f"shard {shard} is missing"
+    (cache / "manifest.json").write_text((cache / "manifest.json").read_text()[:150])
+    return "truncated or corrupt"

@@ -115,29 +115,11 @@ def test_disk_full_while_saving_a_checkpoint_then_rerun(world, tmp_path, monkeyp
 # ------------------------------------------------------------------------------------------ damaged caches
 
 
-def _damage(kind: str, cache: Path) -> str:
-    """Damage a copy of a cache; return what the refusal must name."""
-    manifest = json.loads((cache / "manifest.json").read_text())
-    shard = manifest["shards"][0]["name"]
-    if kind == "flipped byte":
-        chunk = next(p for p in sorted((cache / "shards" / shard).rglob("*"))
-                     if p.is_file() and "layer_002" in str(p) and p.name != "zarr.json")
-        data = bytearray(chunk.read_bytes())
-        data[100] ^= 0x01
-        chunk.write_bytes(bytes(data))
-        return f"shard {shard} fails its sha256 check"
-    if kind == "missing shard":
-        shutil.rmtree(cache / "shards" / shard)
-        return f"shard {shard} is missing"
-    (cache / "manifest.json").write_text((cache / "manifest.json").read_text()[:200])
-    return "truncated or corrupt"
-
-
 @pytest.mark.parametrize("kind", ["flipped byte", "missing shard", "truncated manifest"])
 def test_train_refuses_a_damaged_cache_before_writing_anything(world, tmp_path, kind):
     damaged = tmp_path / "damaged"
     shutil.copytree(world["paths"]["train"], damaged)
-    needle = _damage(kind, damaged)
+    needle = support.damage_cache(kind, damaged)
     use = PrLMUse(checkpoint=str(world["ckpt"]), layer=-2)
     run = train_support.tiny_run("d", prlms=[use])
     caches = [train_support.caches_for(use, {**world["paths"], "train": str(damaged)})]
