@@ -124,14 +124,18 @@ class CacheReader:
             return self._memory[s][name][start:stop]
         return self._open(s).read(name, start, stop)
 
-    def features(self, i: int) -> torch.Tensor:
-        """float32 [n_layers, T_i, d]: the stored layers' token features of sentence i."""
+    def features(self, i: int, rows: list[int] | None = None) -> torch.Tensor:
+        """float32 [n_layers, T_i, d]: the stored layers' token features of sentence i.
+
+        rows: positions in `self.layers` to read (default all), so a run that uses one layer of
+        an all-layer cache reads that layer only.
+        """
         i = self._check_index(i)
         s = int(self._shard_of[i])
         start = int(self._token_start[i])
         stop = start + int(self.lengths[i])
         out = []
-        for layer in self.layers:
+        for layer in self.layers if rows is None else [self.layers[r] for r in rows]:
             values = self._read(s, f"layer_{layer:03d}", start, stop)
             scales = self._read(s, f"scale_{layer:03d}", start, stop) if self.dtype == "int8" else None
             out.append(decode(values, scales, self.dtype))

@@ -111,7 +111,7 @@ class PairDataset(Dataset):
     @staticmethod
     def _features(reader: CacheReader, source: FeatureSource, indices: list[int]) -> PrLMFeatures:
         rows = list(source.layer_rows)
-        per_sentence = [reader.features(i) for i in indices]  # [n_cached_layers, T_i, d] each
+        per_sentence = [reader.features(i, rows) for i in indices]  # [len(rows), T_i, d] each
         width = int(reader.hidden_size)
         max_len = max((f.shape[1] for f in per_sentence), default=1)
         max_len = max(max_len, 1)
@@ -119,8 +119,7 @@ class PairDataset(Dataset):
         mask = torch.zeros(len(indices), max_len, dtype=torch.bool)
         for b, f in enumerate(per_sentence):
             n = f.shape[1]
-            selected = f if rows == list(range(f.shape[0])) else f[rows]
-            states[b, :, :n] = selected
+            states[b, :, :n] = f
             mask[b, :n] = True
         pooled = None
         if source.with_pooled:
