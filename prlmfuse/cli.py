@@ -281,7 +281,7 @@ def translate(run_dir: str, input_file, beam: int, average_last: int) -> None:
 @cli.command()
 @click.argument("pipeline", required=False, type=click.Path(dir_okay=False))
 @click.option("--only", type=click.Choice(["data", "cache", "train", "evaluate"]), help="Run one stage only.")
-@click.option("--runs", "runs", multiple=True, help="Only these training runs (several may follow).")
+@click.option("--runs", "runs", multiple=True, help="Only these training runs (several may follow); only the caches they read are built.")
 @click.argument("more_runs", nargs=-1)
 @click.option("--dry-run", is_flag=True, help="Print the plan: caches present, runs to train or resume, estimates.")
 def run(pipeline, only, runs, more_runs, dry_run) -> None:

@@ -154,11 +154,16 @@ def _cache_complete(path: str) -> bool:
         return False
 
 
-def build_caches(cfg: PipelineConfig, corpus) -> list[CacheJob]:
+def build_caches(cfg: PipelineConfig, corpus, names: list[str] | None = None) -> list[CacheJob]:
+    """Build every cache of the file, or with `names` only those the selected runs read."""
     from prlmfuse.cache_features import build_cache
 
     jobs = cache_jobs(cfg, corpus)
-    for job in jobs:
+    wanted = jobs
+    if names is not None:
+        entries = [_find_entry(use, cfg) for run in _selected_runs(cfg, names) for use in run.prlms]
+        wanted = [j for j in jobs if any(j.entry is e for e in entries)]
+    for job in wanted:
         _say(f"cache: {job.entry.name} {job.split} ({job.layers_arg}, {job.dtype}) -> {job.out}")
         build_cache(
             job.entry.name, job.corpus_file, job.out, layers=job.layers_arg, backend=cfg.cache.backend,
@@ -340,7 +345,7 @@ def run_pipeline(cfg: PipelineConfig, *, only: str | None = None, names: list[st
         corpus = ensure_data(cfg, build=False)
     if only == "data":
         return
-    jobs = build_caches(cfg, corpus) if only in (None, "cache") else cache_jobs(cfg, corpus)
+    jobs = build_caches(cfg, corpus, names) if only in (None, "cache") else cache_jobs(cfg, corpus)
     if only in (None, "train"):
         train_runs(cfg, names, jobs=jobs)
     if only in (None, "evaluate"):

@@ -139,3 +139,27 @@ def test_the_same_pipeline_file_runs_under_torchrun(tiny_pipeline, tmp_path):
         info = json.loads((work / "runs" / run / "run.json").read_text())
         assert info["world_size"] == 2
     assert "fused" in (work / "results" / "results.md").read_text(encoding="utf-8")
+
+
+def test_selected_runs_build_only_the_caches_they_read(tiny_pipeline, tmp_path):
+    root, path, _ = tiny_pipeline
+    from prlmfuse.config import load_pipeline
+    from prlmfuse.pipeline import build_caches, ensure_data
+
+    second_prlm = support.tiny_prlm(tmp_path / "other", layers=2, width=16)
+    text = path.read_text(encoding="utf-8").replace(
+        "      layers: [-2]\n", f"      layers: [-2]\n    - name: {second_prlm}\n      layers: [-1]\n", 1)
+    other = tmp_path / "pipeline.yaml"
+    other.write_text(text.replace("workdir: work", f"workdir: {tmp_path / 'work'}"), encoding="utf-8")
+    cfg = load_pipeline(other)
+    corpus = ensure_data(cfg)
+
+    def built() -> set[str]:
+        return {p.parent.parent.name for p in (tmp_path / "work").rglob("manifest.json")}
+
+    build_caches(cfg, corpus, ["baseline"])
+    assert built() == set()  # the baseline reads no cache
+    build_caches(cfg, corpus, ["fused"])
+    assert len(built()) == 1  # the fused run's checkpoint only, not the unused second one
+    build_caches(cfg, corpus)
+    assert len(built()) == 2
