@@ -512,6 +512,7 @@ class RunResult:
     ci_high: float = float("nan")
     delta: dict = field(default_factory=dict)  # metric -> score minus baseline
     p_value: dict = field(default_factory=dict)  # metric -> paired bootstrap p
+    compared_with: str | None = None  # the baseline run behind delta and p_value
 
     def to_dict(self) -> dict:
         # `reused` says how this call got the hypotheses, not what they score: it stays out of the
@@ -710,7 +711,8 @@ def evaluate_runs(
             )
         del model
 
-    _bootstrap(rows, sentence_level, refs_sha, baseline_name, n_samples=bootstrap_samples, seed=seed)
+    _bootstrap(rows, sentence_level, refs_sha, matched_baselines(runs, baseline_name),
+               n_samples=bootstrap_samples, seed=seed)
     settings_record = {
         "beam": beam, "lenpen": lenpen, "average_last": average_last, "max_len_a": max_len_a,
         "max_len_b": max_len_b, "no_repeat_ngram_size": no_repeat_ngram_size, "bf16": bf16,
@@ -737,8 +739,38 @@ def _resolve_baseline(runs: list[RunView], baseline: str | None) -> str | None:
     )
 
 
-def _bootstrap(rows, sentence_level, refs_sha, baseline: str | None, *, n_samples: int, seed: int) -> None:
-    """Confidence intervals for every row, and paired p-values against the baseline on the same references.
+def matched_baselines(runs: list[RunView], baseline: str | None) -> dict[str, str]:
+    """Run name -> the baseline run it is compared with.
+
+    Normally the named baseline. When the baseline was trained with several seeds (a `grid: {seed:
+    [...]}` over it), a fused run is compared with the baseline run of its own seed, so that
+    seed-to-seed noise is not counted as the PrLM's effect; the baseline's other seeds are
+    compared with the named one, which shows that noise.
+    """
+    if baseline is None:
+        return {}
+    by_name = {r.name: r for r in runs}
+    base = by_name[baseline]
+
+    def recipe(run: RunView) -> dict:
+        return {k: v for k, v in (run.record.get("train") or {}).items() if k not in ("name", "seed")}
+
+    base_by_seed = {
+        (r.record.get("train") or {}).get("seed"): r.name
+        for r in runs if not r.prlms and recipe(r) == recipe(base)
+    }
+    base_by_seed[(base.record.get("train") or {}).get("seed")] = baseline
+    out = {}
+    for r in runs:
+        if r.name == baseline:
+            continue
+        seed = (r.record.get("train") or {}).get("seed")
+        out[r.name] = base_by_seed.get(seed, baseline) if r.prlms else baseline
+    return out
+
+
+def _bootstrap(rows, sentence_level, refs_sha, baseline_of: dict[str, str], *, n_samples: int, seed: int) -> None:
+    """Confidence intervals for every row, and paired p-values against its baseline on the same references.
 
     Every system is resampled with the same seed over the same number of sentences, so the i-th
     sample of two systems is the same resampled test set (the pairing).
@@ -752,12 +784,11 @@ def _bootstrap(rows, sentence_level, refs_sha, baseline: str | None, *, n_sample
         main = samples[(row.run, row.test_set)].get(row.main_metric)
         if main is not None:
             row.ci_low, row.ci_high = confidence_interval(main)
-    if baseline is None:
-        return
     by_key = {(r.run, r.test_set): r for r in rows}
     for row in rows:
+        baseline = baseline_of.get(row.run)
         base = by_key.get((baseline, row.test_set))
-        if base is None or row.run == baseline:
+        if base is None:
             continue
         if refs_sha.get((row.run, row.test_set)) != refs_sha.get((baseline, row.test_set)):
             continue  # different corpora: no paired comparison
@@ -767,6 +798,7 @@ def _bootstrap(rows, sentence_level, refs_sha, baseline: str | None, *, n_sample
                 continue
             row.delta[metric] = getattr(row, metric) - getattr(base, metric)
             row.p_value[metric] = paired_p_value(base_samples[metric], system_samples)
+            row.compared_with = baseline
 
 
 # ---------------------------------------------------------------------------------------------
@@ -782,7 +814,8 @@ def _with_delta(row: RunResult, metric: str, baseline: str | None) -> str:
     if row.run == baseline:
         return f"{score} (-)"
     if metric in row.delta:
-        return f"{score} ({row.delta[metric]:+.2f}, p={row.p_value[metric]:.3f})"
+        versus = f" vs {row.compared_with}" if row.compared_with not in (None, baseline) else ""
+        return f"{score} ({row.delta[metric]:+.2f}, p={row.p_value[metric]:.3f}{versus})"
     return score
 
 
@@ -793,7 +826,8 @@ def results_markdown(results: EvaluationResults) -> str:
     lines.append(
         f"beam {s['beam']}, length penalty {s['lenpen']}, average of the last {s['average_last']} checkpoints "
         f"(0 = best), paired bootstrap {s['bootstrap_samples']} samples (seed {s['seed']}); "
-        f"baseline: {results.baseline or 'none'}. Δ and p are against the baseline (two-sided paired bootstrap)."
+        f"baseline: {results.baseline or 'none'}. Δ and p are against the baseline (two-sided paired bootstrap), "
+        f"or against the baseline run of the same seed where it names one."
     )
     for split in dict.fromkeys(r.test_set for r in results.rows):
         rows = [r for r in results.rows if r.test_set == split]
@@ -819,7 +853,7 @@ def results_markdown(results: EvaluationResults) -> str:
 
 _CSV_COLUMNS = [
     "test_set", "run", "prlm", "layer", "merge", "position", "side", "num_sentences", "bleu", "bleu_delta",
-    "bleu_p", "chrf", "rouge1", "rouge2", "rougeL", "rougeL_delta", "rougeL_p", "main_metric", "ci_low",
+    "bleu_p", "chrf", "rouge1", "rouge2", "rougeL", "rougeL_delta", "rougeL_p", "compared_with", "main_metric", "ci_low",
     "ci_high", "sentences_per_s", "tokens_per_s", "decode_seconds", "checkpoints", "hyp_file", "run_dir",
 ]
 

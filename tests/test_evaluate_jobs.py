@@ -160,3 +160,29 @@ def test_summarization_table_has_rouge_columns(tmp_path):
     assert "R-1 | R-2 | R-L (Δ, p)" in md
     assert "rougeL [44.00, 46.00]" in md
     assert not math.isnan(rows[0].rougeL)
+
+
+def test_fused_runs_are_compared_with_the_baseline_of_their_own_seed(tmp_path):
+    from prlmfuse.evaluate.jobs import RunView, matched_baselines
+
+    recipe = {"preset": "small", "lr": 7e-4, "max_updates": 2000}
+
+    def view(name, seed, prlms=(), **train):
+        record = {"train": dict(recipe, name=name, seed=seed, **train), "prlms": list(prlms)}
+        return RunView(run_dir=tmp_path / name, name=name, record=record, corpus=None, checkpoints=())
+
+    runs = [
+        view("baseline.seed-1", 1), view("baseline.seed-2", 2), view("fused.seed-1", 1, [PRLM]),
+        view("fused.seed-2", 2, [PRLM]), view("gate", 1, [PRLM], merge="gate"),
+        view("fused.seed-3", 3, [PRLM]),  # no baseline of seed 3: the named one
+        view("long-baseline", 2, max_updates=9000),  # another recipe: not a seed sibling
+    ]
+    assert matched_baselines(runs, "baseline.seed-1") == {
+        "baseline.seed-2": "baseline.seed-1",
+        "fused.seed-1": "baseline.seed-1",
+        "fused.seed-2": "baseline.seed-2",
+        "gate": "baseline.seed-1",
+        "fused.seed-3": "baseline.seed-1",
+        "long-baseline": "baseline.seed-1",
+    }
+    assert matched_baselines(runs, None) == {}
