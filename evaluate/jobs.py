@@ -77,6 +77,18 @@ class RunView:
     def model_config(self) -> dict:
         return dict(self.record.get("model") or {})
 
+    def budget(self) -> dict:
+        """What training cost: updates, target tokens seen and wall seconds (trainer_state.json)."""
+        try:
+            state = read_json(self.run_dir / "trainer_state.json", what="trainer state")
+        except UserError:
+            state = {}
+        return {
+            "updates": int(state.get("update", 0)),
+            "train_tokens": int(state.get("tokens_seen", 0)),
+            "train_seconds": float(state.get("wall_time", float("nan"))),
+        }
+
     def describe(self) -> dict:
         """The columns of the paper's tables: PrLM, layer, merge, position, side."""
         if not self.prlms:
@@ -513,6 +525,10 @@ class RunResult:
     delta: dict = field(default_factory=dict)  # metric -> score minus baseline
     p_value: dict = field(default_factory=dict)  # metric -> paired bootstrap p
     compared_with: str | None = None  # the baseline run behind delta and p_value
+    # Training budget of the decoded run (trainer_state.json).
+    updates: int = 0
+    train_tokens: int = 0
+    train_seconds: float = float("nan")
 
     def to_dict(self) -> dict:
         # `reused` says how this call got the hypotheses, not what they score: it stays out of the
@@ -706,7 +722,7 @@ def evaluate_runs(
                     decode_seconds=float(meta.get("seconds", float("nan"))),
                     checkpoints=[Path(p).name for p in meta.get("checkpoints", [])],
                     hyp_file=hyp_path.name, reused=reused is not None, signature=scores["signature"],
-                    main_metric=main_metric,
+                    main_metric=main_metric, **run.budget(),
                 )
             )
         del model
@@ -836,7 +852,7 @@ def results_markdown(results: EvaluationResults) -> str:
         header = ["run", "PrLM", "layer", "merge", "position", "side", "BLEU (Δ, p)", "chrF"]
         if summarization:
             header += ["R-1", "R-2", "R-L (Δ, p)"]
-        header += ["sentences/s", "tokens/s", "95% CI"]
+        header += ["sentences/s", "tokens/s", "95% CI", "updates", "train tokens", "train min"]
         lines.append("| " + " | ".join(header) + " |")
         lines.append("|" + "|".join("---" for _ in header) + "|")
         for r in rows:
@@ -844,7 +860,8 @@ def results_markdown(results: EvaluationResults) -> str:
             if summarization:
                 cells += [_fmt(r.rouge1), _fmt(r.rouge2), _with_delta(r, "rougeL", results.baseline)]
             ci = f"{r.main_metric} [{_fmt(r.ci_low)}, {_fmt(r.ci_high)}]"
-            cells += [_fmt(r.sentences_per_s, 1), _fmt(r.tokens_per_s, 0), ci]
+            cells += [_fmt(r.sentences_per_s, 1), _fmt(r.tokens_per_s, 0), ci, str(r.updates),
+                      f"{r.train_tokens / 1e6:.2f}M", _fmt(r.train_seconds / 60, 1)]
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
         signatures = dict.fromkeys(f"{k}: {v}" for r in rows for k, v in sorted(r.signature.items()))
         lines += ["", "Signatures:", ""] + [f"- `{sig}`" for sig in signatures]
@@ -854,7 +871,7 @@ def results_markdown(results: EvaluationResults) -> str:
 _CSV_COLUMNS = [
     "test_set", "run", "prlm", "layer", "merge", "position", "side", "num_sentences", "bleu", "bleu_delta",
     "bleu_p", "chrf", "rouge1", "rouge2", "rougeL", "rougeL_delta", "rougeL_p", "compared_with", "main_metric", "ci_low",
-    "ci_high", "sentences_per_s", "tokens_per_s", "decode_seconds", "checkpoints", "hyp_file", "run_dir",
+    "ci_high", "sentences_per_s", "tokens_per_s", "decode_seconds", "updates", "train_tokens", "train_seconds", "checkpoints", "hyp_file", "run_dir",
 ]
 
 
