@@ -309,10 +309,13 @@ def print_plan(cfg: PipelineConfig, names: list[str] | None) -> None:
         corpus = corpora.load_corpus(root)
         jobs = cache_jobs(cfg, corpus)
         for j in jobs:
-            click.echo(f"cache: {j.entry.name} {j.split:<5} [{'present' if _cache_complete(j.out) else 'to build'}] {j.out}")
+            click.echo(f"cache: {j.entry.name} ({j.layers_arg}, {j.dtype}) {j.split:<5} "
+                       f"[{'present' if _cache_complete(j.out) else 'to build'}] {j.out}")
     else:
         for e in cfg.cache.checkpoints:
-            click.echo(f"cache: {e.name} train/dev/test [to build once the corpus exists]")
+            layers = "all" if e.layers == "all" else ",".join(str(i) for i in e.layers)
+            click.echo(f"cache: {e.name} ({layers}, {e.dtype or cfg.cache.dtype}) train/dev/test "
+                       f"[to build once the corpus exists]")
     speed = _measured_speed(cfg)
     total_updates = total_tokens = 0
     for run in _selected_runs(cfg, names):
