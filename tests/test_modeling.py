@@ -470,3 +470,23 @@ def test_rows_without_any_real_key_stay_finite():
     feats[0].mask[1] = False  # an empty PrLM sequence for sentence 1
     with torch.no_grad():
         assert torch.isfinite(model(src, tgt_in, feats)).all()
+
+
+def test_dropout_drops_p_of_the_elements_unbiased_and_reproducibly():
+    from prlmfuse.train_fused.modeling import dropout
+
+    x = torch.ones(1000, 1000, requires_grad=True)
+    torch.manual_seed(3)
+    y = dropout(x, 0.1, True)
+    dropped = (y == 0).float().mean().item()
+    assert abs(dropped - 0.1) < 0.002  # 1e6 draws: the standard error is 0.0003
+    assert abs(y.mean().item() - 1.0) < 0.005
+    y.sum().backward()
+    assert torch.equal(x.grad, y.detach())  # d(x * mask * scale)/dx = mask * scale
+    torch.manual_seed(3)
+    assert torch.equal(dropout(x, 0.1, True), y)  # the default generator: seeds reproduce it
+    assert dropout(x, 0.1, False) is x and dropout(x, 0.0, True) is x
+    odd = torch.randn(3, 5, 7, dtype=torch.bfloat16)  # numel not a multiple of 4, bf16 kept
+    out = dropout(odd, 0.5, True)
+    assert out.dtype == torch.bfloat16 and out.shape == odd.shape
+    assert torch.equal(out[out != 0], (odd * 2)[out != 0])
