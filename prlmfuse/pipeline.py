@@ -246,17 +246,32 @@ def train_runs(cfg: PipelineConfig, names: list[str] | None = None, *, resume: b
 
 def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None, jobs=None):
     from prlmfuse.evaluate import evaluate_runs
+    from prlmfuse.evaluate.jobs import list_checkpoints
 
     corpus = ensure_data(cfg, build=False)
     if jobs is None:
         jobs = cache_jobs(cfg, corpus)
     e = cfg.evaluate
-    dirs = [run_dir(cfg, r.name) for r in _selected_runs(cfg, names)]
+    selected = _selected_runs(cfg, names)
+    baseline = e.baseline
+    if names is not None and baseline is not None:
+        # `--runs fused` still compares with the baseline (and its other seeds) once they are trained;
+        # their hypotheses are reused, so this costs no decoding.
+        base = cfg.run(baseline)
+
+        def recipe(run: RunConfig) -> dict:
+            return {k: v for k, v in run.to_dict().items() if k not in ("name", "seed")}
+
+        family = [r for r in cfg.train.runs if r is base or (not r.prlms and recipe(r) == recipe(base))]
+        selected += [r for r in family if r not in selected and list_checkpoints(run_dir(cfg, r.name))]
+        if base not in selected:
+            baseline = None
+    dirs = [run_dir(cfg, r.name) for r in selected]
     if not _is_main():
         return None
     out = cfg.workdir / e.out
     result = evaluate_runs(
-        dirs, out=out, baseline=e.baseline, beam=e.beam, lenpen=e.lenpen, average_last=e.average_last,
+        dirs, out=out, baseline=baseline, beam=e.beam, lenpen=e.lenpen, average_last=e.average_last,
         no_repeat_ngram_size=e.no_repeat_ngram_size, max_len_a=e.max_len_a, max_len_b=e.max_len_b,
     )
     _say(f"results: {out / 'results.md'}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -92,6 +93,12 @@ def test_run_end_to_end_then_again_is_a_no_op(tiny_pipeline):
     plan = _prlmfuse("run", str(path), "--dry-run", cwd=root)
     assert plan.returncode == 0, plan.stderr
     assert "to build" not in plan.stdout and plan.stdout.count("[done at update 6]") == 2
+
+    # Evaluating one fused run still compares it with the (trained) baseline.
+    only = _prlmfuse("run", str(path), "--runs", "fused", "--only", "evaluate", cwd=root)
+    assert only.returncode == 0, only.stderr[-3000:]
+    rows = {r["run"]: r for r in json.loads((work / "results" / "results.json").read_text())["rows"]}
+    assert set(rows) == {"baseline", "fused"} and rows["fused"]["compared_with"] == "baseline"
 
 
 def test_dry_run_on_a_fresh_pipeline_writes_nothing(tmp_path):
