@@ -37,6 +37,7 @@ from prlmfuse.evaluate.metrics import (
     paired_p_value,
     sentence_stats,
 )
+from prlmfuse.train_fused.config import recipe_without_seed
 from prlmfuse.fileio import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json, read_lines, sha256_file
 
 RUN_FILE = "run.json"
@@ -769,7 +770,7 @@ def matched_baselines(runs: list[RunView], baseline: str | None) -> dict[str, st
     base = by_name[baseline]
 
     def recipe(run: RunView) -> dict:
-        return {k: v for k, v in (run.record.get("train") or {}).items() if k not in ("name", "seed")}
+        return recipe_without_seed(run.record.get("train") or {})
 
     base_by_seed = {
         (r.record.get("train") or {}).get("seed"): r.name

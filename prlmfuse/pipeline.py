@@ -25,7 +25,7 @@ import click
 from prlmfuse import __version__
 from prlmfuse.config import CheckpointEntry, PipelineConfig
 from prlmfuse.errors import UserError
-from prlmfuse.train_fused.config import PrLMUse, RunConfig
+from prlmfuse.train_fused.config import PrLMUse, RunConfig, recipe_without_seed
 
 SPLITS = ("train", "dev", "test")
 
@@ -259,10 +259,9 @@ def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None, jobs=
         # their hypotheses are reused, so this costs no decoding.
         base = cfg.run(baseline)
 
-        def recipe(run: RunConfig) -> dict:
-            return {k: v for k, v in run.to_dict().items() if k not in ("name", "seed")}
-
-        family = [r for r in cfg.train.runs if r is base or (not r.prlms and recipe(r) == recipe(base))]
+        base_recipe = recipe_without_seed(base.to_dict())
+        family = [r for r in cfg.train.runs
+                  if r is base or (not r.prlms and recipe_without_seed(r.to_dict()) == base_recipe)]
         selected += [r for r in family if r not in selected and list_checkpoints(run_dir(cfg, r.name))]
         if base not in selected:
             baseline = None

@@ -79,3 +79,9 @@ class RunConfig:
         if "adam_betas" in d:
             d["adam_betas"] = tuple(d["adam_betas"])
         return cls(**d)
+
+
+def recipe_without_seed(train: dict) -> dict:
+    """A run's settings (RunConfig.to_dict(), as run.json stores them) minus name and seed:
+    equal for the runs of one `grid: {seed: [...]}`."""
+    return {k: v for k, v in train.items() if k not in ("name", "seed")}
