@@ -14,6 +14,10 @@ shared CPU then hurts every system alike). Data wait = time the loop spent waiti
 batch, as a fraction of the step time. The last line is `RESULT {json}`.
 
     python bench/train_throughput.py [--checkpoint minilm-l6] [--preset small] [--steps 40]
+
+`--malloc` instead measures what prlmfuse.runtime.keep_freed_memory buys: systems (a) and (b) in
+child processes, alternately with glibc's default allocator settings and with prlmfuse's, and
+prints the step-time ratios.
 """
 
 from __future__ import annotations
@@ -104,7 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-pairs", type=int, default=6000)
     parser.add_argument("--bpe-vocab", type=int, default=8000)
     parser.add_argument("--home", default=None, help="where corpus and caches go (default $PRLMFUSE_HOME)")
+    parser.add_argument("--systems", default="abcd", help="which of a, b, c, d to time (default abcd)")
+    parser.add_argument("--malloc", action="store_true",
+                        help="compare glibc's default allocator settings with prlmfuse's on (a) and (b)")
     args = parser.parse_args(argv)
+    if args.malloc:
+        return _compare_malloc(argv or sys.argv[1:], args.rounds)
+    unknown = set(args.systems) - set("abcd")
+    if unknown or not args.systems:
+        raise SystemExit(f"--systems takes letters from abcd, got {args.systems!r}")
 
     torch.set_num_threads(args.threads)
     from prlmfuse.cache_features import build_cache
@@ -166,17 +178,19 @@ def main(argv: list[str] | None = None) -> int:
 
     disk = [FeatureSource(str(caches["train"]), layer_rows=(0,))]
     memory = [FeatureSource(str(caches["train"]), layer_rows=(0,), in_memory=True)]
-    systems = {
-        "a": make_trainer([], []),
-        "b": make_trainer([spec], disk),
-        "c": make_trainer([spec], memory),
-        "d": make_trainer([spec], []),  # features come from the live PrLM, not from a cache
+    makers = {
+        "a": lambda: make_trainer([], []),
+        "b": lambda: make_trainer([spec], disk),
+        "c": lambda: make_trainer([spec], memory),
+        "d": lambda: make_trainer([spec], []),  # features come from the live PrLM, not from a cache
     }
-    # (c) loads the whole cache into RAM before timing, as in_memory_features does at startup.
-    systems["c"][1].readers()[0].features(0)
-    live = _LivePrLM(info, args.layer, autocast=bf16)
-    print(f"model {args.preset}: {systems['a'][0].model.num_parameters() / 1e6:.1f}M baseline, "
-          f"{systems['b'][0].model.num_parameters() / 1e6:.1f}M fused; bf16 autocast {bf16}; "
+    systems = {k: make() for k, make in makers.items() if k in args.systems}
+    if "c" in systems:
+        # (c) loads the whole cache into RAM before timing, as in_memory_features does at startup.
+        systems["c"][1].readers()[0].features(0)
+    live = _LivePrLM(info, args.layer, autocast=bf16) if "d" in systems else None
+    sizes = {k: f"{t.model.num_parameters() / 1e6:.1f}M" for k, (t, _) in systems.items()}
+    print(f"model {args.preset}: parameters {sizes}; bf16 autocast {bf16}; "
           f"{needed} batches of <= {args.max_tokens} tokens; PrLM {info.name} ({info.num_layers} layers, d={info.hidden_size})",
           file=sys.stderr)
 
@@ -196,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     best = {k: min(v, key=lambda o: o["step_s"]) for k, v in results.items()}
     names = {"a": "baseline", "b": "fused, cache on disk (workers)", "c": "fused, cache in memory", "d": "fused, live PrLM"}
     for k, name in names.items():
+        if k not in best:
+            continue
         print(f"({k}) {name:32s} {best[k]['step_s'] * 1000:8.1f} ms/step  data wait {best[k]['data_wait_fraction']:6.1%}")
     result = {
         "checkpoint": args.checkpoint,
@@ -205,10 +221,40 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "bf16": bf16,
         "step_ms": {k: round(v["step_s"] * 1000, 1) for k, v in best.items()},
-        "b_over_a": round(best["b"]["step_s"] / best["a"]["step_s"], 3),
-        "b_over_c": round(best["b"]["step_s"] / best["c"]["step_s"], 3),
-        "d_over_b": round(best["d"]["step_s"] / best["b"]["step_s"], 3),
-        "data_wait_fraction": round(best["b"]["data_wait_fraction"], 4),
+    }
+    for top, bottom in (("b", "a"), ("b", "c"), ("d", "b")):
+        if top in best and bottom in best:
+            result[f"{top}_over_{bottom}"] = round(best[top]["step_s"] / best[bottom]["step_s"], 3)
+    if "b" in best:
+        result["data_wait_fraction"] = round(best["b"]["data_wait_fraction"], 4)
+    print("RESULT " + json.dumps(result))
+    return 0
+
+
+def _compare_malloc(argv: list[str], rounds: int) -> int:
+    """(a) and (b) in child processes, glibc defaults and prlmfuse's setting alternating; best round each."""
+    import os
+    import subprocess
+
+    from prlmfuse.runtime import MALLOC_ENV
+
+    passthrough = [a for a in argv if a != "--malloc"]
+    settings = {"glibc": "glibc", "prlmfuse": ""}
+    best: dict[str, dict[str, float]] = {k: {} for k in settings}
+    for r in range(rounds):
+        for name, value in settings.items():
+            env = dict(os.environ, **{MALLOC_ENV: value})
+            cmd = [sys.executable, __file__, *passthrough, "--systems", "ab", "--rounds", "1"]
+            out = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
+            step_ms = json.loads(out.strip().splitlines()[-1].removeprefix("RESULT "))["step_ms"]
+            print(f"round {r + 1} ({name} allocator): {step_ms}", file=sys.stderr)
+            for k, v in step_ms.items():
+                best[name][k] = min(best[name].get(k, v), v)
+    result = {
+        "step_ms_glibc_defaults": best["glibc"],
+        "step_ms_prlmfuse": best["prlmfuse"],
+        "a_glibc_over_prlmfuse": round(best["glibc"]["a"] / best["prlmfuse"]["a"], 3),
+        "b_glibc_over_prlmfuse": round(best["glibc"]["b"] / best["prlmfuse"]["b"], 3),
     }
     print("RESULT " + json.dumps(result))
     return 0

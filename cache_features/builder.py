@@ -31,6 +31,7 @@ import torch
 
 from prlmfuse.errors import UserError
 from prlmfuse.fileio import pid_lock, is_disk_full, read_lines, sha256_file
+from prlmfuse.runtime import keep_freed_memory
 
 from .extract import (
     EncodedCorpus,
@@ -372,6 +373,7 @@ def build_cache(
     """
     check_dtype(dtype)
     check_backend(backend)
+    keep_freed_memory()
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise UserError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     location = Location(out)
