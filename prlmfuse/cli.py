@@ -210,8 +210,10 @@ def cache_inspect(path: str, as_json: bool) -> None:
 @click.option("--pipeline", "-p", type=click.Path(dir_okay=False), help="Pipeline file (default: ./pipeline.yaml).")
 @click.option("--runs", "runs", multiple=True, help="Run names, repeated or comma-separated (default: all).")
 @click.option("--fresh", is_flag=True, help="Start runs from scratch instead of resuming.")
+@click.option("--jobs", "-j", "parallel", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Train this many runs at once, each in its own process with cores/JOBS threads (log: runs/NAME/train.log).")
 @click.pass_context
-def train(ctx, pipeline, runs, fresh) -> None:
+def train(ctx, pipeline, runs, fresh, parallel) -> None:
     """Stage two: train the runs of a pipeline file from its caches (no PrLM is loaded).
 
     Runs resume where they stopped. Data and caches must exist: `prlmfuse run --only cache`.
@@ -223,7 +225,7 @@ def train(ctx, pipeline, runs, fresh) -> None:
     from prlmfuse.pipeline import train_runs
 
     cfg = load_pipeline(_pipeline_path(pipeline))
-    train_runs(cfg, names=_split_names(runs), resume=not fresh)
+    train_runs(cfg, names=_split_names(runs), resume=not fresh, parallel=parallel)
 
 
 @train.command("average")
@@ -284,7 +286,9 @@ def translate(run_dir: str, input_file, beam: int, average_last: int) -> None:
 @click.option("--runs", "runs", multiple=True, help="Only these training runs (several may follow); only the caches they read are built.")
 @click.argument("more_runs", nargs=-1)
 @click.option("--dry-run", is_flag=True, help="Print the plan: caches present, runs to train or resume, estimates.")
-def run(pipeline, only, runs, more_runs, dry_run) -> None:
+@click.option("--jobs", "-j", "parallel", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Train this many runs at once, each in its own process with cores/JOBS threads (log: runs/NAME/train.log).")
+def run(pipeline, only, runs, more_runs, dry_run, parallel) -> None:
     """Run a whole pipeline file: data -> cache -> train -> evaluate -> report.
 
     Finished steps are skipped, so running it again when all is done takes seconds.
@@ -294,7 +298,7 @@ def run(pipeline, only, runs, more_runs, dry_run) -> None:
     from prlmfuse.pipeline import run_pipeline
 
     cfg = load_pipeline(_pipeline_path(pipeline))
-    run_pipeline(cfg, only=only, names=_split_names(tuple(_variadic(runs, more_runs))), dry_run=dry_run)
+    run_pipeline(cfg, only=only, names=_split_names(tuple(_variadic(runs, more_runs))), dry_run=dry_run, parallel=parallel)
 
 
 def main() -> None:

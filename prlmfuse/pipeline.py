@@ -221,9 +221,16 @@ def _selected_runs(cfg: PipelineConfig, names: list[str] | None) -> list[RunConf
     return runs
 
 
-def train_runs(cfg: PipelineConfig, names: list[str] | None = None, *, resume: bool = True, jobs=None) -> list[Path]:
+def train_runs(
+    cfg: PipelineConfig, names: list[str] | None = None, *, resume: bool = True, jobs=None, parallel: int = 1
+) -> list[Path]:
+    """Train (or resume) the selected runs; `parallel` > 1 trains that many at once, each in a child process."""
     from prlmfuse.train_fused import train_run
 
+    if not isinstance(parallel, int) or parallel < 1:
+        raise UserError(f"--jobs must be a positive integer, got {parallel!r}")
+    if parallel > 1 and _rank_world()[1] > 1:
+        raise UserError("--jobs > 1 cannot be combined with torchrun; use one or the other")
     corpus = ensure_data(cfg, build=False)
     if jobs is None:
         jobs = cache_jobs(cfg, corpus)
@@ -232,13 +239,75 @@ def train_runs(cfg: PipelineConfig, names: list[str] | None = None, *, resume: b
         missing = [m for m in missing if m in needed]
         if missing:
             raise UserError(f"cache {missing[0]} is not built; run `prlmfuse run {cfg.path} --only cache` first")
+    runs = _selected_runs(cfg, names)
+    if parallel > 1 and len(runs) > 1:
+        return _train_in_children(cfg, runs, parallel, resume=resume)
     dirs = []
-    for run in _selected_runs(cfg, names):
+    for run in runs:
         out = run_dir(cfg, run.name)
         _say(f"train: {run.name} -> {out}")
         train_run(run, corpus, caches_for_run(run, jobs, cfg), out, resume=resume)
         dirs.append(out)
     return dirs
+
+
+def _last_line(path: Path) -> str:
+    """The last non-empty line of a log (tqdm's carriage-return updates count as lines)."""
+    try:
+        tail = path.read_bytes()[-4096:].decode("utf-8", "replace")
+    except OSError:
+        return ""
+    lines = [x.strip() for x in tail.replace("\r", "\n").splitlines() if x.strip()]
+    return lines[-1] if lines else ""
+
+
+def _train_in_children(cfg: PipelineConfig, runs: list[RunConfig], parallel: int, *, resume: bool) -> list[Path]:
+    """Train `parallel` runs at a time, each `prlmfuse train --runs NAME` in its own process.
+
+    Each child gets cores/parallel threads: small models use two cores poorly, so two runs at once
+    finish a grid sooner than one run with both cores. A child's output goes to runs/NAME/train.log;
+    a failed run is reported with its log's last line once the others have finished.
+    """
+    import subprocess
+    import sys
+    import time
+
+    threads = max(1, (os.cpu_count() or 1) // parallel)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), TQDM_MININTERVAL="30")
+    pending = list(runs)
+    active: dict = {}
+    failed: list[str] = []
+    try:
+        while pending or active:
+            while pending and len(active) < parallel:
+                run = pending.pop(0)
+                out = run_dir(cfg, run.name)
+                out.mkdir(parents=True, exist_ok=True)
+                log = out / "train.log"
+                cmd = [sys.executable, "-m", "prlmfuse.cli", "train", "--pipeline", str(cfg.path), "--runs", run.name]
+                if not resume:
+                    cmd.append("--fresh")
+                with open(log, "ab") as fh:
+                    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+                active[proc] = (run, log, time.monotonic())
+                _say(f"train: {run.name} -> {out} (own process, {threads} thread(s); log {log})")
+            time.sleep(0.5)
+            for proc in [p for p in active if p.poll() is not None]:
+                run, log, started = active.pop(proc)
+                minutes = (time.monotonic() - started) / 60
+                if proc.returncode == 0:
+                    _say(f"train: {run.name} finished in {minutes:.1f} min")
+                else:
+                    failed.append(f"{run.name} (exit {proc.returncode}: {_last_line(log)}; log {log})")
+                    _say(f"train: {run.name} FAILED after {minutes:.1f} min; see {log}")
+    finally:
+        for proc in active:  # interrupted: children resume from their last checkpoint next time
+            proc.terminate()
+        for proc in active:
+            proc.wait()
+    if failed:
+        raise UserError(f"{len(failed)} of {len(runs)} runs failed: " + "; ".join(failed))
+    return [run_dir(cfg, r.name) for r in runs]
 
 
 # ---------------------------------------------------------------------------- evaluation
@@ -352,7 +421,10 @@ def print_plan(cfg: PipelineConfig, names: list[str] | None) -> None:
 # ---------------------------------------------------------------------------- all of it
 
 
-def run_pipeline(cfg: PipelineConfig, *, only: str | None = None, names: list[str] | None = None, dry_run: bool = False) -> None:
+def run_pipeline(
+    cfg: PipelineConfig, *, only: str | None = None, names: list[str] | None = None, dry_run: bool = False,
+    parallel: int = 1,
+) -> None:
     if dry_run:
         print_plan(cfg, names)
         return
@@ -364,6 +436,6 @@ def run_pipeline(cfg: PipelineConfig, *, only: str | None = None, names: list[st
         return
     jobs = build_caches(cfg, corpus, names) if only in (None, "cache") else cache_jobs(cfg, corpus)
     if only in (None, "train"):
-        train_runs(cfg, names, jobs=jobs)
+        train_runs(cfg, names, jobs=jobs, parallel=parallel)
     if only in (None, "evaluate"):
         evaluate_pipeline(cfg, names, jobs=jobs)

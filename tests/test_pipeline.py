@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,11 @@ import pytest
 _spec = importlib.util.spec_from_file_location("test_train_support", Path(__file__).with_name("test_train_support.py"))
 support = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(support)
+_spec = importlib.util.spec_from_file_location(
+    "test_reliability_support", Path(__file__).with_name("test_reliability_support.py")
+)
+support_reliability = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(support_reliability)
 
 PIPELINE = """\
 workdir: work
@@ -99,6 +105,40 @@ def test_run_end_to_end_then_again_is_a_no_op(tiny_pipeline):
     assert only.returncode == 0, only.stderr[-3000:]
     rows = {r["run"]: r for r in json.loads((work / "results" / "results.json").read_text())["rows"]}
     assert set(rows) == {"baseline", "fused"} and rows["fused"]["compared_with"] == "baseline"
+
+
+@pytest.mark.slow
+def test_jobs_trains_runs_in_their_own_processes_and_names_the_one_that_failed(tiny_pipeline, tmp_path):
+    root, path, _ = tiny_pipeline
+    pipe = tmp_path / "pipeline.yaml"
+    pipe.write_text(path.read_text().replace("workdir: work", f"workdir: {tmp_path / 'work'}"))
+    for stage in ("data", "cache"):
+        built = _prlmfuse("run", str(pipe), "--only", stage, cwd=tmp_path)
+        assert built.returncode == 0, built.stderr[-3000:]
+    from prlmfuse.train_fused.checkpointing import latest_trainer_state
+
+    # The fused run's cache damaged: that run fails in its own process, the baseline still trains
+    # in another, and the parent's one line names the failed run with the child's own error line.
+    train_cache = next(p.parent for p in (tmp_path / "work" / "cache").rglob("manifest.json")
+                       if p.parent.name.startswith("train-"))
+    shutil.copytree(train_cache, tmp_path / "intact")
+    needle = support_reliability.damage_cache("flipped byte", train_cache)
+    failed = _prlmfuse("run", str(pipe), "--only", "train", "--jobs", "2", cwd=tmp_path)
+    assert failed.returncode == 2, failed.stderr[-3000:]
+    line = failed.stderr.strip()
+    assert "\n" not in line, line
+    assert line.startswith("error: 1 of 2 runs failed: fused (exit 2: error: ") and needle in line, line
+    assert failed.stdout.count("(own process, 1 thread(s);") == 2 and "baseline finished in" in failed.stdout
+    runs = tmp_path / "work" / "runs"
+    assert latest_trainer_state(runs / "baseline")["update"] == 6
+    assert f"train: baseline -> " in (runs / "baseline" / "train.log").read_text(encoding="utf-8")
+
+    shutil.rmtree(train_cache)
+    shutil.copytree(tmp_path / "intact", train_cache)
+    repaired = _prlmfuse("run", str(pipe), "--only", "train", "--jobs", "2", cwd=tmp_path)
+    assert repaired.returncode == 0, repaired.stderr[-3000:]
+    assert repaired.stdout.count("finished in") == 2
+    assert latest_trainer_state(runs / "fused")["update"] == 6
 
 
 def test_dry_run_on_a_fresh_pipeline_writes_nothing(tmp_path):
