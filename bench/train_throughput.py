@@ -15,15 +15,17 @@ batch, as a fraction of the step time. The last line is `RESULT {json}`.
 
     python bench/train_throughput.py [--checkpoint minilm-l6] [--preset small] [--steps 40]
 
-`--malloc` instead measures what prlmfuse.runtime.keep_freed_memory buys: systems (a) and (b) in
-child processes, alternately with glibc's default allocator settings and with prlmfuse's, and
-prints the step-time ratios.
+`--compare malloc|pad` instead measures one of prlmfuse's speed settings: systems (a) and (b) in
+child processes, alternately without and with it, and prints step-time and peak-memory ratios.
+  malloc  glibc's default allocator settings vs prlmfuse.runtime.keep_freed_memory
+  pad     exact padded lengths vs lengths rounded up to a multiple of 8 (train_fused.data)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import tempfile
 import time
@@ -55,19 +57,21 @@ def _corpus(home: Path, train_pairs: int):
 class _LivePrLM:
     """bert-nmt's way: tokenize the raw source and run the frozen PrLM inside the training step."""
 
-    def __init__(self, info, layer: int, autocast: bool):
+    def __init__(self, info, layer: int, autocast: bool, pad_multiple: int):
         from prlmfuse.checkpoints import load_prlm
 
         self.model, self.tokenizer = load_prlm(info)
         self.layer = layer
         self.max_length = int(info.max_length)
         self.autocast = autocast
+        self.pad_multiple = pad_multiple
 
     @torch.no_grad()
     def features(self, lines: list[str]):
         from prlmfuse.train_fused.modeling import PrLMFeatures
 
-        enc = self.tokenizer(lines, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
+        enc = self.tokenizer(lines, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt",
+                             pad_to_multiple_of=self.pad_multiple)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
             hidden = self.model(**enc, output_hidden_states=True).hidden_states[self.layer]
         return PrLMFeatures(states=hidden.float()[:, None], mask=enc["attention_mask"].bool(), pooled=None)
@@ -109,11 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bpe-vocab", type=int, default=8000)
     parser.add_argument("--home", default=None, help="where corpus and caches go (default $PRLMFUSE_HOME)")
     parser.add_argument("--systems", default="abcd", help="which of a, b, c, d to time (default abcd)")
-    parser.add_argument("--malloc", action="store_true",
-                        help="compare glibc's default allocator settings with prlmfuse's on (a) and (b)")
+    parser.add_argument("--pad-multiple", type=int, default=None, help="round padded lengths up to this (default: prlmfuse's)")
+    parser.add_argument("--compare", choices=sorted(COMPARISONS),
+                        help="time (a) and (b) without and with one of prlmfuse's speed settings, in child processes")
     args = parser.parse_args(argv)
-    if args.malloc:
-        return _compare_malloc(argv or sys.argv[1:], args.rounds)
+    if args.compare:
+        return _compare(args.compare, argv if argv is not None else sys.argv[1:], args.rounds)
     unknown = set(args.systems) - set("abcd")
     if unknown or not args.systems:
         raise SystemExit(f"--systems takes letters from abcd, got {args.systems!r}")
@@ -124,11 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     from prlmfuse.data import prlmfuse_home
     from prlmfuse.train_fused.bpe import train_bpe
     from prlmfuse.train_fused.config import PrLMUse, RunConfig
-    from prlmfuse.train_fused.data import FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader
+    from prlmfuse.train_fused.data import PAD_TO_MULTIPLE, FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader
     from prlmfuse.train_fused.distributed import DistContext
     from prlmfuse.train_fused.modeling import FusedTransformer, PrLMSpec
     from prlmfuse.train_fused.trainer import Trainer, build_model_config, fast_bf16_available
 
+    pad_multiple = args.pad_multiple or PAD_TO_MULTIPLE
     home = Path(args.home) if args.home else prlmfuse_home()
     corpus = _corpus(home, args.train_pairs)
     try:
@@ -173,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     def make_trainer(prlm_specs, sources):
         torch.manual_seed(1)
         model = FusedTransformer(build_model_config(run, bpe.vocab_size, prlm_specs))
-        dataset = PairDataset(src_ids, tgt_ids, sources)
+        dataset = PairDataset(src_ids, tgt_ids, sources, pad_multiple=pad_multiple)
         return Trainer(run, tmp_run, model, dataset, dataset, ctx, progress=False), dataset
 
     disk = [FeatureSource(str(caches["train"]), layer_rows=(0,))]
@@ -188,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if "c" in systems:
         # (c) loads the whole cache into RAM before timing, as in_memory_features does at startup.
         systems["c"][1].readers()[0].features(0)
-    live = _LivePrLM(info, args.layer, autocast=bf16) if "d" in systems else None
+    live = _LivePrLM(info, args.layer, autocast=bf16, pad_multiple=pad_multiple) if "d" in systems else None
     sizes = {k: f"{t.model.num_parameters() / 1e6:.1f}M" for k, (t, _) in systems.items()}
     print(f"model {args.preset}: parameters {sizes}; bf16 autocast {bf16}; "
           f"{needed} batches of <= {args.max_tokens} tokens; PrLM {info.name} ({info.num_layers} layers, d={info.hidden_size})",
@@ -200,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
             workers = 0 if key in ("c", "d") else args.workers
             loader = make_loader(dataset, sampler_over(chosen), num_workers=workers)
             if key == "d":
-                loader = make_loader(PairDataset(src_ids, tgt_ids, []), sampler_over(chosen), num_workers=args.workers)
+                plain = PairDataset(src_ids, tgt_ids, [], pad_multiple=pad_multiple)
+                loader = make_loader(plain, sampler_over(chosen), num_workers=args.workers)
             out = _run_system(key, trainer, loader, args.steps, args.warmup, live if key == "d" else None, src_lines)
             del loader
             results[key].append(out)
@@ -220,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps,
         "rounds": args.rounds,
         "bf16": bf16,
+        "pad_multiple": pad_multiple,
+        "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         "step_ms": {k: round(v["step_s"] * 1000, 1) for k, v in best.items()},
     }
     for top, bottom in (("b", "a"), ("b", "c"), ("d", "b")):
@@ -231,31 +240,42 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _compare_malloc(argv: list[str], rounds: int) -> int:
-    """(a) and (b) in child processes, glibc defaults and prlmfuse's setting alternating; best round each."""
+# name -> {variant: (extra arguments, extra environment)}; the second variant is prlmfuse's default.
+COMPARISONS = {
+    "malloc": {"glibc": ([], {"PRLMFUSE_MALLOC": "glibc"}), "prlmfuse": ([], {"PRLMFUSE_MALLOC": ""})},
+    "pad": {"exact": (["--pad-multiple", "1"], {}), "padded8": (["--pad-multiple", "8"], {})},
+}
+
+
+def _compare(name: str, argv: list[str], rounds: int) -> int:
+    """(a) and (b) in child processes, the two variants alternating; each keeps its best round."""
     import os
     import subprocess
 
-    from prlmfuse.runtime import MALLOC_ENV
-
-    passthrough = [a for a in argv if a != "--malloc"]
-    settings = {"glibc": "glibc", "prlmfuse": ""}
-    best: dict[str, dict[str, float]] = {k: {} for k in settings}
+    passthrough, skip = [], False
+    for a in argv:  # drop --compare X / --compare=X
+        if skip:
+            skip = False
+        elif a == "--compare":
+            skip = True
+        elif not a.startswith("--compare="):
+            passthrough.append(a)
+    variants = COMPARISONS[name]
+    best: dict[str, dict] = {k: {"step_ms": {}, "max_rss_mib": 0} for k in variants}
     for r in range(rounds):
-        for name, value in settings.items():
-            env = dict(os.environ, **{MALLOC_ENV: value})
-            cmd = [sys.executable, __file__, *passthrough, "--systems", "ab", "--rounds", "1"]
-            out = subprocess.run(cmd, env=env, check=True, stdout=subprocess.PIPE, text=True).stdout
-            step_ms = json.loads(out.strip().splitlines()[-1].removeprefix("RESULT "))["step_ms"]
-            print(f"round {r + 1} ({name} allocator): {step_ms}", file=sys.stderr)
-            for k, v in step_ms.items():
-                best[name][k] = min(best[name].get(k, v), v)
-    result = {
-        "step_ms_glibc_defaults": best["glibc"],
-        "step_ms_prlmfuse": best["prlmfuse"],
-        "a_glibc_over_prlmfuse": round(best["glibc"]["a"] / best["prlmfuse"]["a"], 3),
-        "b_glibc_over_prlmfuse": round(best["glibc"]["b"] / best["prlmfuse"]["b"], 3),
-    }
+        for variant, (extra, env_extra) in variants.items():
+            cmd = [sys.executable, __file__, *passthrough, *extra, "--systems", "ab", "--rounds", "1"]
+            out = subprocess.run(cmd, env=dict(os.environ, **env_extra), check=True, stdout=subprocess.PIPE, text=True).stdout
+            child = json.loads(out.strip().splitlines()[-1].removeprefix("RESULT "))
+            print(f"round {r + 1} ({variant}): step_ms {child['step_ms']}, max RSS {child['max_rss_mib']} MiB", file=sys.stderr)
+            for k, v in child["step_ms"].items():
+                best[variant]["step_ms"][k] = min(best[variant]["step_ms"].get(k, v), v)
+            best[variant]["max_rss_mib"] = max(best[variant]["max_rss_mib"], child["max_rss_mib"])
+    without, with_ = variants
+    result = {"compare": name, **{f"{v}": best[v] for v in variants}}
+    for k in ("a", "b"):
+        result[f"{k}_{without}_over_{with_}"] = round(best[without]["step_ms"][k] / best[with_]["step_ms"][k], 3)
+    result[f"rss_{without}_over_{with_}"] = round(best[without]["max_rss_mib"] / best[with_]["max_rss_mib"], 3)
     print("RESULT " + json.dumps(result))
     return 0
 

@@ -11,7 +11,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 _KEEP_FREED_TRIM_BYTES = 1 << 30
 
-# PRLMFUSE_MALLOC=glibc leaves glibc's defaults alone (bench/train_throughput.py --malloc compares both).
+# PRLMFUSE_MALLOC=glibc leaves glibc's defaults alone (bench/train_throughput.py --compare malloc compares both).
 MALLOC_ENV = "PRLMFUSE_MALLOC"
 
 _state: bool | None = None
@@ -23,7 +23,7 @@ def keep_freed_memory() -> bool:
     glibc serves every block above its mmap threshold (at most 32 MiB) with a fresh mmap and unmaps
     it on free, so each logits- or activation-sized tensor of a training or decoding step pays page
     faults and kernel page zeroing again; that was over a quarter of a small model's step time here
-    (`python bench/train_throughput.py --malloc`). With mmap off and a high trim threshold, freed
+    (`python bench/train_throughput.py --compare malloc`). With mmap off and a high trim threshold, freed
     blocks stay in the heap and the next step reuses them: the process keeps its peak heap instead.
     A no-op off glibc (macOS, musl) or when PRLMFUSE_MALLOC=glibc. Idempotent.
     """
