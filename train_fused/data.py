@@ -125,7 +125,9 @@ class PairDataset(Dataset):
         )
 
     @staticmethod
-    def _features(reader: CacheReader, source: FeatureSource, indices: list[int], pad_multiple: int) -> PrLMFeatures:
+    def _features(
+        reader: CacheReader, source: FeatureSource, indices: list[int], pad_multiple: int = PAD_TO_MULTIPLE
+    ) -> PrLMFeatures:
         rows = list(source.layer_rows)
         per_sentence = [reader.features(i, rows) for i in indices]  # [len(rows), T_i, d] each
         width = int(reader.hidden_size)
