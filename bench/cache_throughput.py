@@ -142,9 +142,9 @@ def main() -> None:
             del fresh
             start = time.perf_counter()
             result = build_cache(args.checkpoint, corpus, tmp / f"cache-{r}", progress=False)
-            seconds_c = min(seconds_c, time.perf_counter() - start)
-            print(f"round {r + 1}: (b) {tokens_b / seconds:,.0f} tokens/s, (c) {tokens_b / (time.perf_counter() - start):,.0f} "
-                  f"tokens/s", file=sys.stderr)
+            elapsed = time.perf_counter() - start
+            seconds_c = min(seconds_c, elapsed)
+            print(f"round {r + 1}: (b) {tokens_b / seconds:,.0f} tokens/s, (c) {tokens_b / elapsed:,.0f} tokens/s", file=sys.stderr)
         stats = inspect_cache(result.path)
         tokens_c = stats["num_tokens"]
         rate_a, rate_b, rate_c = tokens_a / seconds_a, tokens_b / seconds_b, tokens_c / seconds_c

@@ -31,6 +31,13 @@ def _variadic(first: tuple[str, ...], rest: tuple[str, ...]) -> list[str]:
     return [*first, *rest]
 
 
+# `train` and `run` take the same option.
+_jobs_option = click.option(
+    "--jobs", "-j", "parallel", default=1, show_default=True, type=click.IntRange(min=1),
+    help="Train this many runs at once, each in its own process with cores/JOBS threads (log: runs/NAME/train.log).",
+)
+
+
 def _split_names(values: tuple[str, ...]) -> list[str] | None:
     names = [n for v in values for n in v.split(",") if n]
     return names or None
@@ -210,8 +217,7 @@ def cache_inspect(path: str, as_json: bool) -> None:
 @click.option("--pipeline", "-p", type=click.Path(dir_okay=False), help="Pipeline file (default: ./pipeline.yaml).")
 @click.option("--runs", "runs", multiple=True, help="Run names, repeated or comma-separated (default: all).")
 @click.option("--fresh", is_flag=True, help="Start runs from scratch instead of resuming.")
-@click.option("--jobs", "-j", "parallel", default=1, show_default=True, type=click.IntRange(min=1),
-              help="Train this many runs at once, each in its own process with cores/JOBS threads (log: runs/NAME/train.log).")
+@_jobs_option
 @click.pass_context
 def train(ctx, pipeline, runs, fresh, parallel) -> None:
     """Stage two: train the runs of a pipeline file from its caches (no PrLM is loaded).
@@ -286,8 +292,7 @@ def translate(run_dir: str, input_file, beam: int, average_last: int) -> None:
 @click.option("--runs", "runs", multiple=True, help="Only these training runs (several may follow); only the caches they read are built.")
 @click.argument("more_runs", nargs=-1)
 @click.option("--dry-run", is_flag=True, help="Print the plan: caches present, runs to train or resume, estimates.")
-@click.option("--jobs", "-j", "parallel", default=1, show_default=True, type=click.IntRange(min=1),
-              help="Train this many runs at once, each in its own process with cores/JOBS threads (log: runs/NAME/train.log).")
+@_jobs_option
 def run(pipeline, only, runs, more_runs, dry_run, parallel) -> None:
     """Run a whole pipeline file: data -> cache -> train -> evaluate -> report.
 
