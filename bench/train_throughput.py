@@ -15,10 +15,12 @@ batch, as a fraction of the step time. The last line is `RESULT {json}`.
 
     python bench/train_throughput.py [--checkpoint minilm-l6] [--preset small] [--steps 40]
 
-`--compare malloc|pad` instead measures one of prlmfuse's speed settings: systems (a) and (b) in
-child processes, alternately without and with it, and prints step-time and peak-memory ratios.
+`--compare malloc|pad|nice` instead measures one of prlmfuse's speed settings: systems (a) and (b)
+(and (c) for nice) in child processes, alternately without and with it, and prints step-time and
+peak-memory ratios.
   malloc  glibc's default allocator settings vs prlmfuse.runtime.keep_freed_memory
   pad     exact padded lengths vs lengths rounded up to a multiple of 8 (train_fused.data)
+  nice    DataLoader workers at the step's priority vs 10 lower (train_fused.data.WORKER_NICE)
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--home", default=None, help="where corpus and caches go (default $PRLMFUSE_HOME)")
     parser.add_argument("--systems", default="abcd", help="which of a, b, c, d to time (default abcd)")
     parser.add_argument("--pad-multiple", type=int, default=None, help="round padded lengths up to this (default: prlmfuse's)")
+    parser.add_argument("--worker-nice", type=int, default=None, help="niceness added to DataLoader workers (default: prlmfuse's)")
     parser.add_argument("--compare", choices=sorted(COMPARISONS),
                         help="time (a) and (b) without and with one of prlmfuse's speed settings, in child processes")
     args = parser.parse_args(argv)
@@ -129,12 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     from prlmfuse.data import prlmfuse_home
     from prlmfuse.train_fused.bpe import train_bpe
     from prlmfuse.train_fused.config import PrLMUse, RunConfig
-    from prlmfuse.train_fused.data import PAD_TO_MULTIPLE, FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader
+    from prlmfuse.train_fused.data import (
+        PAD_TO_MULTIPLE, WORKER_NICE, FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader,
+    )
     from prlmfuse.train_fused.distributed import DistContext
     from prlmfuse.train_fused.modeling import FusedTransformer, PrLMSpec
     from prlmfuse.train_fused.trainer import Trainer, build_model_config, fast_bf16_available
 
     pad_multiple = args.pad_multiple or PAD_TO_MULTIPLE
+    worker_nice = WORKER_NICE if args.worker_nice is None else args.worker_nice
     home = Path(args.home) if args.home else prlmfuse_home()
     corpus = _corpus(home, args.train_pairs)
     try:
@@ -204,10 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for key, (trainer, dataset) in systems.items():
             workers = 0 if key in ("c", "d") else args.workers
-            loader = make_loader(dataset, sampler_over(chosen), num_workers=workers)
+            loader = make_loader(dataset, sampler_over(chosen), num_workers=workers, worker_nice=worker_nice)
             if key == "d":
                 plain = PairDataset(src_ids, tgt_ids, [], pad_multiple=pad_multiple)
-                loader = make_loader(plain, sampler_over(chosen), num_workers=args.workers)
+                loader = make_loader(plain, sampler_over(chosen), num_workers=args.workers, worker_nice=worker_nice)
             out = _run_system(key, trainer, loader, args.steps, args.warmup, live if key == "d" else None, src_lines)
             del loader
             results[key].append(out)
@@ -228,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "bf16": bf16,
         "pad_multiple": pad_multiple,
+        "worker_nice": worker_nice,
         "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         "step_ms": {k: round(v["step_s"] * 1000, 1) for k, v in best.items()},
     }
@@ -240,10 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-# name -> {variant: (extra arguments, extra environment)}; the second variant is prlmfuse's default.
+# name -> (systems timed, {variant: (extra arguments, extra environment)}); the second variant is
+# prlmfuse's default. "nice" also times (c), which has no workers: a control for machine noise.
 COMPARISONS = {
-    "malloc": {"glibc": ([], {"PRLMFUSE_MALLOC": "glibc"}), "prlmfuse": ([], {"PRLMFUSE_MALLOC": ""})},
-    "pad": {"exact": (["--pad-multiple", "1"], {}), "padded8": (["--pad-multiple", "8"], {})},
+    "malloc": ("ab", {"glibc": ([], {"PRLMFUSE_MALLOC": "glibc"}), "prlmfuse": ([], {"PRLMFUSE_MALLOC": ""})}),
+    "pad": ("ab", {"exact": (["--pad-multiple", "1"], {}), "padded8": (["--pad-multiple", "8"], {})}),
+    "nice": ("abc", {"nice0": (["--worker-nice", "0"], {}), "nice10": (["--worker-nice", "10"], {})}),
 }
 
 
@@ -260,11 +269,11 @@ def _compare(name: str, argv: list[str], rounds: int) -> int:
             skip = True
         elif not a.startswith("--compare="):
             passthrough.append(a)
-    variants = COMPARISONS[name]
+    systems, variants = COMPARISONS[name]
     best: dict[str, dict] = {k: {"step_ms": {}, "max_rss_mib": 0} for k in variants}
     for r in range(rounds):
         for variant, (extra, env_extra) in variants.items():
-            cmd = [sys.executable, __file__, *passthrough, *extra, "--systems", "ab", "--rounds", "1"]
+            cmd = [sys.executable, __file__, *passthrough, *extra, "--systems", systems, "--rounds", "1"]
             out = subprocess.run(cmd, env=dict(os.environ, **env_extra), check=True, stdout=subprocess.PIPE, text=True).stdout
             child = json.loads(out.strip().splitlines()[-1].removeprefix("RESULT "))
             print(f"round {r + 1} ({variant}): step_ms {child['step_ms']}, max RSS {child['max_rss_mib']} MiB", file=sys.stderr)
@@ -273,8 +282,11 @@ def _compare(name: str, argv: list[str], rounds: int) -> int:
             best[variant]["max_rss_mib"] = max(best[variant]["max_rss_mib"], child["max_rss_mib"])
     without, with_ = variants
     result = {"compare": name, **{f"{v}": best[v] for v in variants}}
-    for k in ("a", "b"):
+    for k in systems:
         result[f"{k}_{without}_over_{with_}"] = round(best[without]["step_ms"][k] / best[with_]["step_ms"][k], 3)
+    if "c" in systems:
+        for v in variants:
+            result[f"b_over_c_{v}"] = round(best[v]["step_ms"]["b"] / best[v]["step_ms"]["c"], 3)
     result[f"rss_{without}_over_{with_}"] = round(best[without]["max_rss_mib"] / best[with_]["max_rss_mib"], 3)
     print("RESULT " + json.dumps(result))
     return 0

@@ -15,7 +15,7 @@ import torch
 from prlmfuse.errors import UserError
 
 from .manifest import SHARD_DIR, expected_arrays, load_manifest
-from .storage import Location, ShardHandle, decode
+from .storage import Location, ShardHandle, decode, decode_to_transfer, transfer_dtype
 
 
 class CacheReader:
@@ -124,11 +124,12 @@ class CacheReader:
             return self._memory[s][name][start:stop]
         return self._open(s).read(name, start, stop)
 
-    def features(self, i: int, rows: list[int] | None = None) -> torch.Tensor:
+    def features(self, i: int, rows: list[int] | None = None, *, widen: bool = True) -> torch.Tensor:
         """float32 [n_layers, T_i, d]: the stored layers' token features of sentence i.
 
         rows: positions in `self.layers` to read (default all), so a run that uses one layer of
-        an all-layer cache reads that layer only.
+        an all-layer cache reads that layer only. widen=False returns `self.transfer_dtype`
+        instead (float16 stays float16), the same values in half the bytes for a worker to hand over.
         """
         i = self._check_index(i)
         s = int(self._shard_of[i])
@@ -138,8 +139,12 @@ class CacheReader:
         for layer in self.layers if rows is None else [self.layers[r] for r in rows]:
             values = self._read(s, f"layer_{layer:03d}", start, stop)
             scales = self._read(s, f"scale_{layer:03d}", start, stop) if self.dtype == "int8" else None
-            out.append(decode(values, scales, self.dtype))
+            out.append(decode(values, scales, self.dtype) if widen else decode_to_transfer(values, scales, self.dtype))
         return torch.stack(out)
+
+    @property
+    def transfer_dtype(self) -> torch.dtype:
+        return transfer_dtype(self.dtype)
 
     def pooled(self, i: int) -> torch.Tensor:
         """float32 [n_pooled_layers, 2, d]: [:, 0] first-token vector, [:, 1] mean over real tokens."""

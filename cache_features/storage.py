@@ -79,11 +79,21 @@ def encode(x: torch.Tensor, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
 
 def decode(values: np.ndarray, scales: np.ndarray | None, dtype: str) -> torch.Tensor:
     """Inverse of `encode`, always float32."""
+    return decode_to_transfer(values, scales, dtype).float()
+
+
+def transfer_dtype(dtype: str) -> torch.dtype:
+    """The narrowest torch dtype that holds a stored dtype's values exactly (int8: dequantized float32)."""
+    return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(dtype, torch.float32)
+
+
+def decode_to_transfer(values: np.ndarray, scales: np.ndarray | None, dtype: str) -> torch.Tensor:
+    """Inverse of `encode` in `transfer_dtype(dtype)`: float16/bfloat16 values are not widened."""
     if dtype == "bfloat16":
-        return torch.from_numpy(np.ascontiguousarray(values).view(np.int16)).view(torch.bfloat16).float()
-    t = torch.from_numpy(np.ascontiguousarray(values)).float()
+        return torch.from_numpy(np.ascontiguousarray(values).view(np.int16)).view(torch.bfloat16)
+    t = torch.from_numpy(np.ascontiguousarray(values))
     if dtype == "int8":
-        t.mul_(torch.from_numpy(np.ascontiguousarray(scales)).float().unsqueeze(-1))
+        return t.float().mul_(torch.from_numpy(np.ascontiguousarray(scales)).float().unsqueeze(-1))
     return t
 
 

@@ -178,6 +178,9 @@ def test_roundtrip_every_backend_and_dtype(tiny, corpus, tmp_path, backend, dtyp
     for i in range(len(lines)):
         features = reader.features(i)
         assert features.dtype == torch.float32 and features.shape == (2, len(ref2[i]), 32)
+        narrow = reader.features(i, widen=False)  # what a DataLoader worker hands over
+        assert narrow.dtype == {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(dtype, torch.float32)
+        assert torch.equal(narrow.float(), features)
         for stored, ref in ((features[0], ref2[i]), (features[1], ref3[i])):
             # relative to each token's absmax: int8 is per-token absmax quantized
             err = (stored - ref).abs().amax(-1) / ref.abs().amax(-1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 from prlmfuse.cache_features import CacheReader
 from prlmfuse.train_fused.bpe import BOS_ID, EOS_ID, PAD_ID
 from prlmfuse.train_fused.data import (
-    PAD_TO_MULTIPLE, FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader, pad_length,
+    PAD_TO_MULTIPLE, WORKER_NICE, FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader, pad_length,
 )
 from prlmfuse.train_fused.trainer import inverse_sqrt_lr
 
@@ -106,6 +107,22 @@ def _pairs(n: int, seed: int = 0):
     return src, tgt
 
 
+def test_loss_sums_are_torch_cross_entropy_over_real_tokens():
+    from prlmfuse.train_fused.trainer import label_smoothed_sums
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 7, 50, generator=g) * 3
+    target = torch.randint(4, 50, (4, 7), generator=g)
+    target[1, 4:] = PAD_ID
+    target[3, 2:] = PAD_ID
+    loss, nll = label_smoothed_sums(logits, target, 0.1)
+    real = target != PAD_ID
+    expected_loss = torch.nn.CrossEntropyLoss(label_smoothing=0.1, reduction="sum")(logits[real], target[real])
+    expected_nll = torch.nn.CrossEntropyLoss(reduction="sum")(logits[real], target[real])
+    torch.testing.assert_close(loss, expected_loss)
+    torch.testing.assert_close(nll, expected_nll)
+
+
 def test_collate_pads_tokens_and_features_from_the_cache(cache):
     corpus, paths = cache
     reader = CacheReader(paths["train"])
@@ -128,8 +145,10 @@ def test_collate_pads_tokens_and_features_from_the_cache(cache):
     assert feats.states.shape == (3, 1, pad_length(max(lengths)), reader.hidden_size)
     assert batch.src_tokens.shape[1] % PAD_TO_MULTIPLE == 0 == batch.tgt_in.shape[1] % PAD_TO_MULTIPLE
     assert feats.mask.sum(1).tolist() == lengths
+    # A float16 cache hands over float16 (half the bytes), exactly the stored values.
+    assert reader.dtype == "float16" and feats.states.dtype == torch.float16
     for row, i in enumerate(indices):
-        torch.testing.assert_close(feats.states[row, 0, : lengths[row]], reader.features(i)[1])
+        assert torch.equal(feats.states[row, 0, : lengths[row]].float(), reader.features(i)[1])
         assert (feats.states[row, :, lengths[row] :] == 0).all()
         torch.testing.assert_close(feats.pooled[row], reader.pooled(i))
     assert feats.pooled.shape == (3, len(reader.pooled_layers), 2, reader.hidden_size)
@@ -173,6 +192,25 @@ def test_workers_deliver_the_same_batches_as_in_process(cache):
         for got in (w, m):
             assert torch.equal(e.ids, got.ids) and torch.equal(e.src_tokens, got.src_tokens)
             assert torch.equal(e.prlm[0].states, got.prlm[0].states) and torch.equal(e.prlm[0].mask, got.prlm[0].mask)
+
+
+class _NicenessDataset(torch.utils.data.Dataset):
+    """Each 'batch' is the niceness of the process that built it."""
+
+    def __len__(self):
+        return 4
+
+    def __getitems__(self, indices):
+        return os.getpriority(os.PRIO_PROCESS, 0)
+
+
+def test_workers_run_at_lower_priority_than_the_training_step():
+    sampler = [[0], [1], [2], [3]]
+    here = os.getpriority(os.PRIO_PROCESS, 0)
+    got = list(make_loader(_NicenessDataset(), sampler, num_workers=2))
+    assert got == [min(here + WORKER_NICE, 19)] * 4
+    assert list(make_loader(_NicenessDataset(), sampler, num_workers=2, worker_nice=0)) == [here] * 4
+    assert os.getpriority(os.PRIO_PROCESS, 0) == here  # the training process itself is untouched
 
 
 def test_empty_slice_is_an_empty_batch(cache):

@@ -253,7 +253,7 @@ class ModelConfig:
 class PrLMFeatures:
     """Cached features of one PrLM for a batch, as the data loader hands them to the model."""
 
-    states: Tensor  # [B, n_layers, M, d_p] float
+    states: Tensor  # [B, n_layers, M, d_p] float16/bfloat16/float32 (the model casts to its own dtype)
     mask: Tensor  # [B, M] bool, True = real token
     pooled: Tensor | None = None  # [B, n_pooled, 2, d_p]; [..., 0, :] first token, [..., 1, :] mean
 
@@ -331,6 +331,19 @@ class SinusoidalPositions(nn.Module):
 def positions_from_mask(mask: Tensor) -> Tensor:
     """0, 1, 2, .. over the real tokens of each row, whichever side the padding is on."""
     return (mask.long().cumsum(dim=1) - 1).clamp(min=0)
+
+
+def lower_once(x: Tensor) -> Tensor:
+    """x in autocast's low-precision dtype when autocast is on, else x unchanged.
+
+    Why: autocast casts a float32 input again for every linear that reads it, forward and
+    backward; a layer input that feeds the q, k and v projections (and the PrLM attention's query)
+    is cast once here instead.
+    """
+    device = x.device.type
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(device):
+        return x.to(torch.get_autocast_dtype(device))
+    return x
 
 
 def _sdpa_backend_for(q: Tensor):
@@ -609,7 +622,7 @@ class EncoderLayer(nn.Module):
     def forward(self, x: Tensor, mask: Tensor, prlm: list[tuple[Tensor, Tensor]]) -> Tensor:
         """x [B, S, d], mask [B, S]; prlm: per branch (Z [B, M, d_p], mask [B, M])."""
         residual = x
-        h = self.self_attn_layer_norm(x) if self.pre_ln else x
+        h = lower_once(self.self_attn_layer_norm(x) if self.pre_ln else x)
         attn_s = self._drop(self.self_attn(h, h, mask))
         if not self.num_prlms:
             x = residual + attn_s
@@ -675,7 +688,7 @@ class DecoderLayer(nn.Module):
         """
         # Causal self-attention over the cached positions plus the new ones.
         residual = x
-        h = self.self_attn_layer_norm(x) if self.pre_ln else x
+        h = lower_once(self.self_attn_layer_norm(x) if self.pre_ln else x)
         keys, values = self.self_attn.project_kv(h)
         if past_kv is not None:
             keys = torch.cat([past_kv[0], keys], dim=2)
@@ -687,6 +700,8 @@ class DecoderLayer(nn.Module):
         # Encoder attention, merged with the PrLM attentions on the target side (bert-nmt style).
         residual = x
         h = self.encoder_attn_layer_norm(x) if self.pre_ln else x
+        if self.num_prlms:
+            h = lower_once(h)  # also the query of every target-side PrLM attention
         enc_k, enc_v = enc.cross_kv[layer_index]
         attended = self._drop(self.encoder_attn.attend(h, enc_k, enc_v, enc.mask))
         if self.num_prlms:
@@ -787,7 +802,8 @@ class FusedTransformer(nn.Module):
         config = self.config
         batch = src_tokens.shape[0]
         features = self._check_features(prlm, batch)
-        selected = [(select(f), f.mask) for select, f in zip(self.prlm_layers, features)]  # Z_j [B, M_j, d_p]
+        # Z_j [B, M_j, d_p], read by the k and v projections of every layer: cast once.
+        selected = [(lower_once(select(f)), f.mask) for select, f in zip(self.prlm_layers, features)]
 
         if config.merge == "direct":
             pieces = [proj(z) + self.embed_positions(positions_from_mask(m)) for proj, (z, m) in zip(self.direct_proj, selected)]
@@ -804,7 +820,8 @@ class FusedTransformer(nn.Module):
         if config.pre_ln:
             x = self.encoder_layer_norm(x)
 
-        cross_kv = [layer.encoder_attn.project_kv(x) for layer in self.decoder_layers]
+        memory = lower_once(x)  # read by the k and v projections of every decoder layer
+        cross_kv = [layer.encoder_attn.project_kv(memory) for layer in self.decoder_layers]
         if config.decoder_prlms:
             prlm_kv = [[attn.project_kv(z) for attn, (z, _) in zip(layer.prlm_attn, selected)] for layer in self.decoder_layers]
             prlm_masks = [m for _, m in selected]

@@ -93,7 +93,11 @@ def label_smoothed_sums(logits: torch.Tensor, target: torch.Tensor, smoothing: f
     flat_target = target.reshape(-1)
     loss = F.cross_entropy(flat_logits, flat_target, ignore_index=PAD_ID, label_smoothing=smoothing, reduction="sum")
     with torch.no_grad():
-        nll = F.cross_entropy(flat_logits, flat_target, ignore_index=PAD_ID, reduction="sum")
+        # NLL for the logs as logsumexp - target logit: one read of the logits, where a second
+        # cross_entropy would write a whole second log-softmax of them.
+        keep = flat_target != PAD_ID
+        target_logit = flat_logits.gather(1, flat_target.unsqueeze(1)).squeeze(1)
+        nll = ((torch.logsumexp(flat_logits, dim=-1) - target_logit) * keep).sum()
     return loss, nll
 
 
