@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from prlmfuse.errors import UserError
 from prlmfuse.evaluate.decode import beam_search, greedy, hypothesis_score
-from prlmfuse.train_fused.modeling import FusedTransformer, ModelConfig, PrLMFeatures, PrLMSpec, label_smoothed_loss
+from prlmfuse.train_fused.modeling import FusedTransformer, ModelConfig, PrLMFeatures, PrLMSpec
+from prlmfuse.train_fused.trainer import label_smoothed_sums
 
 torch.set_num_threads(1)
 
@@ -136,9 +137,9 @@ def copy_model():
     tgt_in[tgt_in == EOS] = PAD
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     for _ in range(150):
-        loss, ntokens = label_smoothed_loss(model(src, tgt_in, feats), tgt, 0.0, PAD)
+        loss, _ = label_smoothed_sums(model(src, tgt_in, feats), tgt, 0.0)
         optimizer.zero_grad()
-        (loss / ntokens).backward()
+        (loss / int((tgt != PAD).sum())).backward()
         optimizer.step()
     return model.eval(), src, feats, lengths
 

@@ -864,18 +864,3 @@ class FusedTransformer(nn.Module):
         """Teacher-forced logits [B, T, V]; tgt_in starts with bos and is padded on the right."""
         logits, _ = self.decode(tgt_in, self.encode(src_tokens, prlm))
         return logits
-
-
-def label_smoothed_loss(logits: Tensor, target: Tensor, label_smoothing: float, pad_id: int) -> tuple[Tensor, int]:
-    """Summed label-smoothed cross entropy over the non-pad target tokens, and their count.
-
-    Divide by the count (or by the count summed over accumulated batches) for a per-token loss.
-    """
-    loss = F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(),
-        target.reshape(-1),
-        ignore_index=pad_id,
-        label_smoothing=label_smoothing,
-        reduction="sum",
-    )
-    return loss, int((target != pad_id).sum())
