@@ -195,7 +195,7 @@ def weights_fingerprint(paths: Sequence[Path]) -> list[list]:
 class BranchFeatures:
     """Where one PrLM branch's test features come from and which stored rows the model reads.
 
-    `reader` is a CacheReader or anything with the same features(i) / pooled(i) / hidden_size.
+    `reader` is a CacheReader (of the test set's cache, or of a live run's private one).
     """
 
     reader: object
@@ -204,11 +204,11 @@ class BranchFeatures:
 
 
 def _branch_features(branch: BranchFeatures, indices: list[int]):
-    from prlmfuse.train_fused.data import FeatureSource, PairDataset
+    from prlmfuse.train_fused.data import FeatureSource, batch_features
 
     # Same padding code the trainer feeds the model with.
     source = FeatureSource(path="", layer_rows=branch.layer_rows, with_pooled=branch.pooled_rows is not None)
-    feats = PairDataset._features(branch.reader, source, indices)
+    feats = batch_features(branch.reader, source, indices)
     if branch.pooled_rows is not None and feats.pooled is not None:
         rows = list(branch.pooled_rows)
         if rows != list(range(feats.pooled.shape[1])):

@@ -116,7 +116,7 @@ class PairDataset(Dataset):
             tgt_out[row, : len(tgt)] = tgt
             tgt_out[row, len(tgt)] = EOS_ID
             ntokens += len(tgt) + 1
-        prlm = [self._features(reader, source, indices, self.pad_multiple) for reader, source in zip(self.readers(), self.sources)]
+        prlm = [batch_features(reader, source, indices, self.pad_multiple) for reader, source in zip(self.readers(), self.sources)]
         return Batch(
             ids=torch.tensor(indices, dtype=torch.long),
             src_tokens=src_tokens,
@@ -126,29 +126,30 @@ class PairDataset(Dataset):
             ntokens=ntokens,
         )
 
-    @staticmethod
-    def _features(
-        reader: CacheReader, source: FeatureSource, indices: list[int], pad_multiple: int = PAD_TO_MULTIPLE
-    ) -> PrLMFeatures:
-        rows = list(source.layer_rows)
-        # Stored float16 stays float16 until the model casts it (the same values): half the bytes
-        # for the worker to copy and hand over, and less work beside the training step's threads.
-        per_sentence = [reader.features(i, rows, widen=False) for i in indices]  # [len(rows), T_i, d] each
-        width = int(reader.hidden_size)
-        max_len = pad_length(max((f.shape[1] for f in per_sentence), default=1), pad_multiple)
-        states = torch.zeros(len(indices), len(rows), max_len, width, dtype=reader.transfer_dtype)
-        mask = torch.zeros(len(indices), max_len, dtype=torch.bool)
-        for b, f in enumerate(per_sentence):
-            n = f.shape[1]
-            states[b, :, :n] = f
-            mask[b, :n] = True
-        pooled = None
-        if source.with_pooled:
-            pooled = torch.stack([reader.pooled(i) for i in indices]) if indices else torch.zeros(
-                0, len(reader.pooled_layers), 2, width
-            )
-            pooled = pooled.to(torch.float32)
-        return PrLMFeatures(states=states, mask=mask, pooled=pooled)
+
+def batch_features(
+    reader: CacheReader, source: FeatureSource, indices: list[int], pad_multiple: int = PAD_TO_MULTIPLE
+) -> PrLMFeatures:
+    """One PrLM branch's features for a batch of sentences, padded with a mask (training and evaluation)."""
+    rows = list(source.layer_rows)
+    # Stored float16 stays float16 until the model casts it (the same values): half the bytes
+    # for the worker to copy and hand over, and less work beside the training step's threads.
+    per_sentence = [reader.features(i, rows, widen=False) for i in indices]  # [len(rows), T_i, d] each
+    width = int(reader.hidden_size)
+    max_len = pad_length(max((f.shape[1] for f in per_sentence), default=1), pad_multiple)
+    states = torch.zeros(len(indices), len(rows), max_len, width, dtype=reader.transfer_dtype)
+    mask = torch.zeros(len(indices), max_len, dtype=torch.bool)
+    for b, f in enumerate(per_sentence):
+        n = f.shape[1]
+        states[b, :, :n] = f
+        mask[b, :n] = True
+    pooled = None
+    if source.with_pooled:
+        pooled = torch.stack([reader.pooled(i) for i in indices]) if indices else torch.zeros(
+            0, len(reader.pooled_layers), 2, width
+        )
+        pooled = pooled.to(torch.float32)
+    return PrLMFeatures(states=states, mask=mask, pooled=pooled)
 
 
 class TokenBudgetBatchSampler:
