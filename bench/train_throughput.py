@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pad-multiple", type=int, default=None, help="round padded lengths up to this (default: prlmfuse's)")
     parser.add_argument("--worker-nice", type=int, default=None, help="niceness added to DataLoader workers (default: prlmfuse's)")
     parser.add_argument("--compare", choices=sorted(COMPARISONS),
-                        help="time (a) and (b) without and with one of prlmfuse's speed settings, in child processes")
+                        help="time (a) and (b) (and (c) for nice) without and with one of prlmfuse's speed settings, in child processes")
     args = parser.parse_args(argv)
     if args.compare:
         return _compare(args.compare, argv if argv is not None else sys.argv[1:], args.rounds)

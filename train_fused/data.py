@@ -145,10 +145,10 @@ def batch_features(
         mask[b, :n] = True
     pooled = None
     if source.with_pooled:
+        # reader.pooled(i) is float32 already
         pooled = torch.stack([reader.pooled(i) for i in indices]) if indices else torch.zeros(
             0, len(reader.pooled_layers), 2, width
         )
-        pooled = pooled.to(torch.float32)
     return PrLMFeatures(states=states, mask=mask, pooled=pooled)
 
 
