@@ -8,19 +8,22 @@ optimizer step (the trainer's own `Trainer.train_step`) for four systems:
   (c) in-memory  fused, the cache loaded into RAM, read in-process
   (d) live PrLM  fused, the frozen PrLM tokenizes and runs inside every training step (bert-nmt)
 
-Each system runs `--warmup` untimed then `--steps` timed updates; the whole a-b-c-d sequence is
-repeated `--rounds` times and each system keeps its fastest round (a noisy neighbour on the
-shared CPU then hurts every system alike). Data wait = time the loop spent waiting for the next
-batch, as a fraction of the step time. The last line is `RESULT {json}`.
+Each system runs `--warmup` untimed then `--steps` timed updates; the sequence of systems is
+repeated `--rounds` times, in reverse order every other round (a-b-c-d, d-c-b-a, ...). Why: this
+VM's speed drifts by up to 30% over minutes, more than the effects measured. So every ratio is
+taken within a round, between neighbours in time, and the reported value is the median of the
+per-round ratios; step times are medians over rounds too. Data wait = time the loop spent waiting
+for the next batch, as a fraction of the step time. The last line is `RESULT {json}`.
 
     python bench/train_throughput.py [--checkpoint minilm-l6] [--preset small] [--steps 40]
 
 `--compare malloc|pad|nice` instead measures one of prlmfuse's speed settings: systems (a) and (b)
-(and (c) for nice) in child processes, alternately without and with it, and prints step-time and
-peak-memory ratios.
+(and (c) for nice) in child processes, alternately without and with it, and prints the median
+over rounds of each round's step-time ratio, and the peak-memory ratio.
   malloc  glibc's default allocator settings vs prlmfuse.runtime.keep_freed_memory
   pad     exact padded lengths vs lengths rounded up to a multiple of 8 (train_fused.data)
   nice    DataLoader workers at the step's priority vs 10 lower (train_fused.data.WORKER_NICE)
+  rows    output logits and loss over every padded target position vs the real ones only
 """
 
 from __future__ import annotations
@@ -100,15 +103,19 @@ def _run_system(name, trainer, loader, steps: int, warmup: int, live: _LivePrLM 
     return {"step_s": total / steps, "data_wait_fraction": wait / total, "tgt_tokens_per_s": tokens / total}
 
 
+def _median(values: list[float]) -> float:
+    return float(np.median(values))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default="minilm-l6", help="checkpoint alias or local dir (default minilm-l6)")
     parser.add_argument("--preset", default="small", help="model preset (default small)")
     parser.add_argument("--layer", type=int, default=-2)
     parser.add_argument("--max-tokens", type=int, default=3500)
-    parser.add_argument("--steps", type=int, default=40, help="timed updates per system and round")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed updates per system and round")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=16, help="timed updates per system and round")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed updates per system and round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; ratios are medians of per-round ratios")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--train-pairs", type=int, default=6000)
@@ -117,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--systems", default="abcd", help="which of a, b, c, d to time (default abcd)")
     parser.add_argument("--pad-multiple", type=int, default=None, help="round padded lengths up to this (default: prlmfuse's)")
     parser.add_argument("--worker-nice", type=int, default=None, help="niceness added to DataLoader workers (default: prlmfuse's)")
+    parser.add_argument("--logit-rows", choices=["scored", "all"], default="scored",
+                        help="loss over the real target positions only (prlmfuse's) or over every padded one")
     parser.add_argument("--compare", choices=sorted(COMPARISONS),
                         help="time (a) and (b) (and (c) for nice) without and with one of prlmfuse's speed settings, in child processes")
     args = parser.parse_args(argv)
@@ -137,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from prlmfuse.train_fused.distributed import DistContext
     from prlmfuse.train_fused.modeling import FusedTransformer, PrLMSpec
-    from prlmfuse.train_fused.trainer import Trainer, build_model_config, fast_bf16_available
+    from prlmfuse.train_fused.trainer import Trainer, build_model_config, fast_bf16_available, label_smoothed_sums
 
     pad_multiple = args.pad_multiple or PAD_TO_MULTIPLE
     worker_nice = WORKER_NICE if args.worker_nice is None else args.worker_nice
@@ -182,11 +191,21 @@ def main(argv: list[str] | None = None) -> int:
     ctx = DistContext()
     tmp_run = Path(tempfile.mkdtemp(prefix="train-bench-run-"))
 
+    class AllRowsTrainer(Trainer):
+        """The step before logits were limited to real target positions: [B, T, V] logits, pads ignored."""
+
+        def _forward_sums(self, batch):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.use_bf16):
+                logits = self.model(batch.src_tokens, batch.tgt_in, batch.prlm)
+            return label_smoothed_sums(logits, batch.tgt_out, self.run.label_smoothing)
+
+    trainer_class = AllRowsTrainer if args.logit_rows == "all" else Trainer
+
     def make_trainer(prlm_specs, sources):
         torch.manual_seed(1)
         model = FusedTransformer(build_model_config(run, bpe.vocab_size, prlm_specs))
         dataset = PairDataset(src_ids, tgt_ids, sources, pad_multiple=pad_multiple)
-        return Trainer(run, tmp_run, model, dataset, dataset, ctx, progress=False), dataset
+        return trainer_class(run, tmp_run, model, dataset, dataset, ctx, progress=False), dataset
 
     disk = [FeatureSource(str(caches["train"]), layer_rows=(0,))]
     memory = [FeatureSource(str(caches["train"]), layer_rows=(0,), in_memory=True)]
@@ -208,7 +227,9 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, list[dict]] = {k: [] for k in systems}
     for r in range(args.rounds):
-        for key, (trainer, dataset) in systems.items():
+        order = list(systems) if r % 2 == 0 else list(reversed(systems))
+        for key in order:
+            trainer, dataset = systems[key]
             workers = 0 if key in ("c", "d") else args.workers
             loader = make_loader(dataset, sampler_over(chosen), num_workers=workers, worker_nice=worker_nice)
             if key == "d":
@@ -220,12 +241,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r + 1} ({key}): {out['step_s'] * 1000:.0f} ms/step, data wait {out['data_wait_fraction']:.1%}, "
                   f"{out['tgt_tokens_per_s']:.0f} tgt tok/s", file=sys.stderr)
 
-    best = {k: min(v, key=lambda o: o["step_s"]) for k, v in results.items()}
+    typical = {k: {f: _median([o[f] for o in v]) for f in ("step_s", "data_wait_fraction")} for k, v in results.items()}
     names = {"a": "baseline", "b": "fused, cache on disk (workers)", "c": "fused, cache in memory", "d": "fused, live PrLM"}
     for k, name in names.items():
-        if k not in best:
+        if k not in typical:
             continue
-        print(f"({k}) {name:32s} {best[k]['step_s'] * 1000:8.1f} ms/step  data wait {best[k]['data_wait_fraction']:6.1%}")
+        times = ", ".join(f"{o['step_s'] * 1000:.0f}" for o in results[k])
+        print(f"({k}) {name:32s} {typical[k]['step_s'] * 1000:8.1f} ms/step (median; rounds {times})  "
+              f"data wait {typical[k]['data_wait_fraction']:6.1%}")
     result = {
         "checkpoint": args.checkpoint,
         "preset": args.preset,
@@ -235,14 +258,17 @@ def main(argv: list[str] | None = None) -> int:
         "bf16": bf16,
         "pad_multiple": pad_multiple,
         "worker_nice": worker_nice,
+        "logit_rows": args.logit_rows,
         "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
-        "step_ms": {k: round(v["step_s"] * 1000, 1) for k, v in best.items()},
+        "step_ms": {k: round(v["step_s"] * 1000, 1) for k, v in typical.items()},
     }
     for top, bottom in (("b", "a"), ("b", "c"), ("d", "b")):
-        if top in best and bottom in best:
-            result[f"{top}_over_{bottom}"] = round(best[top]["step_s"] / best[bottom]["step_s"], 3)
-    if "b" in best:
-        result["data_wait_fraction"] = round(best["b"]["data_wait_fraction"], 4)
+        if top in results and bottom in results:
+            per_round = [t["step_s"] / u["step_s"] for t, u in zip(results[top], results[bottom])]
+            result[f"{top}_over_{bottom}"] = round(_median(per_round), 3)
+            result[f"{top}_over_{bottom}_rounds"] = [round(x, 3) for x in per_round]
+    if "b" in typical:
+        result["data_wait_fraction"] = round(typical["b"]["data_wait_fraction"], 4)
     print("RESULT " + json.dumps(result))
     return 0
 
@@ -253,44 +279,51 @@ COMPARISONS = {
     "malloc": ("ab", {"glibc": ([], {"PRLMFUSE_MALLOC": "glibc"}), "prlmfuse": ([], {"PRLMFUSE_MALLOC": ""})}),
     "pad": ("ab", {"exact": (["--pad-multiple", "1"], {}), "padded8": (["--pad-multiple", "8"], {})}),
     "nice": ("abc", {"nice0": (["--worker-nice", "0"], {}), "nice10": (["--worker-nice", "10"], {})}),
+    "rows": ("ab", {"all": (["--logit-rows", "all"], {}), "scored": (["--logit-rows", "scored"], {})}),
 }
 
 
 def _compare(name: str, argv: list[str], rounds: int) -> int:
-    """(a) and (b) in child processes, the two variants alternating; each keeps its best round."""
+    """The systems in child processes, the two variants alternating; medians of per-round ratios."""
     import os
     import subprocess
 
     passthrough, skip = [], False
-    for a in argv:  # drop --compare X / --compare=X
+    for a in argv:  # drop --compare X / --compare=X and --rounds N (each child runs one round)
         if skip:
             skip = False
-        elif a == "--compare":
+        elif a in ("--compare", "--rounds"):
             skip = True
-        elif not a.startswith("--compare="):
+        elif not a.startswith(("--compare=", "--rounds=")):
             passthrough.append(a)
     systems, variants = COMPARISONS[name]
-    best: dict[str, dict] = {k: {"step_ms": {}, "max_rss_mib": 0} for k in variants}
+    children: dict[str, list[dict]] = {k: [] for k in variants}
     for r in range(rounds):
-        for variant, (extra, env_extra) in variants.items():
+        order = list(variants) if r % 2 == 0 else list(reversed(variants))
+        for variant in order:
+            extra, env_extra = variants[variant]
             cmd = [sys.executable, __file__, *passthrough, *extra, "--systems", systems, "--rounds", "1"]
             out = subprocess.run(cmd, env=dict(os.environ, **env_extra), check=True, stdout=subprocess.PIPE, text=True).stdout
             child = json.loads(out.strip().splitlines()[-1].removeprefix("RESULT "))
             print(f"round {r + 1} ({variant}): step_ms {child['step_ms']}, max RSS {child['max_rss_mib']} MiB", file=sys.stderr)
-            for k, v in child["step_ms"].items():
-                best[variant]["step_ms"][k] = min(best[variant]["step_ms"].get(k, v), v)
-            best[variant]["max_rss_mib"] = max(best[variant]["max_rss_mib"], child["max_rss_mib"])
+            children[variant].append(child)
     without, with_ = variants
-    result = {"compare": name, **{f"{v}": best[v] for v in variants}}
+    result = {"compare": name, "rounds": rounds}
+    for v in variants:
+        result[v] = {
+            "step_ms": {k: round(_median([c["step_ms"][k] for c in children[v]]), 1) for k in systems},
+            "max_rss_mib": max(c["max_rss_mib"] for c in children[v]),
+        }
     for k in systems:
-        result[f"{k}_{without}_over_{with_}"] = round(best[without]["step_ms"][k] / best[with_]["step_ms"][k], 3)
+        per_round = [x["step_ms"][k] / y["step_ms"][k] for x, y in zip(children[without], children[with_])]
+        result[f"{k}_{without}_over_{with_}"] = round(_median(per_round), 3)
+        result[f"{k}_{without}_over_{with_}_rounds"] = [round(x, 3) for x in per_round]
     if "c" in systems:
         for v in variants:
-            result[f"b_over_c_{v}"] = round(best[v]["step_ms"]["b"] / best[v]["step_ms"]["c"], 3)
-    result[f"rss_{without}_over_{with_}"] = round(best[without]["max_rss_mib"] / best[with_]["max_rss_mib"], 3)
+            result[f"b_over_c_{v}"] = round(_median([c["step_ms"]["b"] / c["step_ms"]["c"] for c in children[v]]), 3)
+    result[f"rss_{without}_over_{with_}"] = round(result[without]["max_rss_mib"] / result[with_]["max_rss_mib"], 3)
     print("RESULT " + json.dumps(result))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

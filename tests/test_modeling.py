@@ -409,6 +409,29 @@ def test_label_smoothed_sums_over_real_tokens():
     assert torch.allclose(loss, expected, atol=1e-4)
 
 
+def test_scored_rows_give_the_same_loss_and_gradients_as_full_logits():
+    """forward(..., scored=mask) computes only the non-pad rows; loss and gradients are unchanged."""
+    config = tiny_config(ONE_PRLM, dropout=0.0)
+    src, tgt_in, tgt, feats = batch_for(config)
+    scored = tgt != PAD
+    grads, losses = [], []
+    for rows in (None, scored):
+        torch.manual_seed(0)
+        model = FusedTransformer(config).train()
+        logits = model(src, tgt_in, feats, scored=rows)
+        target = tgt if rows is None else tgt[rows]
+        assert logits.shape[:-1] == target.shape
+        loss, nll = label_smoothed_sums(logits, target, 0.1)
+        loss.backward()
+        losses.append((loss.detach(), nll))
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert logits.shape == (int(scored.sum()), VOCAB)
+    assert torch.allclose(losses[0][0], losses[1][0], atol=1e-5) and torch.allclose(losses[0][1], losses[1][1], atol=1e-5)
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        assert torch.allclose(grads[0][name], grads[1][name], atol=1e-6), name
+
+
 def test_presets_and_overrides():
     assert set(PRESETS) == {"base", "summarization", "small", "tiny"}
     base = ModelConfig.from_preset("base", vocab_size=8000)

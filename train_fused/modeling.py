@@ -841,6 +841,13 @@ class FusedTransformer(nn.Module):
         by the previous call): prev_tokens are the newest token(s) only, placed after the cached
         positions, and only they are computed — each step costs O(t), not O(t^2).
         """
+        states, new_cache = self.decoder_states(prev_tokens, enc, cache)
+        return self.output_logits(states), new_cache
+
+    def decoder_states(
+        self, prev_tokens: Tensor, enc: EncoderOut, cache: list | None = None
+    ) -> tuple[Tensor, list[tuple[Tensor, Tensor]]]:
+        """The decoder's last hidden states [B, T, d] (what `decode` projects to logits) and the cache."""
         past_len = 0 if cache is None else cache[0][0].shape[2]
         new_len = prev_tokens.shape[1]
         positions = torch.arange(past_len, past_len + new_len, device=prev_tokens.device)
@@ -852,15 +859,27 @@ class FusedTransformer(nn.Module):
             new_cache.append(layer_kv)
         if self.config.pre_ln:
             x = self.decoder_layer_norm(x)
-        logits = F.linear(x, self.embed_tokens.weight)  # output projection tied to the embeddings
-        return logits, new_cache
+        return x, new_cache
+
+    def output_logits(self, states: Tensor) -> Tensor:
+        """Vocabulary logits of decoder states [..., d]: the output projection, tied to the embeddings."""
+        return F.linear(states, self.embed_tokens.weight)
 
     @staticmethod
     def reorder_cache(cache: list[tuple[Tensor, Tensor]], idx: Tensor) -> list[tuple[Tensor, Tensor]]:
         """The cache rows `idx` (beam reordering, dropping finished sentences)."""
         return [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in cache]
 
-    def forward(self, src_tokens: Tensor, tgt_in: Tensor, prlm: list[PrLMFeatures] | None) -> Tensor:
-        """Teacher-forced logits [B, T, V]; tgt_in starts with bos and is padded on the right."""
-        logits, _ = self.decode(tgt_in, self.encode(src_tokens, prlm))
-        return logits
+    def forward(
+        self, src_tokens: Tensor, tgt_in: Tensor, prlm: list[PrLMFeatures] | None, scored: Tensor | None = None
+    ) -> Tensor:
+        """Teacher-forced logits [B, T, V]; tgt_in starts with bos and is padded on the right.
+
+        scored [B, T] (True where the next token counts, i.e. not padding): logits [N, V] of those
+        N positions only, in row-major order. Why: the tied output projection, its float32 cast and
+        the loss are the widest tensors of a training step; padding rows are never computed.
+        """
+        states, _ = self.decoder_states(tgt_in, self.encode(src_tokens, prlm))
+        if scored is not None:
+            states = states[scored]
+        return self.output_logits(states)

@@ -88,7 +88,10 @@ def fast_bf16_available() -> bool:
 
 
 def label_smoothed_sums(logits: torch.Tensor, target: torch.Tensor, smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(label-smoothed loss, plain NLL), both summed over the non-pad target tokens, in float32."""
+    """(label-smoothed loss, plain NLL), both summed over the non-pad target tokens, in float32.
+
+    logits [..., V] and target [...] of the same leading shape; PAD_ID targets are ignored.
+    """
     flat_logits = logits.float().reshape(-1, logits.shape[-1])
     flat_target = target.reshape(-1)
     loss = F.cross_entropy(flat_logits, flat_target, ignore_index=PAD_ID, label_smoothing=smoothing, reduction="sum")
@@ -481,9 +484,10 @@ class Trainer:
     # -- one update --------------------------------------------------------------------------
 
     def _forward_sums(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        scored = batch.tgt_out != PAD_ID
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.use_bf16):
-            logits = self.model(batch.src_tokens, batch.tgt_in, batch.prlm)
-        return label_smoothed_sums(logits, batch.tgt_out, self.run.label_smoothing)
+            logits = self.model(batch.src_tokens, batch.tgt_in, batch.prlm, scored=scored)
+        return label_smoothed_sums(logits, batch.tgt_out[scored], self.run.label_smoothing)
 
     def train_step(self, batch: Batch) -> tuple[float, float, int]:
         """One optimizer update on (this rank's slice of) a global batch; returns global sums."""
