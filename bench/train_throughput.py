@@ -9,17 +9,19 @@ optimizer step (the trainer's own `Trainer.train_step`) for four systems:
   (d) live PrLM  fused, the frozen PrLM tokenizes and runs inside every training step (bert-nmt)
 
 Each system runs `--warmup` untimed then `--steps` timed updates; the sequence of systems is
-repeated `--rounds` times, in reverse order every other round (a-b-c-d, d-c-b-a, ...). Why: this
-VM's speed drifts by up to 30% over minutes, more than the effects measured. So every ratio is
-taken within a round, between neighbours in time, and the reported value is the median of the
-per-round ratios; step times are medians over rounds too. Data wait = time the loop spent waiting
-for the next batch, as a fraction of the step time. The last line is `RESULT {json}`.
+repeated `--rounds` times, in reverse order every other round (a-b-c-d, d-c-b-a, ...). Why: on a
+shared VM the host takes vCPU time away (steal, in /proc/stat) for minutes at a time, and step
+times then swing by 30% and more. So every ratio is taken within a round, between neighbours in
+time; each timed window records its steal fraction; and the reported ratio is the median of the
+per-round ratios over the quiet rounds (both windows at most 5% stolen; all rounds if none was).
+Step times are medians over rounds. Data wait = time the loop spent waiting for the next batch,
+as a fraction of the step time. The last line is `RESULT {json}`.
 
     python bench/train_throughput.py [--checkpoint minilm-l6] [--preset small] [--steps 40]
 
 `--compare malloc|pad|nice` instead measures one of prlmfuse's speed settings: systems (a) and (b)
 (and (c) for nice) in child processes, alternately without and with it, and prints the median
-over rounds of each round's step-time ratio, and the peak-memory ratio.
+over quiet rounds of each round's step-time ratio, and the peak-memory ratio.
   malloc  glibc's default allocator settings vs prlmfuse.runtime.keep_freed_memory
   pad     exact padded lengths vs lengths rounded up to a multiple of 8 (train_fused.data)
   nice    DataLoader workers at the step's priority vs 10 lower (train_fused.data.WORKER_NICE)
@@ -38,6 +40,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from _steal import QUIET_STEAL, quiet_median, steal_mark, steal_since
 
 
 def _corpus(home: Path, train_pairs: int):
@@ -83,11 +87,14 @@ class _LivePrLM:
 
 
 def _run_system(name, trainer, loader, steps: int, warmup: int, live: _LivePrLM | None, src_lines) -> dict:
-    """Time `steps` updates after `warmup`; returns mean step seconds and the data-wait fraction."""
+    """Time `steps` updates after `warmup`; returns mean step seconds, the data-wait and the steal fraction."""
     batches = iter(loader)
     wait = total = 0.0
     tokens = 0
+    mark = None
     for i in range(warmup + steps):
+        if i == warmup:
+            mark = steal_mark()
         t0 = time.perf_counter()
         batch = next(batches)
         t1 = time.perf_counter()
@@ -99,12 +106,19 @@ def _run_system(name, trainer, loader, steps: int, warmup: int, live: _LivePrLM 
             wait += t1 - t0
             total += t2 - t0
             tokens += batch.ntokens
+    stolen = steal_since(mark)
     del batches
-    return {"step_s": total / steps, "data_wait_fraction": wait / total, "tgt_tokens_per_s": tokens / total}
+    return {"step_s": total / steps, "data_wait_fraction": wait / total, "tgt_tokens_per_s": tokens / total,
+            "steal_fraction": stolen}
 
 
 def _median(values: list[float]) -> float:
     return float(np.median(values))
+
+
+def _worst(*steals: float | None) -> float | None:
+    """The larger steal fraction of two windows, None if either is unknown."""
+    return None if any(s is None for s in steals) else max(steals)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,8 +252,9 @@ def main(argv: list[str] | None = None) -> int:
             out = _run_system(key, trainer, loader, args.steps, args.warmup, live if key == "d" else None, src_lines)
             del loader
             results[key].append(out)
+            stolen = "unknown" if out["steal_fraction"] is None else f"{out['steal_fraction']:.1%}"
             print(f"round {r + 1} ({key}): {out['step_s'] * 1000:.0f} ms/step, data wait {out['data_wait_fraction']:.1%}, "
-                  f"{out['tgt_tokens_per_s']:.0f} tgt tok/s", file=sys.stderr)
+                  f"{out['tgt_tokens_per_s']:.0f} tgt tok/s, steal {stolen}", file=sys.stderr)
 
     typical = {k: {f: _median([o[f] for o in v]) for f in ("step_s", "data_wait_fraction")} for k, v in results.items()}
     names = {"a": "baseline", "b": "fused, cache on disk (workers)", "c": "fused, cache in memory", "d": "fused, live PrLM"}
@@ -261,12 +276,18 @@ def main(argv: list[str] | None = None) -> int:
         "logit_rows": args.logit_rows,
         "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         "step_ms": {k: round(v["step_s"] * 1000, 1) for k, v in typical.items()},
+        "steal_fraction_rounds": {k: [None if o["steal_fraction"] is None else round(o["steal_fraction"], 3) for o in v]
+                                  for k, v in results.items()},
+        "quiet_steal": QUIET_STEAL,
     }
     for top, bottom in (("b", "a"), ("b", "c"), ("d", "b")):
         if top in results and bottom in results:
             per_round = [t["step_s"] / u["step_s"] for t, u in zip(results[top], results[bottom])]
-            result[f"{top}_over_{bottom}"] = round(_median(per_round), 3)
+            steals = [_worst(t["steal_fraction"], u["steal_fraction"]) for t, u in zip(results[top], results[bottom])]
+            ratio, used = quiet_median(per_round, steals)
+            result[f"{top}_over_{bottom}"] = round(ratio, 3)
             result[f"{top}_over_{bottom}_rounds"] = [round(x, 3) for x in per_round]
+            result[f"{top}_over_{bottom}_rounds_used"] = used
     if "b" in typical:
         result["data_wait_fraction"] = round(typical["b"]["data_wait_fraction"], 4)
     print("RESULT " + json.dumps(result))
@@ -305,7 +326,8 @@ def _compare(name: str, argv: list[str], rounds: int) -> int:
             cmd = [sys.executable, __file__, *passthrough, *extra, "--systems", systems, "--rounds", "1"]
             out = subprocess.run(cmd, env=dict(os.environ, **env_extra), check=True, stdout=subprocess.PIPE, text=True).stdout
             child = json.loads(out.strip().splitlines()[-1].removeprefix("RESULT "))
-            print(f"round {r + 1} ({variant}): step_ms {child['step_ms']}, max RSS {child['max_rss_mib']} MiB", file=sys.stderr)
+            print(f"round {r + 1} ({variant}): step_ms {child['step_ms']}, steal {child['steal_fraction_rounds']}, "
+                  f"max RSS {child['max_rss_mib']} MiB", file=sys.stderr)
             children[variant].append(child)
     without, with_ = variants
     result = {"compare": name, "rounds": rounds}
@@ -314,13 +336,21 @@ def _compare(name: str, argv: list[str], rounds: int) -> int:
             "step_ms": {k: round(_median([c["step_ms"][k] for c in children[v]]), 1) for k in systems},
             "max_rss_mib": max(c["max_rss_mib"] for c in children[v]),
         }
+    def steal(child, *keys):
+        return _worst(*(child["steal_fraction_rounds"][k][0] for k in keys))
+
     for k in systems:
-        per_round = [x["step_ms"][k] / y["step_ms"][k] for x, y in zip(children[without], children[with_])]
-        result[f"{k}_{without}_over_{with_}"] = round(_median(per_round), 3)
+        pairs = list(zip(children[without], children[with_]))
+        per_round = [x["step_ms"][k] / y["step_ms"][k] for x, y in pairs]
+        ratio, used = quiet_median(per_round, [_worst(steal(x, k), steal(y, k)) for x, y in pairs])
+        result[f"{k}_{without}_over_{with_}"] = round(ratio, 3)
         result[f"{k}_{without}_over_{with_}_rounds"] = [round(x, 3) for x in per_round]
+        result[f"{k}_{without}_over_{with_}_rounds_used"] = used
     if "c" in systems:
         for v in variants:
-            result[f"b_over_c_{v}"] = round(_median([c["step_ms"]["b"] / c["step_ms"]["c"] for c in children[v]]), 3)
+            ratio, _ = quiet_median([c["step_ms"]["b"] / c["step_ms"]["c"] for c in children[v]],
+                                    [steal(c, "b", "c") for c in children[v]])
+            result[f"b_over_c_{v}"] = round(ratio, 3)
     result[f"rss_{without}_over_{with_}"] = round(result[without]["max_rss_mib"] / result[with_]["max_rss_mib"], 3)
     print("RESULT " + json.dumps(result))
     return 0
