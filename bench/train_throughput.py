@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=3500)
     parser.add_argument("--steps", type=int, default=16, help="timed updates per system and round")
     parser.add_argument("--warmup", type=int, default=4, help="untimed updates per system and round")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds; ratios are medians of per-round ratios")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds; each ratio is the median of per-round ratios over the quiet rounds")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--train-pairs", type=int, default=6000)
