@@ -42,12 +42,14 @@ class InMemoryFeatures:
         self.pooled_layers = list(range(pooled[0].shape[0])) if pooled else []
         self.hidden_size = int(token_states[0].shape[-1])
         self.num_sentences = len(token_states)
+        self.transfer_dtype = torch.float32
 
     def __len__(self) -> int:
         return self.num_sentences
 
-    def features(self, i: int) -> torch.Tensor:
-        return self._token_states[i]
+    def features(self, i: int, rows: list[int] | None = None, *, widen: bool = True) -> torch.Tensor:
+        states = self._token_states[i]  # float32 already (float16-rounded): widen changes nothing
+        return states if rows is None else states[list(rows)]
 
     def pooled(self, i: int) -> torch.Tensor:
         return self._pooled[i]
@@ -109,9 +111,10 @@ class _Offset:
         self.hidden_size = reader.hidden_size
         self.layers = reader.layers
         self.pooled_layers = reader.pooled_layers
+        self.transfer_dtype = reader.transfer_dtype
 
-    def features(self, i: int) -> torch.Tensor:
-        return self.reader.features(self.offset + i)
+    def features(self, i: int, rows: list[int] | None = None, *, widen: bool = True) -> torch.Tensor:
+        return self.reader.features(self.offset + i, rows, widen=widen)
 
     def pooled(self, i: int) -> torch.Tensor:
         return self.reader.pooled(self.offset + i)

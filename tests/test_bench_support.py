@@ -29,3 +29,21 @@ def test_steal_fraction_is_a_fraction():
     sum(i * i for i in range(200_000))  # let the jiffy counters move
     fraction = steal.steal_since(mark)
     assert fraction is None or 0.0 <= fraction <= 1.0
+
+
+def test_decode_bench_readers_serve_batch_features(monkeypatch):
+    """bench/decode_throughput.py's in-memory and offset readers keep CacheReader's reading interface."""
+    import torch
+
+    from prlmfuse.train_fused.data import FeatureSource, batch_features
+
+    spec = importlib.util.spec_from_file_location("decode_throughput", Path(__file__).parents[1] / "bench" / "decode_throughput.py")
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "decode_throughput", bench)  # its dataclasses look their module up there
+    spec.loader.exec_module(bench)
+    states = [torch.randn(2, n, 8) for n in (3, 5, 4)]
+    reader = bench._Offset(bench.InMemoryFeatures(states, [torch.randn(3, 2, 8) for _ in states], layers=[4, 5]), 1)
+    feats = batch_features(reader, FeatureSource(path="", layer_rows=(1,)), [0, 1], 1)
+    assert feats.states.shape == (2, 1, 5, 8)
+    assert torch.equal(feats.states[1, 0, :4], states[2][1])
+    assert feats.mask.sum(dim=1).tolist() == [5, 4]
