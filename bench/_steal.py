@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 QUIET_STEAL = 0.05  # a timed window counts as quiet when at most 5% of the vCPU time was stolen
 
 
@@ -43,8 +45,11 @@ def quiet_median(ratios: list[float], steals: list[float | None], limit: float =
 
     Returns (median, number of ratios it was taken over).
     """
-    import numpy as np
-
     quiet = [r for r, s in zip(ratios, steals) if s is not None and s <= limit]
     chosen = quiet or ratios
     return float(np.median(chosen)), len(chosen)
+
+
+def worst_steal(*steals: float | None) -> float | None:
+    """The largest steal fraction of several windows, None if any is unknown."""
+    return None if any(s is None for s in steals) else max(steals)

@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from _steal import QUIET_STEAL, quiet_median, steal_mark, steal_since
+from _steal import QUIET_STEAL, quiet_median, steal_mark, steal_since, worst_steal
 
 
 def _corpus(home: Path, train_pairs: int):
@@ -114,11 +114,6 @@ def _run_system(name, trainer, loader, steps: int, warmup: int, live: _LivePrLM 
 
 def _median(values: list[float]) -> float:
     return float(np.median(values))
-
-
-def _worst(*steals: float | None) -> float | None:
-    """The larger steal fraction of two windows, None if either is unknown."""
-    return None if any(s is None for s in steals) else max(steals)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -283,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     for top, bottom in (("b", "a"), ("b", "c"), ("d", "b")):
         if top in results and bottom in results:
             per_round = [t["step_s"] / u["step_s"] for t, u in zip(results[top], results[bottom])]
-            steals = [_worst(t["steal_fraction"], u["steal_fraction"]) for t, u in zip(results[top], results[bottom])]
+            steals = [worst_steal(t["steal_fraction"], u["steal_fraction"]) for t, u in zip(results[top], results[bottom])]
             ratio, used = quiet_median(per_round, steals)
             result[f"{top}_over_{bottom}"] = round(ratio, 3)
             result[f"{top}_over_{bottom}_rounds"] = [round(x, 3) for x in per_round]
@@ -337,12 +332,12 @@ def _compare(name: str, argv: list[str], rounds: int) -> int:
             "max_rss_mib": max(c["max_rss_mib"] for c in children[v]),
         }
     def steal(child, *keys):
-        return _worst(*(child["steal_fraction_rounds"][k][0] for k in keys))
+        return worst_steal(*(child["steal_fraction_rounds"][k][0] for k in keys))
 
     for k in systems:
         pairs = list(zip(children[without], children[with_]))
         per_round = [x["step_ms"][k] / y["step_ms"][k] for x, y in pairs]
-        ratio, used = quiet_median(per_round, [_worst(steal(x, k), steal(y, k)) for x, y in pairs])
+        ratio, used = quiet_median(per_round, [worst_steal(steal(x, k), steal(y, k)) for x, y in pairs])
         result[f"{k}_{without}_over_{with_}"] = round(ratio, 3)
         result[f"{k}_{without}_over_{with_}_rounds"] = [round(x, 3) for x in per_round]
         result[f"{k}_{without}_over_{with_}_rounds_used"] = used
