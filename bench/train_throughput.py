@@ -19,13 +19,15 @@ as a fraction of the step time. The last line is `RESULT {json}`.
 
     python bench/train_throughput.py [--checkpoint minilm-l6] [--preset small] [--steps 40]
 
-`--compare malloc|pad|nice` instead measures one of prlmfuse's speed settings: systems (a) and (b)
-(and (c) for nice) in child processes, alternately without and with it, and prints the median
-over quiet rounds of each round's step-time ratio, and the peak-memory ratio.
+`--compare malloc|pad|nice|rows|attn` instead measures one of prlmfuse's speed settings: systems
+(a) and (b) (and (c) for nice) in child processes, alternately without and with it, and prints the
+median over quiet rounds of each round's step-time ratio, and the peak-memory ratio.
   malloc  glibc's default allocator settings vs prlmfuse.runtime.keep_freed_memory
   pad     exact padded lengths vs lengths rounded up to a multiple of 8 (train_fused.data)
   nice    DataLoader workers at the step's priority vs 10 lower (train_fused.data.WORKER_NICE)
   rows    output logits and loss over every padded target position vs the real ones only
+  attn    attention math of bf16 training steps upcast to float32 (torch's default) vs in bf16
+          (train_fused.modeling.BF16_ATTENTION_MATH)
 """
 
 from __future__ import annotations
@@ -135,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-nice", type=int, default=None, help="niceness added to DataLoader workers (default: prlmfuse's)")
     parser.add_argument("--logit-rows", choices=["scored", "all"], default="scored",
                         help="loss over the real target positions only (prlmfuse's) or over every padded one")
+    parser.add_argument("--attention-math", choices=["bf16", "fp32"], default="bf16",
+                        help="attention scores and softmax of bf16 steps in bf16 (prlmfuse's) or upcast to float32")
     parser.add_argument("--compare", choices=sorted(COMPARISONS),
                         help="time (a) and (b) (and (c) for nice) without and with one of prlmfuse's speed settings, in child processes")
     args = parser.parse_args(argv)
@@ -154,10 +158,12 @@ def main(argv: list[str] | None = None) -> int:
         PAD_TO_MULTIPLE, WORKER_NICE, FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader,
     )
     from prlmfuse.train_fused.distributed import DistContext
+    from prlmfuse.train_fused import modeling
     from prlmfuse.train_fused.modeling import FusedTransformer, PrLMSpec
     from prlmfuse.train_fused.trainer import Trainer, build_model_config, fast_bf16_available, label_smoothed_sums
 
     pad_multiple = args.pad_multiple or PAD_TO_MULTIPLE
+    modeling.BF16_ATTENTION_MATH = args.attention_math == "bf16"
     worker_nice = WORKER_NICE if args.worker_nice is None else args.worker_nice
     home = Path(args.home) if args.home else prlmfuse_home()
     corpus = _corpus(home, args.train_pairs)
@@ -269,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         "pad_multiple": pad_multiple,
         "worker_nice": worker_nice,
         "logit_rows": args.logit_rows,
+        "attention_math": args.attention_math,
         "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         "step_ms": {k: round(v["step_s"] * 1000, 1) for k, v in typical.items()},
         "steal_fraction_rounds": {k: [None if o["steal_fraction"] is None else round(o["steal_fraction"], 3) for o in v]
@@ -296,6 +303,7 @@ COMPARISONS = {
     "pad": ("ab", {"exact": (["--pad-multiple", "1"], {}), "padded8": (["--pad-multiple", "8"], {})}),
     "nice": ("abc", {"nice0": (["--worker-nice", "0"], {}), "nice10": (["--worker-nice", "10"], {})}),
     "rows": ("ab", {"all": (["--logit-rows", "all"], {}), "scored": (["--logit-rows", "scored"], {})}),
+    "attn": ("ab", {"fp32": (["--attention-math", "fp32"], {}), "bf16": (["--attention-math", "bf16"], {})}),
 }
 
 

@@ -346,16 +346,41 @@ def lower_once(x: Tensor) -> Tensor:
     return x
 
 
+# Attention scores, softmax and weighted sum of bf16 training steps in bf16 (see
+# _sdpa_backend_for); False keeps torch's float32 upcast. A module constant so that
+# bench/train_throughput.py --compare attn can time one against the other.
+BF16_ATTENTION_MATH = True
+
+
+@contextlib.contextmanager
+def _bf16_math_sdpa():
+    # The flag lives under torch.backends.cuda but is the global switch of the math kernel on
+    # every device; it is restored on exit so the caller's process sees no change.
+    allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
+
+
 def _sdpa_backend_for(q: Tensor):
-    """Attention kernel choice: on CPU in bf16 with autograd, the math backend.
+    """Attention kernel choice: on CPU in bf16 with autograd, the math backend, computing in bf16.
 
     CPU flash attention's backward in bf16 is about 2x slower than autograd through the math
     backend for our sequence lengths, while its forward is about 6x faster (torch 2.13, measured
     for B=64, 4 heads, 32 tokens, head_dim 64). So training steps under bf16 autocast use the
     math backend and everything else (fp32, inference, decoding) lets torch choose.
+
+    The math backend upcasts bf16 queries, keys and values to float32 by default, which runs its
+    matmuls off the bf16 units and adds casts both ways; in bf16 the step is faster (`python
+    bench/train_throughput.py --compare attn`). Scores and weights are then rounded to bf16 as
+    every autocast matmul output is (the softmax still accumulates in float32), as fairseq's
+    --fp16 training keeps its attention weights in half precision after a float32 softmax.
     """
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad:
-        return sdpa_kernel(SDPBackend.MATH)
+        return _bf16_math_sdpa() if BF16_ATTENTION_MATH else sdpa_kernel(SDPBackend.MATH)
     return contextlib.nullcontext()
 
 
