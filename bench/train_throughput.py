@@ -152,13 +152,13 @@ def main(argv: list[str] | None = None) -> int:
     from prlmfuse.cache_features import build_cache
     from prlmfuse.checkpoints import prepare_checkpoint, resolve_checkpoint
     from prlmfuse.data import prlmfuse_home
+    from prlmfuse.train_fused import modeling
     from prlmfuse.train_fused.bpe import train_bpe
     from prlmfuse.train_fused.config import PrLMUse, RunConfig
     from prlmfuse.train_fused.data import (
         PAD_TO_MULTIPLE, WORKER_NICE, FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader,
     )
     from prlmfuse.train_fused.distributed import DistContext
-    from prlmfuse.train_fused import modeling
     from prlmfuse.train_fused.modeling import FusedTransformer, PrLMSpec
     from prlmfuse.train_fused.trainer import Trainer, build_model_config, fast_bf16_available, label_smoothed_sums
 
