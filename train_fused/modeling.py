@@ -353,11 +353,11 @@ BF16_ATTENTION_MATH = True
 
 
 @contextlib.contextmanager
-def _bf16_math_sdpa():
-    # The flag lives under torch.backends.cuda but is the global switch of the math kernel on
-    # every device; it is restored on exit so the caller's process sees no change.
+def _math_sdpa(bf16: bool):
+    # The reduction flag lives under torch.backends.cuda but is the global switch of the math
+    # kernel on every device; it is restored on exit so the caller's process sees no change.
     allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
-    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(bf16)
     try:
         with sdpa_kernel(SDPBackend.MATH):
             yield
@@ -380,7 +380,7 @@ def _sdpa_backend_for(q: Tensor):
     --fp16 training keeps its attention weights in half precision after a float32 softmax.
     """
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad:
-        return _bf16_math_sdpa() if BF16_ATTENTION_MATH else sdpa_kernel(SDPBackend.MATH)
+        return _math_sdpa(bf16=BF16_ATTENTION_MATH)
     return contextlib.nullcontext()
 
 
