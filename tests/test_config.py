@@ -127,6 +127,8 @@ def test_missing_file_names_key_path(tmp_path):
     ("data:\n  kind: bible\n  src: [en\n", "YAML syntax error"),
     ("train:\n  runs:\n    f: {merg: sum, max_updates: 1}\n", "did you mean 'merge'"),
     ("train:\n  defaults: {max_updates: many}\n", "expected an integer"),
+    ("data:\n  kind: text\n  files: {train_src: nope.txt, train_tgt: a, dev_src: a, dev_tgt: a,"
+     " test_src: a, test_tgt: a}\n", "data.files.train_src: file not found: "),
 ])
 def test_cli_reports_one_line_and_exit_2(tmp_path, text, needle):
     p = write(tmp_path, text)
@@ -136,4 +138,5 @@ def test_cli_reports_one_line_and_exit_2(tmp_path, text, needle):
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0]
+    assert "nope.txt" not in text or lines[0].endswith(str(tmp_path / "nope.txt"))
     assert "Traceback" not in out.stderr

@@ -1,0 +1,113 @@
+"""The CLI's surface through the real entry point: every command's --help, `checkpoints list`,
+`checkpoints prepare` with a bad alias, and `data bible` end to end (about 2 s on the whole corpus)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from prlmfuse import cli
+
+ALIASES = ("minilm-l6", "e5-small-multilingual", "smollm2-135m")
+
+
+@pytest.fixture(autouse=True)
+def private_home(tmp_path, monkeypatch):
+    """Never touch the user's ~/.cache/prlmfuse, and never reach the hub."""
+    monkeypatch.setenv("PRLMFUSE_HOME", str(tmp_path / "prlmfuse_home"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+def run_cli(args, capsys, monkeypatch) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `prlmfuse ARGS`, run through the real entry point."""
+    monkeypatch.setattr(sys, "argv", ["prlmfuse", *map(str, args)])
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _command_paths(group: click.Group, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    """Every command and subcommand of the group, walked recursively (new commands are covered)."""
+    paths = []
+    ctx = click.Context(group)
+    for name in group.list_commands(ctx):
+        command = group.get_command(ctx, name)
+        paths.append((*prefix, name))
+        if isinstance(command, click.Group):
+            paths += _command_paths(command, (*prefix, name))
+    return paths
+
+
+COMMAND_PATHS = [()] + _command_paths(cli.cli)
+
+
+def test_walk_finds_the_known_commands():
+    names = {" ".join(p) for p in COMMAND_PATHS}
+    for expected in ("data bible", "data text", "checkpoints list", "checkpoints prepare", "cache build",
+                     "cache verify", "cache inspect", "train", "train average", "evaluate", "translate", "run"):
+        assert expected in names
+
+
+@pytest.mark.parametrize("path", COMMAND_PATHS, ids=lambda p: " ".join(p) or "prlmfuse")
+def test_help_works_on_every_command(path):
+    result = CliRunner().invoke(cli.cli, [*path, "--help"], prog_name="prlmfuse")
+    assert result.exit_code == 0, result.output
+    assert result.exception is None
+    assert result.output.startswith(f"Usage: {' '.join(('prlmfuse', *path))}")
+    assert "--help" in result.output
+
+
+def test_checkpoints_list_shows_headers_and_aliases(capsys, monkeypatch):
+    code, out, err = run_cli(["checkpoints", "list"], capsys, monkeypatch)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].split() == ["alias", "prepared", "family", "layers", "width", "package"]
+    assert [line.split()[0] for line in lines[1:]] == list(ALIASES)
+
+
+def test_checkpoints_prepare_unknown_alias_lists_all_aliases(capsys, monkeypatch):
+    code, _, err = run_cli(["checkpoints", "prepare", "no-such-model"], capsys, monkeypatch)
+    lines = err.splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    assert "no-such-model" in lines[0]
+    for alias in ALIASES:
+        assert alias in lines[0], (alias, lines[0])
+
+
+def test_data_bible_through_the_cli(tmp_path, capsys, monkeypatch):
+    out_dir = tmp_path / "en-ja"
+    code, out, err = run_cli(["data", "bible", "--src", "en", "--tgt", "ja", out_dir], capsys, monkeypatch)
+    assert code == 0, err
+    assert "corpus bible-en-ja (translation, en->ja)" in out
+    meta = json.loads((out_dir / "corpus.json").read_text(encoding="utf-8"))
+    assert (meta["src_lang"], meta["tgt_lang"], meta["task"]) == ("en", "ja", "translation")
+    assert sorted(meta["splits"]) == ["dev", "test", "train"]
+    for split, sides in meta["splits"].items():
+        counts = []
+        for side in ("src", "tgt"):
+            path = out_dir / f"{split}.{side}"
+            assert sides[side]["file"] == path.name
+            data = path.read_bytes()
+            lines = data.decode("utf-8").splitlines()
+            assert all(lines), (split, side)
+            assert sides[side]["lines"] == len(lines)
+            assert sides[side]["sha256"] == hashlib.sha256(data).hexdigest()
+            counts.append(len(lines))
+        assert counts[0] == counts[1], split  # line-aligned
+        assert f"{split:<5} {counts[0]:>8} pairs" in out
+    assert meta["splits"]["test"]["src"]["lines"] == 678  # the verses of Mark
+    test_src = (out_dir / "test.src").read_text(encoding="utf-8").splitlines()
+    assert test_src[0] == "The beginning of the Gospel of Jesus Christ, the Son of God."
