@@ -381,6 +381,13 @@ class DecodeSettings:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def for_run(cls, run: RunView, no_repeat_ngram_size: int | None, **options) -> DecodeSettings:
+        """The settings for one run: n-gram blocking defaults to 3 for summarization, as in the paper."""
+        if no_repeat_ngram_size is None:
+            no_repeat_ngram_size = 3 if run.task == "summarization" else 0
+        return cls(no_repeat_ngram_size=int(no_repeat_ngram_size), **options)
+
 
 @dataclass
 class DecodeOutput:
@@ -611,6 +618,7 @@ def evaluate_runs(
     no_repeat_ngram_size: int | None = None,
     max_len_a: float = 1.2,
     max_len_b: int = 10,
+    min_len: int = 1,
     batch_tokens: int = 4096,
     bf16: bool = False,
     bleu_tokenize: str | None = None,
@@ -654,10 +662,9 @@ def evaluate_runs(
 
     for run in runs:
         weights = select_weights(run, average_last)
-        nrng = no_repeat_ngram_size if no_repeat_ngram_size is not None else (3 if run.task == "summarization" else 0)
-        settings = DecodeSettings(
-            beam=beam, lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b,
-            no_repeat_ngram_size=int(nrng), bf16=bf16,
+        settings = DecodeSettings.for_run(
+            run, no_repeat_ngram_size, beam=beam, lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b,
+            min_len=min_len, bf16=bf16,
         )
         bpe = None
         model = None
@@ -734,7 +741,7 @@ def evaluate_runs(
                n_samples=bootstrap_samples, seed=seed)
     settings_record = {
         "beam": beam, "lenpen": lenpen, "average_last": average_last, "max_len_a": max_len_a,
-        "max_len_b": max_len_b, "no_repeat_ngram_size": no_repeat_ngram_size, "bf16": bf16,
+        "max_len_b": max_len_b, "min_len": min_len, "no_repeat_ngram_size": no_repeat_ngram_size, "bf16": bf16,
         "bleu_tokenize": bleu_tokenize,
         "bootstrap_samples": bootstrap_samples, "seed": seed, "test_sets": splits,
     }

@@ -108,6 +108,7 @@ def translate(
     no_repeat_ngram_size: int | None = None,
     max_len_a: float = 1.2,
     max_len_b: int = 10,
+    min_len: int = 1,
     batch_tokens: int = 4096,
     bf16: bool = False,
     trust_remote_code: bool = False,
@@ -127,9 +128,8 @@ def translate(
     if not lines:
         return []
     weights = select_weights(run, average_last)
-    nrng = no_repeat_ngram_size if no_repeat_ngram_size is not None else (3 if run.task == "summarization" else 0)
-    settings = DecodeSettings(beam=beam, lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b,
-                              no_repeat_ngram_size=int(nrng), bf16=bf16)
+    settings = DecodeSettings.for_run(run, no_repeat_ngram_size, beam=beam, lenpen=lenpen, max_len_a=max_len_a,
+                                      max_len_b=max_len_b, min_len=min_len, bf16=bf16)
     model, bpe = load_model(run, weights)
     cut: dict = {}
     src_ids = encode_sources(bpe, lines, int(run.model_config.get("max_positions", 1024)), stats=cut)

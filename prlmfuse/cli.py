@@ -248,38 +248,47 @@ def train_average(run_dir: str, last: int, out: str | None) -> None:
 # ---------------------------------------------------------------------------- evaluate
 
 
+def _decode_options(command):
+    """`evaluate` and `translate` decode alike: the same options, the same defaults (evaluate/decode.py)."""
+    options = [
+        click.option("--beam", default=5, show_default=True, type=click.IntRange(min=1), help="Beam size; 1 is greedy decoding."),
+        click.option("--lenpen", default=1.0, show_default=True, help="Length penalty: a hypothesis scores log-prob / length^LENPEN."),
+        click.option("--max-len-a", default=1.2, show_default=True, type=click.FloatRange(min=0),
+                     help="Output length limit: at most MAX_LEN_A * source length + MAX_LEN_B tokens."),
+        click.option("--max-len-b", default=10, show_default=True, type=click.IntRange(min=0)),
+        click.option("--min-len", default=1, show_default=True, type=click.IntRange(min=0), help="At least this many tokens before </s>."),
+        click.option("--no-repeat-ngram-size", type=click.IntRange(min=0), help="Block repeated n-grams (default: 3 for summarization runs, else 0)."),
+        click.option("--average-last", default=5, show_default=True, help="Average this many newest checkpoints (0: best)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @cli.command()
 @click.option("--runs", "runs", multiple=True, required=True, help="Run directories (several may follow).")
 @click.argument("more_runs", nargs=-1)
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Where results.md/csv/json and plots go.")
 @click.option("--baseline", help="Run name to compare against (deltas, bootstrap p-values).")
-@click.option("--beam", default=5, show_default=True)
-@click.option("--lenpen", default=1.0, show_default=True)
-@click.option("--average-last", default=5, show_default=True, help="Average this many newest checkpoints (0: best).")
-@click.option("--no-repeat-ngram-size", type=int, help="Block repeated n-grams (default: 3 for summarization).")
-def evaluate(runs, more_runs, out, baseline, beam, lenpen, average_last, no_repeat_ngram_size) -> None:
+@_decode_options
+def evaluate(runs, more_runs, out, baseline, **decoding) -> None:
     """Stage three: decode and score every run on its test set; write results.md and plots."""
     from prlmfuse.evaluate import evaluate_runs
 
-    result = evaluate_runs(
-        _variadic(runs, more_runs), out=out, baseline=baseline, beam=beam, lenpen=lenpen,
-        average_last=average_last, no_repeat_ngram_size=no_repeat_ngram_size,
-    )
+    evaluate_runs(_variadic(runs, more_runs), out=out, baseline=baseline, **decoding)
     click.echo(f"results: {Path(out) / 'results.md'}")
-    del result
 
 
 @cli.command()
 @click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False), help="A trained run directory.")
 @click.option("--input", "input_file", type=click.File("r", encoding="utf-8"), default="-", help="Text file (default: stdin).")
-@click.option("--beam", default=5, show_default=True)
-@click.option("--average-last", default=5, show_default=True, help="Average this many newest checkpoints (0: best).")
-def translate(run_dir: str, input_file, beam: int, average_last: int) -> None:
-    """Translate raw text with a trained run, running its PrLM live on the input."""
+@_decode_options
+def translate(run_dir: str, input_file, **decoding) -> None:
+    """Translate raw text with a trained run, running its PrLM live on the input; one output line per input line."""
     from prlmfuse.evaluate import translate as translate_lines
 
     lines = [line.rstrip("\n") for line in input_file]
-    for hyp in translate_lines(run_dir, lines, beam=beam, average_last=average_last):
+    for hyp in translate_lines(run_dir, lines, **decoding):
         click.echo(hyp)
 
 

@@ -92,6 +92,7 @@ class EvaluateConfig:
     no_repeat_ngram_size: int | None = None  # default: 3 for summarization, 0 otherwise
     max_len_a: float = 1.2
     max_len_b: int = 10
+    min_len: int = 1
     out: str = "results"
 
 

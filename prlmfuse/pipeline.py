@@ -341,6 +341,7 @@ def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None, jobs=
     result = evaluate_runs(
         dirs, out=out, baseline=baseline, beam=e.beam, lenpen=e.lenpen, average_last=e.average_last,
         no_repeat_ngram_size=e.no_repeat_ngram_size, max_len_a=e.max_len_a, max_len_b=e.max_len_b,
+        min_len=e.min_len,
     )
     _say(f"results: {out / 'results.md'}")
     return result

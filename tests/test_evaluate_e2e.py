@@ -171,3 +171,27 @@ def test_evaluating_an_untrained_run_dir_is_a_user_error(world, tmp_path):
     empty.mkdir()
     with pytest.raises(UserError, match="train it first"):
         evaluate_runs([world["baseline"], empty], out=tmp_path / "eval", progress=False)
+
+
+def test_translate_command_reads_stdin_and_passes_every_decoding_option(world):
+    from click.testing import CliRunner
+
+    from prlmfuse.cli import cli
+    from prlmfuse.evaluate import translate
+    from prlmfuse.evaluate.jobs import load_model, open_run, select_weights
+    from prlmfuse.fileio import read_lines
+
+    lines = read_lines(world["corpus"].src_path("test"))[:4]
+    options = dict(beam=1, lenpen=0.5, max_len_a=0.0, max_len_b=4, min_len=4, no_repeat_ngram_size=2, average_last=2)
+    argv = ["translate", "--run", str(world["fused"])]
+    for name, value in options.items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    result = CliRunner().invoke(cli, argv, input="".join(line + "\n" for line in lines))
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines() == translate(world["fused"], lines, **options)
+    # max_len_a = 0, max_len_b = 4 and min_len = 4: four subwords per output, where this barely
+    # trained model stops after fewer by default.
+    run = open_run(world["fused"])
+    _, bpe = load_model(run, select_weights(run, 2))
+    assert [len(bpe.encode(h)) for h in result.stdout.splitlines()] == [4] * len(lines)
+    assert all(len(bpe.encode(h)) < 4 for h in translate(world["fused"], lines, average_last=2))

@@ -5,11 +5,13 @@ from __future__ import annotations
 import csv
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 
 from prlmfuse.errors import UserError
 from prlmfuse.evaluate.jobs import (
+    DecodeSettings,
     EvaluationResults,
     RunResult,
     check_cache_key,
@@ -186,3 +188,10 @@ def test_fused_runs_are_compared_with_the_baseline_of_their_own_seed(tmp_path):
         "long-baseline": "baseline.seed-1",
     }
     assert matched_baselines(runs, None) == {}
+
+
+@pytest.mark.parametrize("task, asked, blocked", [("summarization", None, 3), ("translation", None, 0),
+                                                  ("summarization", 0, 0), ("translation", 4, 4)])
+def test_ngram_blocking_defaults_to_trigrams_for_summarization_only(task, asked, blocked):
+    settings = DecodeSettings.for_run(SimpleNamespace(task=task), asked, beam=5)
+    assert settings.no_repeat_ngram_size == blocked and settings.beam == 5
