@@ -216,13 +216,18 @@ def cache_inspect(path: str, as_json: bool) -> None:
 @cli.group(invoke_without_command=True)
 @click.option("--pipeline", "-p", type=click.Path(dir_okay=False), help="Pipeline file (default: ./pipeline.yaml).")
 @click.option("--runs", "runs", multiple=True, help="Run names, repeated or comma-separated (default: all).")
-@click.option("--fresh", is_flag=True, help="Start runs from scratch instead of resuming.")
+@click.option(
+    "--resume/--fresh", "resume", default=True, show_default=True,
+    help="Resume each run from its last checkpoint (the default: update count, learning-rate schedule and "
+    "data order continue), or start runs from scratch.",
+)
 @_jobs_option
 @click.pass_context
-def train(ctx, pipeline, runs, fresh, parallel) -> None:
+def train(ctx, pipeline, runs, resume, parallel) -> None:
     """Stage two: train the runs of a pipeline file from its caches (no PrLM is loaded).
 
-    Runs resume where they stopped. Data and caches must exist: `prlmfuse run --only cache`.
+    Runs resume from their last checkpoint by default (`--resume`); `--fresh` starts them over.
+    Data and caches must exist: `prlmfuse run --only cache`.
     `prlmfuse train average RUN_DIR` averages a run's last checkpoints.
     """
     if ctx.invoked_subcommand is not None:
@@ -231,7 +236,7 @@ def train(ctx, pipeline, runs, fresh, parallel) -> None:
     from prlmfuse.pipeline import train_runs
 
     cfg = load_pipeline(_pipeline_path(pipeline))
-    train_runs(cfg, names=_split_names(runs), resume=not fresh, parallel=parallel)
+    train_runs(cfg, names=_split_names(runs), resume=resume, parallel=parallel)
 
 
 @train.command("average")

@@ -139,19 +139,33 @@ def cache_jobs(cfg: PipelineConfig, corpus) -> list[CacheJob]:
     return jobs
 
 
-def _cache_complete(path: str) -> bool:
-    if "://" in path:
-        import fsspec
+def _cache_state(path: str) -> tuple[str, str]:
+    """("complete" | "not built" | "damaged", why) of the cache at `path`, judged by its manifest.json.
 
-        fs, p = fsspec.core.url_to_fs(path)
-        try:
-            return json.loads(fs.cat_file(f"{p}/manifest.json")).get("complete", False)
-        except (FileNotFoundError, ValueError):
-            return False
+    No manifest (or one not marked complete) is a cache not built yet; a manifest that is there but
+    truncated or not JSON is damaged, and `why` says how.
+    """
     try:
-        return json.loads((Path(path) / "manifest.json").read_text()).get("complete", False)
-    except (FileNotFoundError, ValueError):
-        return False
+        if "://" in path:
+            import fsspec
+
+            fs, p = fsspec.core.url_to_fs(path)
+            data = fs.cat_file(f"{p}/manifest.json")
+        else:
+            data = (Path(path) / "manifest.json").read_bytes()
+    except FileNotFoundError:
+        return "not built", ""
+    try:
+        manifest = json.loads(data)
+    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError
+        return "damaged", getattr(e, "msg", None) or str(e)
+    if not isinstance(manifest, dict):
+        return "damaged", "not a JSON object"
+    return ("complete" if manifest.get("complete", False) else "not built"), ""
+
+
+def _cache_complete(path: str) -> bool:
+    return _cache_state(path)[0] == "complete"
 
 
 def build_caches(cfg: PipelineConfig, corpus, names: list[str] | None = None) -> list[CacheJob]:
@@ -234,11 +248,16 @@ def train_runs(
     corpus = ensure_data(cfg, build=False)
     if jobs is None:
         jobs = cache_jobs(cfg, corpus)
-        missing = [j.out for j in jobs if not _cache_complete(j.out)]
         needed = {path for r in _selected_runs(cfg, names) for c in caches_for_run(r, jobs, cfg) for path in (c.train, c.dev)}
-        missing = [m for m in missing if m in needed]
-        if missing:
-            raise UserError(f"cache {missing[0]} is not built; run `prlmfuse run {cfg.path} --only cache` first")
+        for out in [j.out for j in jobs if j.out in needed]:
+            state, why = _cache_state(out)
+            if state == "damaged":
+                raise UserError(
+                    f"cache {out} is damaged: its manifest {out}/manifest.json is truncated or unreadable ({why}); "
+                    f"rerun `prlmfuse run {cfg.path} --only cache` to rebuild it (if that refuses, delete {out} first)"
+                )
+            if state != "complete":
+                raise UserError(f"cache {out} is not built; run `prlmfuse run {cfg.path} --only cache` first")
     runs = _selected_runs(cfg, names)
     if parallel > 1 and len(runs) > 1:
         return _train_in_children(cfg, runs, parallel, resume=resume)

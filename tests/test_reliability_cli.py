@@ -178,10 +178,28 @@ def test_over_long_inputs_are_cut_and_counted_not_errors(tmp_path, capsys, monke
 KINDS = ["flipped byte", "missing shard", "truncated manifest"]
 
 
+@pytest.fixture(scope="module")
+def hdf5_test_cache(world, tmp_path_factory):
+    """The test sentences cached again with `--backend hdf5`, through `prlmfuse cache build` (built once)."""
+    out = tmp_path_factory.mktemp("reliability-cli-hdf5") / "test-cache"
+    mp = pytest.MonkeyPatch()
+    try:
+        mp.setattr(sys, "argv", ["prlmfuse", "cache", "build", "--checkpoint", str(world["ckpt"]), "--corpus",
+                                 str(world["raw"] / "test.src"), "--out", str(out), "--layers", "-2",
+                                 "--dtype", "float16", "--backend", "hdf5"])
+        cli.main()
+    finally:
+        mp.undo()
+    return out
+
+
+@pytest.mark.parametrize("backend", ["zarr", "hdf5"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_cache_verify_names_the_problem(tmp_path, capsys, monkeypatch, world, kind):
+def test_cache_verify_names_the_problem(tmp_path, capsys, monkeypatch, world, request, kind, backend):
     cache = tmp_path / "cache"
-    shutil.copytree(world["caches"]["test"], cache)
+    source = world["caches"]["test"] if backend == "zarr" else request.getfixturevalue("hdf5_test_cache")
+    shutil.copytree(source, cache)
+    assert json.loads((cache / "manifest.json").read_text())["backend"] == backend
     assert run_cli(["cache", "verify", cache], capsys, monkeypatch)[0] == 0
     needle = support.damage_cache(kind, cache)
     assert_one_line_error(run_cli(["cache", "verify", cache], capsys, monkeypatch), needle, str(cache))
@@ -202,14 +220,45 @@ def damaged_train_cache(world):
 def test_train_refuses_a_damaged_cache(world, damaged_train_cache, capsys, monkeypatch, kind):
     needle = support.damage_cache(kind, damaged_train_cache)
     if kind == "truncated manifest":
-        # the pipeline sees no finished cache there and says how to make one; doing so repairs it
-        needle = "is not built; run `prlmfuse run"
+        # damaged, not "not built": the pipeline names the file and says how to rebuild it; doing so repairs it
+        needle = (f"cache {damaged_train_cache} is damaged: its manifest {damaged_train_cache / 'manifest.json'} "
+                  "is truncated or unreadable (")
     result = run_cli(["train", "-p", world["pipeline"]], capsys, monkeypatch)
-    assert_one_line_error(result, needle, str(damaged_train_cache))
+    line = assert_one_line_error(result, needle, str(damaged_train_cache))
+    if kind == "truncated manifest":
+        assert f"rerun `prlmfuse run {world['pipeline']} --only cache` to rebuild it" in line, line
+        assert "not built" not in line, line
     assert not (world["root"] / "work" / "runs").exists()
     if kind == "truncated manifest":
         assert run_cli(["run", world["pipeline"], "--only", "cache"], capsys, monkeypatch)[0] == 0
         assert run_cli(["cache", "verify", damaged_train_cache], capsys, monkeypatch)[0] == 0
+
+
+def test_train_says_a_cache_without_manifest_is_not_built(world, damaged_train_cache, capsys, monkeypatch):
+    (damaged_train_cache / "manifest.json").unlink()  # e.g. a build killed before it finished
+    result = run_cli(["train", "-p", world["pipeline"]], capsys, monkeypatch)
+    assert_one_line_error(result, f"cache {damaged_train_cache} is not built; run `prlmfuse run {world['pipeline']} "
+                                  "--only cache` first")
+    assert not (world["root"] / "work" / "runs").exists()
+
+
+@pytest.mark.parametrize("flags, resume", [([], True), (["--resume"], True), (["--fresh"], False),
+                                           (["--fresh", "--resume"], True)])
+def test_train_resume_and_fresh_reach_train_runs(world, capsys, monkeypatch, flags, resume):
+    # Resuming itself (update count, LR schedule, data order after a kill) is tested on train_run in
+    # test_reliability_train.py; here only that the CLI flags arrive.
+    import prlmfuse.pipeline
+
+    calls = []
+    monkeypatch.setattr(prlmfuse.pipeline, "train_runs", lambda cfg, **kw: calls.append(kw))
+    code, _, err = run_cli(["train", "-p", world["pipeline"], "--runs", "fused", *flags], capsys, monkeypatch)
+    assert code == 0, err
+    assert calls == [{"names": ["fused"], "resume": resume, "parallel": 1}]
+
+
+def test_train_help_says_resuming_is_the_default(capsys, monkeypatch):
+    code, out, _ = run_cli(["train", "--help"], capsys, monkeypatch)
+    assert code == 0 and "--resume / --fresh" in out and "[default: resume]" in out, out
 
 
 def test_train_refuses_a_cache_of_another_corpus(world, damaged_train_cache, capsys, monkeypatch):

@@ -203,19 +203,50 @@ def assert_same_cache(path: Path, reference: Path) -> None:
     assert temp_leftovers(path) == []
 
 
+def _read_shard_array(cache: Path, manifest: dict, shard: str, array: str) -> np.ndarray:
+    from prlmfuse.cache_features.storage import Location, ShardHandle
+
+    handle = ShardHandle(Location(cache), manifest["backend"], f"shards/{shard}")
+    try:
+        return handle.read(array, 0, handle.shape(array)[0])
+    finally:
+        handle.close()
+
+
 def damage_cache(kind: str, cache: Path) -> str:
     """Damage a built cache one way; returns what `cache verify` must say about it."""
     manifest = json.loads((cache / "manifest.json").read_text())
     shard = manifest["shards"][0]["name"]
     if kind == "flipped byte":
-        chunk = next(p for p in sorted((cache / "shards" / shard).rglob("*"))
-                     if p.is_file() and "layer_" in str(p) and p.name != "zarr.json")
-        data = bytearray(chunk.read_bytes())
-        data[10] ^= 0x40
-        chunk.write_bytes(bytes(data))
+        # A byte of the first token's features of the first stored layer (zarr: its first chunk
+        # file; hdf5: the contiguous dataset's first bytes in the .h5 file), never metadata or padding.
+        array = f"layer_{manifest['layers'][0]:03d}"
+        if manifest["backend"] == "hdf5":
+            import h5py
+
+            target = cache / "shards" / shard
+            with h5py.File(target, "r") as f:
+                offset = f[array].id.get_offset() + 10
+        else:
+            target = next(p for p in sorted((cache / "shards" / shard / array).rglob("*"))
+                          if p.is_file() and p.name != "zarr.json")
+            offset = 10
+        before = _read_shard_array(cache, manifest, shard, array)
+        assert before.nbytes > 10, before.shape
+        with open(target, "r+b") as fh:
+            fh.seek(offset)
+            byte = fh.read(1)[0]
+            fh.seek(offset)
+            fh.write(bytes([byte ^ 0x40]))
+        # the reader sees a changed feature value, so only the checksum can tell
+        assert _read_shard_array(cache, manifest, shard, array).tobytes() != before.tobytes()
         return f"shard {shard} fails its sha256 check"
     if kind == "missing shard":
-        shutil.rmtree(cache / "shards" / shard)
+        path = cache / "shards" / shard
+        if path.is_dir():  # zarr: a directory; hdf5: one .h5 file
+            shutil.rmtree(path)
+        else:
+            path.unlink()
         return f"shard {shard} is missing"
     (cache / "manifest.json").write_text((cache / "manifest.json").read_text()[:150])
     return "truncated or corrupt"
