@@ -19,7 +19,7 @@ as a fraction of the step time. The last line is `RESULT {json}`.
 
     python bench/train_throughput.py [--checkpoint minilm-l6] [--preset small] [--steps 40]
 
-`--compare malloc|pad|nice|rows|attn` instead measures one of prlmfuse's speed settings: systems
+`--compare malloc|pad|nice|rows|attn|nll` instead measures one of prlmfuse's speed settings: systems
 (a) and (b) (and (c) for nice) in child processes, alternately without and with it, and prints the
 median over quiet rounds of each round's step-time ratio, and the peak-memory ratio.
   malloc  glibc's default allocator settings vs prlmfuse.runtime.keep_freed_memory
@@ -28,6 +28,8 @@ median over quiet rounds of each round's step-time ratio, and the peak-memory ra
   rows    output logits and loss over every padded target position vs the real ones only
   attn    attention math of bf16 training steps upcast to float32 (torch's default) vs in bf16
           (train_fused.modeling.BF16_ATTENTION_MATH)
+  nll     the NLL logged beside the loss as a separate logsumexp over the logits vs derived from
+          the smoothed loss (train_fused.trainer.label_smoothed_sums)
 """
 
 from __future__ import annotations
@@ -88,6 +90,22 @@ class _LivePrLM:
         return PrLMFeatures(states=hidden.float()[:, None], mask=enc["attention_mask"].bool(), pooled=None)
 
 
+def _logsumexp_nll_sums(logits, target, smoothing):
+    """label_smoothed_sums as it was before the logged NLL was derived from the loss (the "without" of --compare nll)."""
+    import torch.nn.functional as F
+
+    from prlmfuse.train_fused.bpe import PAD_ID
+
+    flat_logits = logits.float().reshape(-1, logits.shape[-1])
+    flat_target = target.reshape(-1)
+    loss = F.cross_entropy(flat_logits, flat_target, ignore_index=PAD_ID, label_smoothing=smoothing, reduction="sum")
+    with torch.no_grad():
+        keep = flat_target != PAD_ID
+        target_logit = flat_logits.gather(1, flat_target.unsqueeze(1)).squeeze(1)
+        nll = ((torch.logsumexp(flat_logits, dim=-1) - target_logit) * keep).sum()
+    return loss, nll
+
+
 def _run_system(name, trainer, loader, steps: int, warmup: int, live: _LivePrLM | None, src_lines) -> dict:
     """Time `steps` updates after `warmup`; returns mean step seconds, the data-wait and the steal fraction."""
     batches = iter(loader)
@@ -139,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="loss over the real target positions only (prlmfuse's) or over every padded one")
     parser.add_argument("--attention-math", choices=["bf16", "fp32"], default="bf16",
                         help="attention scores and softmax of bf16 steps in bf16 (prlmfuse's) or upcast to float32")
+    parser.add_argument("--logged-nll", choices=["logsumexp", "from-loss"], default="from-loss",
+                        help="NLL for the logs by its own logsumexp pass or derived from the smoothed loss (prlmfuse's)")
     parser.add_argument("--compare", choices=sorted(COMPARISONS),
                         help="time (a) and (b) (and (c) for nice) without and with one of prlmfuse's speed settings, in child processes")
     args = parser.parse_args(argv)
@@ -153,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     from prlmfuse.checkpoints import prepare_checkpoint, resolve_checkpoint
     from prlmfuse.data import prlmfuse_home
     from prlmfuse.train_fused import modeling
+    from prlmfuse.train_fused import trainer as trainer_module
     from prlmfuse.train_fused.bpe import train_bpe
     from prlmfuse.train_fused.config import PrLMUse, RunConfig
     from prlmfuse.train_fused.data import (
@@ -164,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
 
     pad_multiple = args.pad_multiple or PAD_TO_MULTIPLE
     modeling.BF16_ATTENTION_MATH = args.attention_math == "bf16"
+    loss_sums = _logsumexp_nll_sums if args.logged_nll == "logsumexp" else label_smoothed_sums
+    trainer_module.label_smoothed_sums = loss_sums  # what Trainer._forward_sums calls
     worker_nice = WORKER_NICE if args.worker_nice is None else args.worker_nice
     home = Path(args.home) if args.home else prlmfuse_home()
     corpus = _corpus(home, args.train_pairs)
@@ -212,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         def _forward_sums(self, batch):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.use_bf16):
                 logits = self.model(batch.src_tokens, batch.tgt_in, batch.prlm)
-            return label_smoothed_sums(logits, batch.tgt_out, self.run.label_smoothing)
+            return loss_sums(logits, batch.tgt_out, self.run.label_smoothing)
 
     trainer_class = AllRowsTrainer if args.logit_rows == "all" else Trainer
 
@@ -276,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         "worker_nice": worker_nice,
         "logit_rows": args.logit_rows,
         "attention_math": args.attention_math,
+        "logged_nll": args.logged_nll,
         "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         "step_ms": {k: round(v["step_s"] * 1000, 1) for k, v in typical.items()},
         "steal_fraction_rounds": {k: [None if o["steal_fraction"] is None else round(o["steal_fraction"], 3) for o in v]
@@ -304,6 +328,7 @@ COMPARISONS = {
     "nice": ("abc", {"nice0": (["--worker-nice", "0"], {}), "nice10": (["--worker-nice", "10"], {})}),
     "rows": ("ab", {"all": (["--logit-rows", "all"], {}), "scored": (["--logit-rows", "scored"], {})}),
     "attn": ("ab", {"fp32": (["--attention-math", "fp32"], {}), "bf16": (["--attention-math", "bf16"], {})}),
+    "nll": ("ab", {"logsumexp": (["--logged-nll", "logsumexp"], {}), "fromloss": (["--logged-nll", "from-loss"], {})}),
 }
 
 

@@ -107,18 +107,23 @@ def _pairs(n: int, seed: int = 0):
     return src, tgt
 
 
-def test_loss_sums_are_torch_cross_entropy_over_real_tokens():
+@pytest.mark.parametrize("vocab, dtype, smoothing", [(50, torch.float32, 0.1), (8000, torch.bfloat16, 0.1),
+                                                    (8000, torch.float32, 0.3), (50, torch.float32, 0.0)])
+def test_loss_sums_are_torch_cross_entropy_over_real_tokens(vocab, dtype, smoothing):
     from prlmfuse.train_fused.trainer import label_smoothed_sums
 
     g = torch.Generator().manual_seed(3)
-    logits = torch.randn(4, 7, 50, generator=g) * 3
-    target = torch.randint(4, 50, (4, 7), generator=g)
+    # bf16 logits of a training-sized vocabulary, as autocast hands them over; the logged NLL is
+    # derived from the smoothed loss and must equal a separate plain cross entropy.
+    logits = (torch.randn(4, 7, vocab, generator=g) * 3).to(dtype)
+    target = torch.randint(4, vocab, (4, 7), generator=g)
     target[1, 4:] = PAD_ID
     target[3, 2:] = PAD_ID
-    loss, nll = label_smoothed_sums(logits, target, 0.1)
+    loss, nll = label_smoothed_sums(logits, target, smoothing)
     real = target != PAD_ID
-    expected_loss = torch.nn.CrossEntropyLoss(label_smoothing=0.1, reduction="sum")(logits[real], target[real])
-    expected_nll = torch.nn.CrossEntropyLoss(reduction="sum")(logits[real], target[real])
+    exact = logits.float()[real]
+    expected_loss = torch.nn.CrossEntropyLoss(label_smoothing=smoothing, reduction="sum")(exact, target[real])
+    expected_nll = torch.nn.CrossEntropyLoss(reduction="sum")(exact, target[real])
     torch.testing.assert_close(loss, expected_loss)
     torch.testing.assert_close(nll, expected_nll)
 
