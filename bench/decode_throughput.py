@@ -206,7 +206,10 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     if args.runs:
         systems, src_ids, baseline = run_systems(args)
-        settings = DecodeSettings(beam=args.beam, bf16=args.bf16)
+        from prlmfuse.evaluate.jobs import open_run
+
+        # As evaluate_runs decodes them (trigram blocking for summarization); the runs share one corpus.
+        settings = DecodeSettings.for_run(open_run(args.runs[0]), None, beam=args.beam, bf16=args.bf16)
         mode = "runs"
     else:
         systems, src_ids, baseline = synthetic_systems(args)
