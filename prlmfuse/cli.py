@@ -288,12 +288,13 @@ def evaluate(runs, more_runs, out, baseline, **decoding) -> None:
 @click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False), help="A trained run directory.")
 @click.option("--input", "input_file", type=click.File("r", encoding="utf-8"), default="-", help="Text file (default: stdin).")
 @_decode_options
-def translate(run_dir: str, input_file, **decoding) -> None:
+@click.option("--trust-remote-code", is_flag=True, help="Allow code shipped with the run's hub checkpoint to run.")
+def translate(run_dir: str, input_file, trust_remote_code: bool, **decoding) -> None:
     """Translate raw text with a trained run, running its PrLM live on the input; one output line per input line."""
     from prlmfuse.evaluate import translate as translate_lines
 
     lines = [line.rstrip("\n") for line in input_file]
-    for hyp in translate_lines(run_dir, lines, **decoding):
+    for hyp in translate_lines(run_dir, lines, trust_remote_code=trust_remote_code, **decoding):
         click.echo(hyp)
 
 

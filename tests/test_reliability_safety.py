@@ -52,52 +52,72 @@ def _keyword(call: ast.Call, name: str):
     return "<absent>"
 
 
+_PICKLE_MODULES = ("pickle", "_pickle", "cPickle", "dill", "cloudpickle", "joblib", "shelve", "marshal")
+# Imported by bare name, these loaders' calls would look like any `load(...)`: the import itself is flagged.
+_LOADERS_BY_NAME = {"torch": {"load"}, "yaml": {"load", "unsafe_load", "full_load"}}
+
+
+def unsafe_loads(source: str, where: str = "<src>") -> list[str]:
+    """The places in Python `source` that could unpickle or run remote code, as "where:line: what"."""
+    tree = ast.parse(source)
+    problems = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
+            if any(n and n.split(".")[0] in _PICKLE_MODULES for n in names):
+                problems.append(f"{where}:{node.lineno}: imports {names}")
+            if isinstance(node, ast.ImportFrom) and _LOADERS_BY_NAME.get(node.module or "", set()) & {a.name for a in node.names}:
+                problems.append(f"{where}:{node.lineno}: imports a loader by name from {node.module}")
+    for call, func in _calls(tree):
+        at = f"{where}:{call.lineno}"
+        if func == "torch.load" and _keyword(call, "weights_only") is not True:
+            problems.append(f"{at}: torch.load without weights_only=True")
+        if func.endswith("jit.load") or func in ("yaml.load", "yaml.unsafe_load", "yaml.full_load"):
+            problems.append(f"{at}: {func}")
+        if _keyword(call, "allow_pickle") not in ("<absent>", False):
+            problems.append(f"{at}: allow_pickle={_keyword(call, 'allow_pickle')}")
+        if _keyword(call, "trust_remote_code") is True:
+            problems.append(f"{at}: trust_remote_code=True")
+        if _keyword(call, "use_safetensors") is False:
+            problems.append(f"{at}: use_safetensors=False")
+        if func.endswith("from_pretrained") and _keyword(call, "trust_remote_code") == "<absent>":
+            problems.append(f"{at}: {func} without an explicit trust_remote_code")
+    return problems
+
+
 def test_source_tree_never_unpickles_or_trusts_remote_code():
     files = sorted(p for d in SOURCE_DIRS for p in (REPO / d).rglob("*.py"))
     assert len(files) > 20
-    problems = []
-    for path in files:
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        where = lambda node: f"{path.relative_to(REPO)}:{node.lineno}"  # noqa: E731
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Import, ast.ImportFrom)):
-                names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
-                if any(n and n.split(".")[0] in ("pickle", "_pickle", "cPickle", "dill", "cloudpickle", "joblib",
-                                                   "shelve", "marshal") for n in names):
-                    problems.append(f"{where(node)}: imports {names}")
-        for call, func in _calls(tree):
-            if func == "torch.load" and _keyword(call, "weights_only") is not True:
-                problems.append(f"{where(call)}: torch.load without weights_only=True")
-            if func.endswith("jit.load") or func in ("yaml.load", "yaml.unsafe_load", "yaml.full_load"):
-                problems.append(f"{where(call)}: {func}")
-            if _keyword(call, "allow_pickle") not in ("<absent>", False):
-                problems.append(f"{where(call)}: allow_pickle={_keyword(call, 'allow_pickle')}")
-            if _keyword(call, "trust_remote_code") is True:
-                problems.append(f"{where(call)}: trust_remote_code=True")
-            if _keyword(call, "use_safetensors") is False:
-                problems.append(f"{where(call)}: use_safetensors=False")
-            if func.endswith("from_pretrained") and _keyword(call, "trust_remote_code") == "<absent>":
-                problems.append(f"{where(call)}: {func} without an explicit trust_remote_code")
+    problems = [q for path in files for q in unsafe_loads(path.read_text(encoding="utf-8"), str(path.relative_to(REPO)))]
     assert problems == []
 
 
-def test_the_scan_would_catch_what_it_looks_for(tmp_path):
-    """The scanner above is only worth something if it flags the forbidden forms."""
-    bad = textwrap.dedent("""
+def test_the_scan_would_catch_what_it_looks_for():
+    """The scanner above is only worth something if it flags every forbidden form, line by line."""
+    bad = textwrap.dedent("""\
         import pickle
+        from torch import load
         import numpy as np, torch, yaml
         from transformers import AutoModel
         torch.load("w.pt")
         np.load("a.npy", allow_pickle=True)
-        AutoModel.from_pretrained("x", trust_remote_code=True, use_safetensors=False)
+        AutoModel.from_pretrained("x", trust_remote_code=True)
+        AutoModel.from_pretrained("x", trust_remote_code=False, use_safetensors=False)
         AutoModel.from_pretrained("x")
         yaml.load("a: 1")
+        torch.jit.load("m.pt")
     """)
-    tree = ast.parse(bad)
-    flagged = {func for call, func in _calls(tree)
-               if func == "torch.load" or func == "yaml.load" or _keyword(call, "allow_pickle") is True
-               or _keyword(call, "trust_remote_code") in (True, "<absent>") and func.endswith("from_pretrained")}
-    assert flagged == {"torch.load", "np.load", "AutoModel.from_pretrained", "yaml.load"}
+    flagged_lines = sorted({int(q.split(":")[1]) for q in unsafe_loads(bad)})
+    assert flagged_lines == [1, 2, 5, 6, 7, 8, 9, 10, 11]
+    good = textwrap.dedent("""\
+        import numpy as np, torch, yaml
+        from transformers import AutoModel
+        torch.load("w.pt", weights_only=True)
+        np.load("a.npy")
+        AutoModel.from_pretrained("x", trust_remote_code=False, use_safetensors=True)
+        yaml.safe_load("a: 1")
+    """)
+    assert unsafe_loads(good) == []
 
 
 # ------------------------------------------------------------------------------------------ planted pickles
@@ -204,6 +224,25 @@ def test_cli_cache_build_passes_trust_remote_code_only_with_the_flag(tmp_path, m
     for extra in ([], ["--trust-remote-code"]):
         monkeypatch.setattr(sys, "argv", ["prlmfuse", "cache", "build", "--checkpoint", "c", "--corpus", "f",
                                           "--out", str(tmp_path), *extra])
+        cli.main()
+    assert seen == [False, True]
+
+
+def test_cli_translate_passes_trust_remote_code_only_with_the_flag(tmp_path, monkeypatch):
+    import prlmfuse.evaluate
+    from prlmfuse import cli
+
+    seen = []
+
+    def translate(run_dir, lines, **kwargs):
+        seen.append(kwargs["trust_remote_code"])
+        return []
+
+    monkeypatch.setattr(prlmfuse.evaluate, "translate", translate)
+    text = tmp_path / "in.txt"
+    text.write_text("hello\n")
+    for extra in ([], ["--trust-remote-code"]):
+        monkeypatch.setattr(sys, "argv", ["prlmfuse", "translate", "--run", str(tmp_path), "--input", str(text), *extra])
         cli.main()
     assert seen == [False, True]
 
