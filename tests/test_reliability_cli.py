@@ -31,26 +31,8 @@ train_support = support.load_module("test_train_support")
 torch.set_num_threads(1)
 
 
-def run_cli(args, capsys, monkeypatch) -> tuple[int, str, str]:
-    """(exit status, stdout, stderr) of `prlmfuse ARGS`, run through the real entry point."""
-    monkeypatch.setattr(sys, "argv", ["prlmfuse", *map(str, args)])
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_one_line_error(result, *needles: str) -> str:
-    code, _, err = result
-    lines = err.splitlines()
-    assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
+run_cli = support.run_cli
+assert_one_line_error = support.assert_one_line_error
 
 
 @pytest.fixture(scope="module")

@@ -67,6 +67,31 @@ def job_train(corpus: str, ckpt: str, paths: dict, out: str, run: dict) -> None:
               [train_support.caches_for(use, paths)], out, progress=False)
 
 
+def run_cli(args, capsys, monkeypatch) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of `prlmfuse ARGS`, run through the real entry point."""
+    from prlmfuse import cli
+
+    monkeypatch.setattr(sys, "argv", ["prlmfuse", *map(str, args)])
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_one_line_error(result, *needles: str) -> str:
+    """The CLI's contract for bad input: exit 2 and one `error: ...` line holding every needle, no traceback."""
+    code, _, err = result
+    lines = err.splitlines()
+    assert code == 2, err
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
 def load_module(name: str):
     spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
