@@ -8,13 +8,14 @@
 
 Modules: extract (tokenize, middle cut, plan, forward through a truncated model view), storage
 (HDF5 / Zarr v3 shards, dtype codecs, checksums), manifest (cache key, manifest, verify/inspect),
-builder (build_cache: locking, resume, background writer, torchrun), reader (CacheReader).
+builder (build_cache: locking, resume, background writer, torchrun), reader (CacheReader,
+feature_scale).
 """
 
 from .builder import CacheResult, build_cache
 from .extract import has_fast_bf16, parse_layers
 from .manifest import cache_key, inspect_cache, verify_cache
-from .reader import CacheReader
+from .reader import CacheReader, feature_scale
 from .storage import BACKENDS, STORAGE_DTYPES
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "CacheResult",
     "build_cache",
     "cache_key",
+    "feature_scale",
     "has_fast_bf16",
     "inspect_cache",
     "parse_layers",

@@ -152,3 +152,29 @@ class CacheReader:
         s = int(self._shard_of[i])
         row = int(self._row_of[i])
         return decode(self._read(s, "pooled", row, row + 1)[0], None, self.pooled_dtype)
+
+
+def feature_scale(path_or_url, sentences: int = 200) -> dict[str, dict[str, float]]:
+    """Scale of the cached token features over the first `sentences` sentences, per stored layer.
+
+    Why: the fused model projects these features as they are. A BERT-style encoder hands over
+    LayerNorm'd states (values of order 1), while a causal LM's intermediate residual stream can
+    carry a few "massive" dimensions and first-token norms in the thousands, which a branch
+    initialised for unit-scale inputs learns from poorly. absmax: largest |value|; rms: root mean
+    square of all values; token_norm_median / token_norm_max: L2 norms of token vectors.
+    """
+    reader = CacheReader(path_or_url)
+    n = min(int(sentences), reader.num_sentences)
+    if n < 1:
+        return {}
+    states = torch.cat([reader.features(i) for i in range(n)], dim=1).float()  # [n_layers, tokens, d]
+    norms = states.norm(dim=-1)
+    return {
+        str(layer): {
+            "absmax": round(float(states[row].abs().max()), 4),
+            "rms": round(float(states[row].pow(2).mean().sqrt()), 4),
+            "token_norm_median": round(float(norms[row].median()), 4),
+            "token_norm_max": round(float(norms[row].max()), 4),
+        }
+        for row, layer in enumerate(reader.layers)
+    }

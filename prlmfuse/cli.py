@@ -189,11 +189,16 @@ def cache_verify(path: str) -> None:
 @cache.command("inspect")
 @click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="Print the raw JSON.")
-def cache_inspect(path: str, as_json: bool) -> None:
-    """Print a cache's key, sentence and token counts, size on disk and bytes per token."""
-    from prlmfuse.cache_features import inspect_cache
+@click.option("--scale-sample", default=200, show_default=True, type=click.IntRange(min=0),
+              help="Sentences read for the feature-scale figures per layer (0: skip).")
+def cache_inspect(path: str, as_json: bool, scale_sample: int) -> None:
+    """Print a cache's key, sentence and token counts, size on disk, bytes per token, and the scale of
+    its features per layer (a causal LM's residual stream can be thousands of times a BERT's)."""
+    from prlmfuse.cache_features import feature_scale, inspect_cache
 
     info = inspect_cache(path)
+    if scale_sample:
+        info["feature_scale"] = feature_scale(path, scale_sample)
     if as_json:
         click.echo(json.dumps(info, indent=2, sort_keys=True))
         return

@@ -16,6 +16,7 @@ from prlmfuse.cache_features import (
     CacheReader,
     build_cache,
     cache_key,
+    feature_scale,
     inspect_cache,
     parse_layers,
     verify_cache,
@@ -402,3 +403,13 @@ def test_real_minilm_penultimate_layer(tmp_path):
     for i in range(len(lines)):
         torch.testing.assert_close(reader.features(i)[0], reference[i], rtol=1e-4, atol=1e-4)
     assert reader.lengths[1] == 2 and reader.lengths[3] == 512
+    # The scale figures of `cache inspect`: a LayerNorm'd encoder's states are of order 1.
+    states = torch.cat([reader.features(i)[0] for i in range(len(lines))])
+    norms = states.norm(dim=-1)
+    scale = feature_scale(result.path)
+    assert list(scale) == ["5"]
+    assert scale["5"] == pytest.approx({"absmax": float(states.abs().max()), "rms": float(states.pow(2).mean().sqrt()),
+                                        "token_norm_median": float(norms.median()), "token_norm_max": float(norms.max())},
+                                       abs=1e-3)
+    assert 0.1 < scale["5"]["rms"] < 2 and scale["5"]["absmax"] < 50
+    assert list(feature_scale(result.path, sentences=1)) == ["5"]
