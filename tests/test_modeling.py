@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -319,6 +320,29 @@ def test_direct_ignores_source_tokens():
     assert torch.equal(a, b)
     assert torch.equal(enc.mask, torch.cat([f.mask for f in feats], dim=1))
     assert not any(".prlm_attn." in name for name in model.state_dict())
+
+
+@pytest.mark.parametrize("side", ["source", "target"])
+def test_feature_norm_makes_the_branch_blind_to_the_features_scale(side):
+    """A causal LM's residual stream can be a thousand times a BERT's: with feature_norm the model
+    reads it as if it were normalized; without, the scale changes everything."""
+    scaled = lambda feats, c: [PrLMFeatures(f.states * c + 3.0 * c, f.mask, f.pooled) for f in feats]  # noqa: E731
+    for norm in (True, False):
+        prlms = [dataclasses.replace(s, feature_norm=norm) for s in TWO_PRLMS]
+        config = tiny_config(prlms, side=side)
+        torch.manual_seed(0)
+        model = FusedTransformer(config).eval()
+        src, tgt_in, _, feats = batch_for(config)
+        with torch.no_grad():
+            a, b = model(src, tgt_in, feats), model(src, tgt_in, scaled(feats, 1000.0))
+        if norm:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        else:
+            assert not torch.allclose(a, b, atol=1e-2)
+    # Its parameters are two LayerNorms; without it the state dict has no new entries.
+    names = set(FusedTransformer(tiny_config([dataclasses.replace(s, feature_norm=True) for s in TWO_PRLMS])).state_dict())
+    assert {n for n in names if n.startswith("prlm_feature_norms.")} == {f"prlm_feature_norms.{i}.{w}" for i in (0, 1) for w in ("weight", "bias")}
+    assert not any(n.startswith("prlm_feature_norms.") for n in FusedTransformer(tiny_config(TWO_PRLMS)).state_dict())
 
 
 def test_dynamic_layer_weights_form_a_convex_combination():

@@ -126,6 +126,33 @@ def test_resume_continues_the_same_schedule(world, tmp_path):
     assert state["update"] == 12 and state["lr"] == pytest.approx(7e-4 * (4 / 12) ** 0.5)
 
 
+def test_feature_norm_trains_resumes_and_older_run_json_still_resumes(world, tmp_path):
+    """feature_norm came after runs existed: a run.json without it means False; changing it is refused."""
+    corpus, ckpt, paths = world
+    plain, normed = PrLMUse(checkpoint=str(ckpt)), PrLMUse(checkpoint=str(ckpt), feature_norm=True)
+    caches = lambda use: [support.caches_for(use, paths)]  # noqa: E731
+    old = train_run(support.tiny_run("o", prlms=[plain], max_updates=3, save_every=3), corpus, caches(plain),
+                    tmp_path / "old", progress=False)
+    record = json.loads((old / "run.json").read_text())
+
+    def drop(value):  # run.json as prlmfuse wrote it before the setting existed
+        if isinstance(value, dict):
+            return {k: drop(v) for k, v in value.items() if k != "feature_norm"}
+        return [drop(v) for v in value] if isinstance(value, list) else value
+
+    (old / "run.json").write_text(json.dumps(drop(record)))
+    train_run(support.tiny_run("o", prlms=[plain], max_updates=6, save_every=3), corpus, caches(plain), old, progress=False)
+    assert json.loads((old / "trainer_state.json").read_text())["update"] == 6
+    with pytest.raises(UserError, match="feature_norm"):
+        train_run(support.tiny_run("o", prlms=[normed], max_updates=9, save_every=3), corpus, caches(normed), old,
+                  progress=False)
+
+    run = train_run(support.tiny_run("n", prlms=[normed], max_updates=3, save_every=3), corpus, caches(normed),
+                    tmp_path / "normed", progress=False)
+    assert json.loads((run / "run.json").read_text())["model"]["prlms"][0]["feature_norm"] is True
+    assert "prlm_feature_norms.0.weight" in _weights(run, 3)
+
+
 def test_in_memory_features_train_like_features_from_disk(world, tmp_path):
     corpus, ckpt, paths = world
     use = PrLMUse(checkpoint=str(ckpt), layer="concat")

@@ -20,6 +20,10 @@ class PrLMUse:
     layer: int | str = -2
     # Which cache of that checkpoint to read, when the pipeline builds several (e.g. float16 and int8).
     dtype: str | None = None
+    # LayerNorm the features over d_p before the branch's key and value projections. For PrLMs whose
+    # hidden states are not normalized, such as a causal LM's residual stream (`cache inspect`
+    # shows their scale); a BERT-style encoder's states already are.
+    feature_norm: bool = False
 
 
 @dataclass

@@ -129,6 +129,7 @@ class PrLMSpec:
     # this is the identity (the default when num_pooled == num_layers); otherwise pass
     # [reader.pooled_layers.index(l) for l in reader.layers].
     pooled_index: list[int] | None = None
+    feature_norm: bool = False  # LayerNorm over width on the selected features (see PrLMUse)
 
     def __post_init__(self):
         where = f"PrLM {self.name!r}"
@@ -762,6 +763,8 @@ class FusedTransformer(nn.Module):
         self.embed_scale = math.sqrt(d)
         self.embed_positions = SinusoidalPositions(d)
         self.prlm_layers = nn.ModuleList(build_layer_selection(p) for p in config.prlms)
+        # Identity has no parameters: checkpoints of branches without the norm are unchanged.
+        self.prlm_feature_norms = nn.ModuleList(nn.LayerNorm(p.width) if p.feature_norm else nn.Identity() for p in config.prlms)
         if config.merge == "direct":
             self.direct_proj = nn.ModuleList(nn.Linear(w, d) for w in widths)
         self.encoder_layers = nn.ModuleList(
@@ -828,7 +831,8 @@ class FusedTransformer(nn.Module):
         batch = src_tokens.shape[0]
         features = self._check_features(prlm, batch)
         # Z_j [B, M_j, d_p], read by the k and v projections of every layer: cast once.
-        selected = [(lower_once(select(f)), f.mask) for select, f in zip(self.prlm_layers, features)]
+        selected = [(lower_once(norm(select(f))), f.mask)
+                    for select, norm, f in zip(self.prlm_layers, self.prlm_feature_norms, features)]
 
         if config.merge == "direct":
             pieces = [proj(z) + self.embed_positions(positions_from_mask(m)) for proj, (z, m) in zip(self.direct_proj, selected)]

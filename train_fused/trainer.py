@@ -135,6 +135,7 @@ class _Branch:
             num_layers=len(self.layer_rows),
             num_pooled=len(self.pooled_layers),
             layer_mode=self.layer_mode,
+            feature_norm=self.use.feature_norm,
             # Pooled vectors cover hidden_states 0..highest; token layers may be a subset of them.
             pooled_index=[self.pooled_layers.index(l) for l in self.selected_layers]
             if self.layer_mode in ("dyn_cls", "dyn_aver")
@@ -332,11 +333,24 @@ def _run_info(run: RunConfig, corpus, branches: list[_Branch], model_config: Mod
     }
 
 
+# Settings added after runs were trained with prlmfuse: a run.json without one has its default.
+_LATER_DEFAULTS = {"feature_norm": False}
+
+
+def _without_later_defaults(value):
+    if isinstance(value, dict):
+        return {k: _without_later_defaults(v) for k, v in value.items()
+                if not (k in _LATER_DEFAULTS and v == _LATER_DEFAULTS[k])}
+    if isinstance(value, list):
+        return [_without_later_defaults(v) for v in value]
+    return value
+
+
 def _defining(info: dict) -> dict:
     """The parts of run.json that must not change when a run is resumed."""
     train = {k: v for k, v in info["train"].items() if k not in _RESUMABLE_FIELDS}
     prlms = [{k: v for k, v in p.items() if k != "caches"} | {"keys": {s: c["key"] for s, c in p["caches"].items() if s != "test"}} for p in info["prlms"]]
-    return {"model": info["model"], "train": train, "corpus": info["corpus"]["sha256"], "prlms": prlms}
+    return _without_later_defaults({"model": info["model"], "train": train, "corpus": info["corpus"]["sha256"], "prlms": prlms})
 
 
 def _first_difference(a, b, prefix: str = "") -> str:
