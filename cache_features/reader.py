@@ -159,8 +159,8 @@ def feature_scale(path_or_url, sentences: int = 200) -> dict[str, dict[str, floa
 
     Why: the fused model projects these features as they are. A BERT-style encoder hands over
     LayerNorm'd states (values of order 1), while a causal LM's intermediate residual stream can
-    carry a few "massive" dimensions and first-token norms in the thousands, which a branch
-    initialised for unit-scale inputs learns from poorly. absmax: largest |value|; rms: root mean
+    carry values and token norms in the thousands, which a branch initialised for unit-scale
+    inputs learns from poorly (PrLMUse.feature_norm is the remedy). absmax: largest |value|; rms: root mean
     square of all values; token_norm_median / token_norm_max: L2 norms of token vectors.
     """
     reader = CacheReader(path_or_url)

@@ -97,9 +97,10 @@ def label_smoothed_sums(logits: torch.Tensor, target: torch.Tensor, smoothing: f
     loss = F.cross_entropy(flat_logits, flat_target, ignore_index=PAD_ID, label_smoothing=smoothing, reduction="sum")
     with torch.no_grad():
         # NLL for the logs, from the loss itself. torch's smoothed loss of row i is
-        # (1 - e)(lse_i - z_it) + e(lse_i - mean_j z_ij), so nll_i = lse_i - z_it = loss_i + e(mean_j z_ij - z_it):
-        # one plain mean over the logits instead of a logsumexp's four passes (max, subtract, exp, sum)
-        # over the step's widest tensor (`bench/train_throughput.py --compare nll`).
+        # (1 - e)(lse_i - z_it) + e(lse_i - mean_j z_ij), so
+        # nll_i = lse_i - z_it = loss_i + e(mean_j z_ij - z_it): one plain mean over the logits instead
+        # of a logsumexp's four passes (max, subtract, exp, sum) over the step's widest tensor
+        # (`bench/train_throughput.py --compare nll` times the two).
         keep = flat_target != PAD_ID
         target_logit = flat_logits.gather(1, flat_target.unsqueeze(1)).squeeze(1)
         nll = loss.detach() + smoothing * ((flat_logits.mean(dim=-1) - target_logit) * keep).sum()
