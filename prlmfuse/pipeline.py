@@ -145,15 +145,12 @@ def _cache_state(path: str) -> tuple[str, str]:
     No manifest (or one not marked complete) is a cache not built yet; a manifest that is there but
     truncated or not JSON is damaged, and `why` says how.
     """
-    try:
-        if "://" in path:
-            import fsspec
+    from prlmfuse.cache_features.manifest import MANIFEST
+    from prlmfuse.cache_features.storage import Location
 
-            fs, p = fsspec.core.url_to_fs(path)
-            data = fs.cat_file(f"{p}/manifest.json")
-        else:
-            data = (Path(path) / "manifest.json").read_bytes()
-    except FileNotFoundError:
+    try:
+        data = Location(path).read_bytes(MANIFEST)  # a local directory or an fsspec URL alike
+    except (FileNotFoundError, IsADirectoryError):
         return "not built", ""
     try:
         manifest = json.loads(data)

@@ -764,7 +764,9 @@ class FusedTransformer(nn.Module):
         self.embed_positions = SinusoidalPositions(d)
         self.prlm_layers = nn.ModuleList(build_layer_selection(p) for p in config.prlms)
         # Identity has no parameters: checkpoints of branches without the norm are unchanged.
-        self.prlm_feature_norms = nn.ModuleList(nn.LayerNorm(p.width) if p.feature_norm else nn.Identity() for p in config.prlms)
+        self.prlm_feature_norms = nn.ModuleList(
+            nn.LayerNorm(p.width) if p.feature_norm else nn.Identity() for p in config.prlms
+        )
         if config.merge == "direct":
             self.direct_proj = nn.ModuleList(nn.Linear(w, d) for w in widths)
         self.encoder_layers = nn.ModuleList(
