@@ -8,20 +8,28 @@ optimizer step (the trainer's own `Trainer.train_step`) for four systems:
   (c) in-memory  fused, the cache loaded into RAM, read in-process
   (d) live PrLM  fused, the frozen PrLM tokenizes and runs inside every training step (bert-nmt)
 
-Each system runs `--warmup` untimed then `--steps` timed updates; the sequence of systems is
-repeated `--rounds` times, in reverse order every other round (a-b-c-d, d-c-b-a, ...). Why: on a
-shared VM the host takes vCPU time away (steal, in /proc/stat) for minutes at a time, and step
-times then swing by 30% and more. So every ratio is taken within a round, between neighbours in
-time; each timed window records its steal fraction; and the reported ratio is the median of the
-per-round ratios over the quiet rounds (both windows at most 5% stolen; all rounds if none was).
-Step times are medians over rounds. Data wait = time the loop spent waiting for the next batch,
-as a fraction of the step time. The last line is `RESULT {json}`.
+The systems take turns step by step: every system keeps one DataLoader (workers alive) for the whole
+run, and a cycle runs one update of each system on the same batch, in reverse order every other
+cycle (a-b-c-d, d-c-b-a, ...). A round is `--steps` timed cycles; there are `--rounds` of them,
+after `--warmup` untimed cycles. Why step by step: on this shared VM a step's time swings by 10-30%
+from one window of seconds to the next while the code does not change (the host takes vCPU time
+away, steal in /proc/stat; probably also neighbours sharing the L3 and memory), so systems timed in
+windows of their own, even seconds apart, differ by that much; updates a second apart see the same
+machine. Fairness to (b): taking a batch hands its workers the next one to read, so they read it
+during that same update, as in real training; the bench prints the workers' CPU time per batch to
+show that it fits inside an update (it is a few percent of one). Each cycle records its steal
+fraction, and a reported ratio is the median over the quiet cycles (at most 5% stolen; all cycles if
+none was) of each cycle's ratio, with its quartiles; a burst of steal or of a neighbour's load lands
+on a few updates and cannot move a median. Per-round ratios of summed step times are shown beside
+it, and step times are medians over rounds. Data wait = time the loop spent waiting for the next
+batch, as a fraction of the step time. The last line is `RESULT {json}`.
 
-    python bench/train_throughput.py [--checkpoint minilm-l6] [--preset small] [--steps 40]
+    python bench/train_throughput.py [--checkpoint minilm-l6] [--preset small] [--rounds 8]
 
 `--compare malloc|pad|nice|rows|attn|nll` instead measures one of prlmfuse's speed settings: systems
-(a) and (b) (and (c) for nice) in child processes, alternately without and with it, and prints the
-median over quiet rounds of each round's step-time ratio, and the peak-memory ratio.
+(a) and (b) (and (c) for nice) in child processes, alternately without and with it (each child
+one round of 16 timed cycles by default, 5 rounds), and prints the median over quiet
+rounds of each round's step-time ratio, and the peak-memory ratio.
   malloc  glibc's default allocator settings vs prlmfuse.runtime.keep_freed_memory
   pad     exact padded lengths vs lengths rounded up to a multiple of 8 (train_fused.data)
   nice    DataLoader workers at the step's priority vs 10 lower (train_fused.data.WORKER_NICE)
@@ -106,30 +114,29 @@ def _logsumexp_nll_sums(logits, target, smoothing):
     return loss, nll
 
 
-def _run_system(name, trainer, loader, steps: int, warmup: int, live: _LivePrLM | None, src_lines) -> dict:
-    """Time `steps` updates after `warmup`; returns mean step seconds, the data-wait and the steal fraction."""
-    batches = iter(loader)
-    wait = total = 0.0
-    tokens = 0
-    mark = None
-    for i in range(warmup + steps):
-        if i == warmup:
-            mark = steal_mark()
-        t0 = time.perf_counter()
-        batch = next(batches)
-        t1 = time.perf_counter()
-        if live is not None:
-            batch.prlm = [live.features([src_lines[j] for j in batch.ids.tolist()])]
-        trainer.train_step(batch)
-        t2 = time.perf_counter()
-        if i >= warmup:
-            wait += t1 - t0
-            total += t2 - t0
-            tokens += batch.ntokens
-    stolen = steal_since(mark)
-    del batches
-    return {"step_s": total / steps, "data_wait_fraction": wait / total, "tgt_tokens_per_s": tokens / total,
-            "steal_fraction": stolen}
+def _step(trainer, batches, live: _LivePrLM | None, src_lines) -> tuple[float, float, int]:
+    """One update on the next batch of `batches`: (seconds waiting for it, seconds in all, target tokens)."""
+    t0 = time.perf_counter()
+    batch = next(batches)
+    t1 = time.perf_counter()
+    if live is not None:
+        batch.prlm = [live.features([src_lines[j] for j in batch.ids.tolist()])]
+    trainer.train_step(batch)
+    return t1 - t0, time.perf_counter() - t0, batch.ntokens
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of the processes `pids` so far (from /proc; 0 where unreadable)."""
+    import os
+
+    total = 0
+    for pid in pids:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat(5))
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _median(values: list[float]) -> float:
@@ -142,9 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", default="small", help="model preset (default small)")
     parser.add_argument("--layer", type=int, default=-2)
     parser.add_argument("--max-tokens", type=int, default=3500)
-    parser.add_argument("--steps", type=int, default=16, help="timed updates per system and round")
-    parser.add_argument("--warmup", type=int, default=4, help="untimed updates per system and round")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds; each ratio is the median of per-round ratios over the quiet rounds")
+    parser.add_argument("--steps", type=int, default=None, help="timed cycles (one update of each system) per round (default 8; 16 in --compare)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed cycles before the first round (default 2; 4 in --compare)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="rounds of --steps cycles (default 8; in --compare, child processes per variant, default 5)")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--train-pairs", type=int, default=6000)
@@ -163,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="time (a) and (b) (and (c) for nice) without and with one of prlmfuse's speed settings, in child processes")
     args = parser.parse_args(argv)
     if args.compare:
-        return _compare(args.compare, argv if argv is not None else sys.argv[1:], args.rounds)
+        return _compare(args.compare, argv if argv is not None else sys.argv[1:], args.rounds or 5, args.steps, args.warmup)
+    args.steps = args.steps or 8
+    args.warmup = 2 if args.warmup is None else args.warmup
+    args.rounds = args.rounds or 8
     unknown = set(args.systems) - set("abcd")
     if unknown or not args.systems:
         raise SystemExit(f"--systems takes letters from abcd, got {args.systems!r}")
@@ -263,22 +274,48 @@ def main(argv: list[str] | None = None) -> int:
           f"{needed} batches of <= {args.max_tokens} tokens; PrLM {info.name} ({info.num_layers} layers, d={info.hidden_size})",
           file=sys.stderr)
 
+    # One loader per system for the whole run: the warmup cycles' batches, then each round's.
+    # (d) reads token batches only; its features come from the live PrLM inside the step.
+    plain = PairDataset(src_ids, tgt_ids, [], pad_multiple=pad_multiple)
+    feeds, worker_pids = {}, {}
+    for key, (trainer, dataset) in systems.items():
+        workers = 0 if key == "c" else args.workers
+        loader = make_loader(plain if key == "d" else dataset, sampler_over(chosen[: args.warmup] + chosen[args.warmup :] * args.rounds),
+                             num_workers=workers, worker_nice=worker_nice)
+        feeds[key] = iter(loader)
+        worker_pids[key] = [w.pid for w in getattr(feeds[key], "_workers", [])]
+
+    def cycle(i: int, sums: dict | None):
+        mark = steal_mark()
+        for key in (list(systems) if i % 2 == 0 else list(reversed(systems))):
+            wait, step, ntokens = _step(systems[key][0], feeds[key], live if key == "d" else None, src_lines)
+            if sums is not None:
+                for field, value in zip(("wait", "step", "tokens"), (wait, step, ntokens)):
+                    sums[key][field] += value
+                cycle_step_s[key].append(step)
+        if sums is not None:
+            cycle_steal.append(steal_since(mark))
+
+    cycle_step_s: dict[str, list[float]] = {k: [] for k in systems}
+    cycle_steal: list[float | None] = []
+    for i in range(args.warmup):
+        cycle(i, None)
     results: dict[str, list[dict]] = {k: [] for k in systems}
+    worker_cpu = {k: 0.0 for k in systems}
     for r in range(args.rounds):
-        order = list(systems) if r % 2 == 0 else list(reversed(systems))
-        for key in order:
-            trainer, dataset = systems[key]
-            workers = 0 if key in ("c", "d") else args.workers
-            loader = make_loader(dataset, sampler_over(chosen), num_workers=workers, worker_nice=worker_nice)
-            if key == "d":
-                plain = PairDataset(src_ids, tgt_ids, [], pad_multiple=pad_multiple)
-                loader = make_loader(plain, sampler_over(chosen), num_workers=args.workers, worker_nice=worker_nice)
-            out = _run_system(key, trainer, loader, args.steps, args.warmup, live if key == "d" else None, src_lines)
-            del loader
-            results[key].append(out)
-            stolen = "unknown" if out["steal_fraction"] is None else f"{out['steal_fraction']:.1%}"
-            print(f"round {r + 1} ({key}): {out['step_s'] * 1000:.0f} ms/step, data wait {out['data_wait_fraction']:.1%}, "
-                  f"{out['tgt_tokens_per_s']:.0f} tgt tok/s, steal {stolen}", file=sys.stderr)
+        sums = {k: {"wait": 0.0, "step": 0.0, "tokens": 0} for k in systems}
+        cpu_before = {k: _cpu_seconds(pids) for k, pids in worker_pids.items()}
+        mark = steal_mark()
+        for i in range(args.steps):
+            cycle(i, sums)
+        stolen = steal_since(mark)
+        for k, v in sums.items():
+            worker_cpu[k] += _cpu_seconds(worker_pids[k]) - cpu_before[k]
+            results[k].append({"step_s": v["step"] / args.steps, "data_wait_fraction": v["wait"] / v["step"],
+                               "tgt_tokens_per_s": v["tokens"] / v["step"], "steal_fraction": stolen})
+        print(f"round {r + 1}: " + ", ".join(f"({k}) {o[-1]['step_s'] * 1000:.0f}" for k, o in results.items())
+              + " ms/step, steal " + ("unknown" if stolen is None else f"{stolen:.1%}"), file=sys.stderr)
+    feeds.clear()
 
     typical = {k: {f: _median([o[f] for o in v]) for f in ("step_s", "data_wait_fraction")} for k, v in results.items()}
     names = {"a": "baseline", "b": "fused, cache on disk (workers)", "c": "fused, cache in memory", "d": "fused, live PrLM"}
@@ -293,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         "preset": args.preset,
         "max_tokens": args.max_tokens,
         "steps": args.steps,
+        "warmup": args.warmup,
         "rounds": args.rounds,
         "bf16": bf16,
         "pad_multiple": pad_multiple,
@@ -308,14 +346,21 @@ def main(argv: list[str] | None = None) -> int:
     }
     for top, bottom in (("b", "a"), ("b", "c"), ("d", "b")):
         if top in results and bottom in results:
-            per_round = [t["step_s"] / u["step_s"] for t, u in zip(results[top], results[bottom])]
-            steals = [worst_steal(t["steal_fraction"], u["steal_fraction"]) for t, u in zip(results[top], results[bottom])]
-            ratio, used = quiet_median(per_round, steals)
+            # The reported ratio: the median over quiet cycles of each cycle's ratio (the same batch,
+            # updates seconds apart), which a burst of steal or of a neighbour's load on a few
+            # updates cannot move; per-round ratios of summed step times are shown beside it.
+            per_cycle = [t / u for t, u in zip(cycle_step_s[top], cycle_step_s[bottom])]
+            ratio, used = quiet_median(per_cycle, cycle_steal)
             result[f"{top}_over_{bottom}"] = round(ratio, 3)
-            result[f"{top}_over_{bottom}_rounds"] = [round(x, 3) for x in per_round]
-            result[f"{top}_over_{bottom}_rounds_used"] = used
+            result[f"{top}_over_{bottom}_quartiles"] = [round(float(q), 3) for q in np.percentile(per_cycle, [25, 75])]
+            result[f"{top}_over_{bottom}_cycles_used"] = used
+            result[f"{top}_over_{bottom}_rounds"] = [round(t["step_s"] / u["step_s"], 3) for t, u in zip(results[top], results[bottom])]
     if "b" in typical:
         result["data_wait_fraction"] = round(typical["b"]["data_wait_fraction"], 4)
+    # Worker CPU time per batch, beside the step: the reading a batch hands to the workers fits
+    # inside one update, so it lands in the system's own steps (see the module docstring).
+    result["worker_cpu_ms_per_batch"] = {k: round(v * 1000 / (args.rounds * args.steps), 1)
+                                         for k, v in worker_cpu.items() if worker_pids[k]}
     print("RESULT " + json.dumps(result))
     return 0
 
@@ -332,7 +377,7 @@ COMPARISONS = {
 }
 
 
-def _compare(name: str, argv: list[str], rounds: int) -> int:
+def _compare(name: str, argv: list[str], rounds: int, steps: int | None, warmup: int | None) -> int:
     """The systems in child processes, the two variants alternating; medians of per-round ratios."""
     import os
     import subprocess
@@ -345,6 +390,11 @@ def _compare(name: str, argv: list[str], rounds: int) -> int:
             skip = True
         elif not a.startswith(("--compare=", "--rounds=")):
             passthrough.append(a)
+    # Each child runs one round; 16 cycles give it as many timed updates per system as two main-mode rounds.
+    if steps is None:
+        passthrough += ["--steps", "16"]
+    if warmup is None:
+        passthrough += ["--warmup", "4"]
     systems, variants = COMPARISONS[name]
     children: dict[str, list[dict]] = {k: [] for k in variants}
     for r in range(rounds):

@@ -47,3 +47,20 @@ def test_decode_bench_readers_serve_batch_features(monkeypatch):
     assert feats.states.shape == (2, 1, 5, 8)
     assert torch.equal(feats.states[1, 0, :4], states[2][1])
     assert feats.mask.sum(dim=1).tolist() == [5, 4]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/<pid>/stat is Linux's")
+def test_train_bench_counts_worker_cpu_time(monkeypatch):
+    """bench/train_throughput.py's per-batch worker CPU figure reads /proc/<pid>/stat correctly."""
+    import os
+    import time
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))  # its `from _steal import ...`
+    spec = importlib.util.spec_from_file_location("train_throughput", Path(__file__).parents[1] / "bench" / "train_throughput.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    before, process_before = bench._cpu_seconds([os.getpid()]), time.process_time()
+    sum(i * i for i in range(3_000_000))
+    spent, process_spent = bench._cpu_seconds([os.getpid()]) - before, time.process_time() - process_before
+    assert spent == pytest.approx(process_spent, abs=0.05)  # /proc counts in clock ticks (10 ms)
+    assert bench._cpu_seconds([2**22 + 1]) == 0.0  # a pid that does not exist: nothing, no error
