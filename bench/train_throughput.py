@@ -26,7 +26,7 @@ batch, as a fraction of the step time. The last line is `RESULT {json}`.
 
     python bench/train_throughput.py [--checkpoint minilm-l6] [--preset small] [--rounds 8]
 
-`--compare malloc|pad|nice|rows|attn|nll` instead measures one of prlmfuse's speed settings: systems
+`--compare malloc|pad|nice|rows|attn|attn-kernel|nll` instead measures one of prlmfuse's speed settings: systems
 (a) and (b) (and (c) for nice) in child processes, alternately without and with it (each child
 one round of 16 timed cycles by default, 5 rounds), and prints the median over quiet
 rounds of each round's step-time ratio, and the peak-memory ratio.
@@ -36,6 +36,8 @@ rounds of each round's step-time ratio, and the peak-memory ratio.
   rows    output logits and loss over every padded target position vs the real ones only
   attn    attention math of bf16 training steps upcast to float32 (torch's default) vs in bf16
           (train_fused.modeling.BF16_ATTENTION_MATH)
+  attn-kernel  training attention through torch's math kernel (SDPA) vs written out
+          (train_fused.modeling.training_attention)
   nll     the NLL logged beside the loss as a separate logsumexp over the logits vs derived from
           the smoothed loss (train_fused.trainer.label_smoothed_sums)
 """
@@ -114,6 +116,22 @@ def _logsumexp_nll_sums(logits, target, smoothing):
     return loss, nll
 
 
+def _sdpa_math_attention(q, k, v, mask, dropout_p):
+    """training_attention through torch's SDPA math kernel, as training steps attended before it (the "without" of --compare attn-kernel)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from prlmfuse.train_fused import modeling
+
+    allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(modeling.BF16_ATTENTION_MATH)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
+
+
 def _step(trainer, batches, live: _LivePrLM | None, src_lines) -> tuple[float, float, int]:
     """One update on the next batch of `batches`: (seconds waiting for it, seconds in all, target tokens)."""
     t0 = time.perf_counter()
@@ -165,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="loss over the real target positions only (prlmfuse's) or over every padded one")
     parser.add_argument("--attention-math", choices=["bf16", "fp32"], default="bf16",
                         help="attention scores and softmax of bf16 steps in bf16 (prlmfuse's) or upcast to float32")
+    parser.add_argument("--attention-kernel", choices=["sdpa", "written"], default="written",
+                        help="training attention through torch's SDPA math kernel or written out (prlmfuse's)")
     parser.add_argument("--logged-nll", choices=["logsumexp", "from-loss"], default="from-loss",
                         help="NLL for the logs by its own logsumexp pass or derived from the smoothed loss (prlmfuse's)")
     parser.add_argument("--compare", choices=sorted(COMPARISONS),
@@ -196,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
 
     pad_multiple = args.pad_multiple or PAD_TO_MULTIPLE
     modeling.BF16_ATTENTION_MATH = args.attention_math == "bf16"
+    if args.attention_kernel == "sdpa":
+        modeling.training_attention = _sdpa_math_attention  # what MultiheadAttention.attend calls
     loss_sums = _logsumexp_nll_sums if args.logged_nll == "logsumexp" else label_smoothed_sums
     trainer_module.label_smoothed_sums = loss_sums  # what Trainer._forward_sums calls
     worker_nice = WORKER_NICE if args.worker_nice is None else args.worker_nice
@@ -337,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         "worker_nice": worker_nice,
         "logit_rows": args.logit_rows,
         "attention_math": args.attention_math,
+        "attention_kernel": args.attention_kernel,
         "logged_nll": args.logged_nll,
         "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         "step_ms": {k: round(v["step_s"] * 1000, 1) for k, v in typical.items()},
@@ -373,6 +396,7 @@ COMPARISONS = {
     "nice": ("abc", {"nice0": (["--worker-nice", "0"], {}), "nice10": (["--worker-nice", "10"], {})}),
     "rows": ("ab", {"all": (["--logit-rows", "all"], {}), "scored": (["--logit-rows", "scored"], {})}),
     "attn": ("ab", {"fp32": (["--attention-math", "fp32"], {}), "bf16": (["--attention-math", "bf16"], {})}),
+    "attn-kernel": ("ab", {"sdpa": (["--attention-kernel", "sdpa"], {}), "written": (["--attention-kernel", "written"], {})}),
     "nll": ("ab", {"logsumexp": (["--logged-nll", "logsumexp"], {}), "fromloss": (["--logged-nll", "from-loss"], {})}),
 }
 

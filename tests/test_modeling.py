@@ -509,14 +509,13 @@ def test_bad_prlm_spec_and_features_are_user_errors():
         dyn(src, tgt_in, no_pooled)
 
 
-def test_bf16_attention_math_adds_little_to_autocasts_rounding_and_leaves_torch_flag_alone(monkeypatch):
+def test_bf16_attention_math_adds_little_to_autocasts_rounding(monkeypatch):
     from prlmfuse.train_fused import modeling
 
     config = tiny_config(ONE_PRLM, side="both")
     torch.manual_seed(0)
     model = FusedTransformer(config)
     src, tgt_in, tgt, feats = batch_for(config)
-    flag_before = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
 
     def loss_and_grads(autocast: bool, bf16_math: bool):
         monkeypatch.setattr(modeling, "BF16_ATTENTION_MATH", bf16_math)
@@ -532,12 +531,49 @@ def test_bf16_attention_math_adds_little_to_autocasts_rounding_and_leaves_torch_
     loss_ref, grad_ref = loss_and_grads(autocast=False, bf16_math=False)
     loss32, grad32 = loss_and_grads(autocast=True, bf16_math=False)
     loss16, grad16 = loss_and_grads(autocast=True, bf16_math=True)
-    assert torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed() == flag_before
-    assert loss16 != loss32  # the switch reaches the CPU math kernel, it is not a no-op
+    assert loss16 != loss32  # the switch reaches the training attention, it is not a no-op
     error32 = (grad32 - grad_ref).norm() / grad_ref.norm()
     error16 = (grad16 - grad_ref).norm() / grad_ref.norm()
     assert error16 < 1.25 * error32  # measured: 4.8% against autocast's own 4.6%
     assert abs(loss16 - loss_ref) < 1.25 * abs(loss32 - loss_ref) + 1e-3 * abs(loss_ref)
+
+
+@pytest.mark.parametrize("case", ["key_mask", "causal", "causal_suffix", "cross"])
+def test_training_attention_computes_what_sdpa_does(case):
+    """The written-out training attention equals torch's SDPA in float32, masks and causality included."""
+    from prlmfuse.train_fused.modeling import training_attention
+
+    torch.manual_seed(0)
+    t_len, s_len = {"key_mask": (7, 7), "causal": (7, 7), "causal_suffix": (3, 7), "cross": (5, 9)}[case]
+    q, k, v = torch.randn(2, 4, t_len, 8), torch.randn(2, 4, s_len, 8), torch.randn(2, 4, s_len, 8)
+    key_mask = torch.ones(2, s_len, dtype=torch.bool)
+    key_mask[1, s_len - 2 :] = False
+    mask = key_mask[:, None, None, :]
+    if case.startswith("causal"):
+        mask = mask & torch.ones(t_len, s_len, dtype=torch.bool).tril(diagonal=s_len - t_len)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert torch.allclose(training_attention(q, k, v, mask, 0.0), expected, atol=1e-6)
+
+
+def test_training_steps_attend_through_the_written_out_attention_and_match_inference(monkeypatch):
+    """A bf16 step with autograd takes training_attention; its output matches the SDPA path's."""
+    from prlmfuse.train_fused import modeling
+
+    config = tiny_config(ONE_PRLM, side="both")
+    torch.manual_seed(0)
+    model = FusedTransformer(config).eval()  # no dropout: both paths compute the same function
+    src, tgt_in, _, feats = batch_for(config)
+    calls = []
+    original = modeling.training_attention
+    monkeypatch.setattr(modeling, "training_attention", lambda *a: calls.append(1) or original(*a))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad():
+            inference = model(src, tgt_in, feats).float()
+        assert not calls
+        training = model(src, tgt_in, feats).float()
+    # encoder self + PrLM attention, decoder self, cross and PrLM attention (side=both), per layer
+    assert len(calls) == 2 * config.enc_layers + 3 * config.dec_layers
+    assert (training - inference).abs().max() < 0.05 * inference.abs().max()
 
 
 def test_rows_without_any_real_key_stay_finite():

@@ -80,14 +80,12 @@ side; positions count real tokens only, so padding never changes the real tokens
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from prlmfuse.errors import UserError
 
@@ -348,41 +346,42 @@ def lower_once(x: Tensor) -> Tensor:
 
 
 # Attention scores, softmax and weighted sum of bf16 training steps in bf16 (see
-# _sdpa_backend_for); False keeps torch's float32 upcast. A module constant so that
-# bench/train_throughput.py --compare attn can time one against the other.
+# training_attention); False upcasts them to float32 as torch's math kernel does by default. A
+# module constant so that bench/train_throughput.py --compare attn can time one against the other.
 BF16_ATTENTION_MATH = True
 
 
-@contextlib.contextmanager
-def _math_sdpa(bf16: bool):
-    # The reduction flag lives under torch.backends.cuda but is the global switch of the math
-    # kernel on every device; it is restored on exit so the caller's process sees no change.
-    allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
-    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(bf16)
-    try:
-        with sdpa_kernel(SDPBackend.MATH):
-            yield
-    finally:
-        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
+def uses_training_attention(q: Tensor) -> bool:
+    """Whether `MultiheadAttention.attend` computes through `training_attention` rather than SDPA.
 
-
-def _sdpa_backend_for(q: Tensor):
-    """Attention kernel choice: on CPU in bf16 with autograd, the math backend, computing in bf16.
-
-    CPU flash attention's backward in bf16 is about 2x slower than autograd through the math
-    backend for our sequence lengths, while its forward is about 6x faster (torch 2.13, measured
-    for B=64, 4 heads, 32 tokens, head_dim 64). So training steps under bf16 autocast use the
-    math backend and everything else (fp32, inference, decoding) lets torch choose.
-
-    The math backend upcasts bf16 queries, keys and values to float32 by default, which runs its
-    matmuls off the bf16 units and adds casts both ways; in bf16 the step is faster (`python
-    bench/train_throughput.py --compare attn`). Scores and weights are then rounded to bf16 as
-    every autocast matmul output is (the softmax still accumulates in float32), as fairseq's
-    --fp16 training keeps its attention weights in half precision after a float32 softmax.
+    On CPU in bf16 with autograd: there, torch's flash kernel's backward is about 2x slower than
+    autograd through plain matmuls at our sequence lengths (its forward is about 6x faster; torch
+    2.13, measured for B=64, 4 heads, 32 tokens, head_dim 64), so inference, decoding and float32
+    steps keep F.scaled_dot_product_attention and its kernel choice.
     """
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad:
-        return _math_sdpa(bf16=BF16_ATTENTION_MATH)
-    return contextlib.nullcontext()
+    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad
+
+
+def training_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float) -> Tensor:
+    """softmax(q k^T / sqrt(head_dim) + mask) v, written out, for training steps under bf16 autocast.
+
+    q [B, H, T, hd], k and v [B, H, S, hd]; mask broadcastable to [B, H, T, S], True = attend, with
+    at least one True per row. Written out rather than through torch's math kernel, which computes
+    the same but upcasts bf16 to float32 unless a global flag is set, and guards against fully masked
+    rows (isneginf, all and where over every score tensor; `attend` never produces such rows)
+    (`bench/train_throughput.py --compare attn-kernel` times the two). Scores and weights are
+    rounded to bf16 as every autocast matmul output is (the softmax accumulates in float32), as
+    fairseq's --fp16 training keeps its attention weights in half precision after a float32 softmax.
+    """
+    out_dtype = q.dtype
+    with torch.autocast(q.device.type, enabled=False):
+        if not BF16_ATTENTION_MATH:
+            q, k, v = q.float(), k.float(), v.float()
+        scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1))
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        weights = dropout(torch.softmax(scores, dim=-1), dropout_p, training=True)
+        return torch.matmul(weights, v).to(out_dtype)
 
 
 class MultiheadAttention(nn.Module):
@@ -418,7 +417,7 @@ class MultiheadAttention(nn.Module):
         batch, q_len, d_model = query_states.shape
         k_len = keys.shape[2]
         q = self._split_heads(self.q_proj(query_states))
-        attn_mask, is_causal, empty_rows = None, False, None
+        attn_mask, empty_rows = None, None
         if key_mask is not None:
             has_key = key_mask.any(dim=-1)
             if not bool(has_key.all()):
@@ -427,22 +426,19 @@ class MultiheadAttention(nn.Module):
                 empty_rows = ~has_key
                 key_mask = key_mask | empty_rows[:, None]
             attn_mask = key_mask[:, None, None, :]
+        written_out = uses_training_attention(q)
+        is_causal = False
         if causal and q_len > 1:
-            if attn_mask is None and q_len == k_len:
+            if attn_mask is None and q_len == k_len and not written_out:
                 is_causal = True
             else:
-                offset = k_len - q_len
-                causal_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(diagonal=offset)
+                causal_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(diagonal=k_len - q_len)
                 attn_mask = causal_mask if attn_mask is None else attn_mask & causal_mask
-        with _sdpa_backend_for(q):
-            out = F.scaled_dot_product_attention(
-                q,
-                keys,
-                values,
-                attn_mask=attn_mask,
-                dropout_p=self.attn_dropout if self.training else 0.0,
-                is_causal=is_causal,
-            )
+        dropout_p = self.attn_dropout if self.training else 0.0
+        if written_out:
+            out = training_attention(q, keys, values, attn_mask, dropout_p)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
         out = self.out_proj(out.transpose(1, 2).reshape(batch, q_len, d_model))
         if empty_rows is not None:
             out = out.masked_fill(empty_rows[:, None, None], 0.0)
