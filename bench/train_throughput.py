@@ -26,10 +26,13 @@ batch, as a fraction of the step time. The last line is `RESULT {json}`.
 
     python bench/train_throughput.py [--checkpoint minilm-l6] [--preset small] [--rounds 8]
 
-`--compare malloc|pad|nice|rows|attn|attn-kernel|nll` instead measures one of prlmfuse's speed settings: systems
-(a) and (b) (and (c) for nice) in child processes, alternately without and with it (each child
-one round of 16 timed cycles by default, 5 rounds), and prints the median over quiet
-rounds of each round's step-time ratio, and the peak-memory ratio.
+`--compare attn|attn-kernel|nll|malloc|pad|nice|rows` instead measures one of prlmfuse's speed
+settings, without and with it, on systems (a) and (b) (and (c) for nice), and prints the median of
+the step-time ratios. The first three can change between two updates: one run times both variants,
+each system's two updates on the same batch back to back, and the ratio is the median over quiet
+cycles as above (default 8 rounds). The others take effect at process start: child processes, the
+variants alternating, each child one round of 16 timed cycles (default 5 rounds); the ratio is the
+median over quiet rounds, printed with the peak-memory ratio.
   malloc  glibc's default allocator settings vs prlmfuse.runtime.keep_freed_memory
   pad     exact padded lengths vs lengths rounded up to a multiple of 8 (train_fused.data)
   nice    DataLoader workers at the step's priority vs 10 lower (train_fused.data.WORKER_NICE)
@@ -181,17 +184,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker-nice", type=int, default=None, help="niceness added to DataLoader workers (default: prlmfuse's)")
     parser.add_argument("--logit-rows", choices=["scored", "all"], default="scored",
                         help="loss over the real target positions only (prlmfuse's) or over every padded one")
-    parser.add_argument("--attention-math", choices=["bf16", "fp32"], default="bf16",
-                        help="attention scores and softmax of bf16 steps in bf16 (prlmfuse's) or upcast to float32")
-    parser.add_argument("--attention-kernel", choices=["sdpa", "written"], default="written",
-                        help="training attention through torch's SDPA math kernel or written out (prlmfuse's)")
-    parser.add_argument("--logged-nll", choices=["logsumexp", "from-loss"], default="from-loss",
-                        help="NLL for the logs by its own logsumexp pass or derived from the smoothed loss (prlmfuse's)")
-    parser.add_argument("--compare", choices=sorted(COMPARISONS),
-                        help="time (a) and (b) (and (c) for nice) without and with one of prlmfuse's speed settings, in child processes")
+    parser.add_argument("--compare", choices=sorted([*COMPARISONS, *SWITCH_NAMES]),
+                        help="time (a) and (b) (and (c) for nice) without and with one of prlmfuse's speed settings")
     args = parser.parse_args(argv)
-    if args.compare:
+    if args.compare and args.compare not in SWITCH_NAMES:
         return _compare(args.compare, argv if argv is not None else sys.argv[1:], args.rounds or 5, args.steps, args.warmup)
+    if args.compare:
+        args.systems = "ab"
     args.steps = args.steps or 8
     args.warmup = 2 if args.warmup is None else args.warmup
     args.rounds = args.rounds or 8
@@ -203,7 +202,6 @@ def main(argv: list[str] | None = None) -> int:
     from prlmfuse.cache_features import build_cache
     from prlmfuse.checkpoints import prepare_checkpoint, resolve_checkpoint
     from prlmfuse.data import prlmfuse_home
-    from prlmfuse.train_fused import modeling
     from prlmfuse.train_fused import trainer as trainer_module
     from prlmfuse.train_fused.bpe import train_bpe
     from prlmfuse.train_fused.config import PrLMUse, RunConfig
@@ -212,14 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     from prlmfuse.train_fused.distributed import DistContext
     from prlmfuse.train_fused.modeling import FusedTransformer, PrLMSpec
-    from prlmfuse.train_fused.trainer import Trainer, build_model_config, fast_bf16_available, label_smoothed_sums
+    from prlmfuse.train_fused.trainer import Trainer, build_model_config, fast_bf16_available
 
     pad_multiple = args.pad_multiple or PAD_TO_MULTIPLE
-    modeling.BF16_ATTENTION_MATH = args.attention_math == "bf16"
-    if args.attention_kernel == "sdpa":
-        modeling.training_attention = _sdpa_math_attention  # what MultiheadAttention.attend calls
-    loss_sums = _logsumexp_nll_sums if args.logged_nll == "logsumexp" else label_smoothed_sums
-    trainer_module.label_smoothed_sums = loss_sums  # what Trainer._forward_sums calls
     worker_nice = WORKER_NICE if args.worker_nice is None else args.worker_nice
     home = Path(args.home) if args.home else prlmfuse_home()
     corpus = _corpus(home, args.train_pairs)
@@ -268,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         def _forward_sums(self, batch):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.use_bf16):
                 logits = self.model(batch.src_tokens, batch.tgt_in, batch.prlm)
-            return loss_sums(logits, batch.tgt_out, self.run.label_smoothing)
+            return trainer_module.label_smoothed_sums(logits, batch.tgt_out, self.run.label_smoothing)
 
     trainer_class = AllRowsTrainer if args.logit_rows == "all" else Trainer
 
@@ -298,41 +291,53 @@ def main(argv: list[str] | None = None) -> int:
 
     # One loader per system for the whole run: the warmup cycles' batches, then each round's.
     # (d) reads token batches only; its features come from the live PrLM inside the step.
+    # A lane is what a cycle times once: a system, or with --compare of a switch, a system under
+    # one variant of it. Both variants of a system share its trainer and loader, and the loader
+    # yields every batch twice, so the two take the same batch one after the other.
+    switch = _switches(args.compare) if args.compare else None
+    variants = list(switch) if switch else [None]
     plain = PairDataset(src_ids, tgt_ids, [], pad_multiple=pad_multiple)
     feeds, worker_pids = {}, {}
     for key, (trainer, dataset) in systems.items():
         workers = 0 if key == "c" else args.workers
-        loader = make_loader(plain if key == "d" else dataset, sampler_over(chosen[: args.warmup] + chosen[args.warmup :] * args.rounds),
-                             num_workers=workers, worker_nice=worker_nice)
+        batches = [b for b in chosen[: args.warmup] + chosen[args.warmup :] * args.rounds for _ in variants]
+        loader = make_loader(plain if key == "d" else dataset, sampler_over(batches), num_workers=workers, worker_nice=worker_nice)
         feeds[key] = iter(loader)
         worker_pids[key] = [w.pid for w in getattr(feeds[key], "_workers", [])]
+    lanes = {(key if v is None else f"{key}:{v}"): (key, v) for key in systems for v in variants}
 
     def cycle(i: int, sums: dict | None):
         mark = steal_mark()
-        for key in (list(systems) if i % 2 == 0 else list(reversed(systems))):
+        keys = list(systems) if i % 2 == 0 else list(reversed(systems))
+        order = variants if i % 2 == 0 else list(reversed(variants))
+        for lane in [(key if v is None else f"{key}:{v}") for key in keys for v in order]:
+            key, variant = lanes[lane]
+            if switch:
+                switch[variant]()
             wait, step, ntokens = _step(systems[key][0], feeds[key], live if key == "d" else None, src_lines)
             if sums is not None:
                 for field, value in zip(("wait", "step", "tokens"), (wait, step, ntokens)):
-                    sums[key][field] += value
-                cycle_step_s[key].append(step)
+                    sums[lane][field] += value
+                cycle_step_s[lane].append(step)
         if sums is not None:
             cycle_steal.append(steal_since(mark))
 
-    cycle_step_s: dict[str, list[float]] = {k: [] for k in systems}
+    cycle_step_s: dict[str, list[float]] = {k: [] for k in lanes}
     cycle_steal: list[float | None] = []
     for i in range(args.warmup):
         cycle(i, None)
-    results: dict[str, list[dict]] = {k: [] for k in systems}
+    results: dict[str, list[dict]] = {k: [] for k in lanes}
     worker_cpu = {k: 0.0 for k in systems}
     for r in range(args.rounds):
-        sums = {k: {"wait": 0.0, "step": 0.0, "tokens": 0} for k in systems}
+        sums = {k: {"wait": 0.0, "step": 0.0, "tokens": 0} for k in lanes}
         cpu_before = {k: _cpu_seconds(pids) for k, pids in worker_pids.items()}
         mark = steal_mark()
         for i in range(args.steps):
             cycle(i, sums)
         stolen = steal_since(mark)
-        for k, v in sums.items():
+        for k in systems:
             worker_cpu[k] += _cpu_seconds(worker_pids[k]) - cpu_before[k]
+        for k, v in sums.items():
             results[k].append({"step_s": v["step"] / args.steps, "data_wait_fraction": v["wait"] / v["step"],
                                "tgt_tokens_per_s": v["tokens"] / v["step"], "steal_fraction": stolen})
         print(f"round {r + 1}: " + ", ".join(f"({k}) {o[-1]['step_s'] * 1000:.0f}" for k, o in results.items())
@@ -341,12 +346,11 @@ def main(argv: list[str] | None = None) -> int:
 
     typical = {k: {f: _median([o[f] for o in v]) for f in ("step_s", "data_wait_fraction")} for k, v in results.items()}
     names = {"a": "baseline", "b": "fused, cache on disk (workers)", "c": "fused, cache in memory", "d": "fused, live PrLM"}
-    for k, name in names.items():
-        if k not in typical:
-            continue
-        times = ", ".join(f"{o['step_s'] * 1000:.0f}" for o in results[k])
-        print(f"({k}) {name:32s} {typical[k]['step_s'] * 1000:8.1f} ms/step (median; rounds {times})  "
-              f"data wait {typical[k]['data_wait_fraction']:6.1%}")
+    for lane, (key, variant) in lanes.items():
+        name = names[key] + ("" if variant is None else f", {variant}")
+        times = ", ".join(f"{o['step_s'] * 1000:.0f}" for o in results[lane])
+        print(f"({lane}) {name:32s} {typical[lane]['step_s'] * 1000:8.1f} ms/step (median; rounds {times})  "
+              f"data wait {typical[lane]['data_wait_fraction']:6.1%}")
     result = {
         "checkpoint": args.checkpoint,
         "preset": args.preset,
@@ -358,36 +362,66 @@ def main(argv: list[str] | None = None) -> int:
         "pad_multiple": pad_multiple,
         "worker_nice": worker_nice,
         "logit_rows": args.logit_rows,
-        "attention_math": args.attention_math,
-        "attention_kernel": args.attention_kernel,
-        "logged_nll": args.logged_nll,
         "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         "step_ms": {k: round(v["step_s"] * 1000, 1) for k, v in typical.items()},
         "steal_fraction_rounds": {k: [None if o["steal_fraction"] is None else round(o["steal_fraction"], 3) for o in v]
                                   for k, v in results.items()},
         "quiet_steal": QUIET_STEAL,
     }
-    for top, bottom in (("b", "a"), ("b", "c"), ("d", "b")):
+    if switch:
+        without, with_ = variants
+        pairs = [(f"{k}:{without}", f"{k}:{with_}", f"{k}_{without}_over_{with_}") for k in systems]
+        result["compare"] = args.compare
+    else:
+        pairs = [(top, bottom, f"{top}_over_{bottom}") for top, bottom in (("b", "a"), ("b", "c"), ("d", "b"))]
+    for top, bottom, name in pairs:
         if top in results and bottom in results:
             # The reported ratio: the median over quiet cycles of each cycle's ratio (the same batch,
             # updates seconds apart), which a burst of steal or of a neighbour's load on a few
             # updates cannot move; per-round ratios of summed step times are shown beside it.
             per_cycle = [t / u for t, u in zip(cycle_step_s[top], cycle_step_s[bottom])]
             ratio, used = quiet_median(per_cycle, cycle_steal)
-            result[f"{top}_over_{bottom}"] = round(ratio, 3)
-            result[f"{top}_over_{bottom}_quartiles"] = [round(float(q), 3) for q in np.percentile(per_cycle, [25, 75])]
-            result[f"{top}_over_{bottom}_cycles_used"] = used
-            result[f"{top}_over_{bottom}_rounds"] = [round(t["step_s"] / u["step_s"], 3) for t, u in zip(results[top], results[bottom])]
+            result[name] = round(ratio, 3)
+            result[f"{name}_quartiles"] = [round(float(q), 3) for q in np.percentile(per_cycle, [25, 75])]
+            result[f"{name}_cycles_used"] = used
+            result[f"{name}_rounds"] = [round(t["step_s"] / u["step_s"], 3) for t, u in zip(results[top], results[bottom])]
     if "b" in typical:
         result["data_wait_fraction"] = round(typical["b"]["data_wait_fraction"], 4)
     # Worker CPU time per batch, beside the step: the reading a batch hands to the workers fits
     # inside one update, so it lands in the system's own steps (see the module docstring).
-    result["worker_cpu_ms_per_batch"] = {k: round(v * 1000 / (args.rounds * args.steps), 1)
+    result["worker_cpu_ms_per_batch"] = {k: round(v * 1000 / (args.rounds * args.steps * len(variants)), 1)
                                          for k, v in worker_cpu.items() if worker_pids[k]}
     print("RESULT " + json.dumps(result))
     return 0
 
 
+# Settings that can change between two updates of one process: --compare of these times both
+# variants in one run, each system's two updates on the same batch back to back (see the lanes in
+# main); name -> {variant: set it}, the second variant is prlmfuse's default.
+SWITCH_NAMES = ("attn", "attn-kernel", "nll")
+
+
+def _switches(name: str) -> dict:
+    """{variant: function that sets it} for the switch `name`, prlmfuse's own functions captured
+    before anything replaces them."""
+    from prlmfuse.train_fused import modeling, trainer
+
+    written, from_loss = modeling.training_attention, trainer.label_smoothed_sums
+
+    def setter(module, attribute, value):
+        return lambda: setattr(module, attribute, value)
+
+    return {
+        "attn": {"fp32": setter(modeling, "BF16_ATTENTION_MATH", False), "bf16": setter(modeling, "BF16_ATTENTION_MATH", True)},
+        "attn-kernel": {"sdpa": setter(modeling, "training_attention", _sdpa_math_attention),
+                        "written": setter(modeling, "training_attention", written)},
+        # trainer.label_smoothed_sums is what Trainer._forward_sums calls
+        "nll": {"logsumexp": setter(trainer, "label_smoothed_sums", _logsumexp_nll_sums),
+                "fromloss": setter(trainer, "label_smoothed_sums", from_loss)},
+    }[name]
+
+
+# The other settings take effect at process start: child processes, the two variants alternating.
 # name -> (systems timed, {variant: (extra arguments, extra environment)}); the second variant is
 # prlmfuse's default. "nice" also times (c), which has no workers: a control for machine noise.
 COMPARISONS = {
@@ -395,9 +429,6 @@ COMPARISONS = {
     "pad": ("ab", {"exact": (["--pad-multiple", "1"], {}), "padded8": (["--pad-multiple", "8"], {})}),
     "nice": ("abc", {"nice0": (["--worker-nice", "0"], {}), "nice10": (["--worker-nice", "10"], {})}),
     "rows": ("ab", {"all": (["--logit-rows", "all"], {}), "scored": (["--logit-rows", "scored"], {})}),
-    "attn": ("ab", {"fp32": (["--attention-math", "fp32"], {}), "bf16": (["--attention-math", "bf16"], {})}),
-    "attn-kernel": ("ab", {"sdpa": (["--attention-kernel", "sdpa"], {}), "written": (["--attention-kernel", "written"], {})}),
-    "nll": ("ab", {"logsumexp": (["--logged-nll", "logsumexp"], {}), "fromloss": (["--logged-nll", "from-loss"], {})}),
 }
 
 
