@@ -366,9 +366,9 @@ def training_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dro
     """softmax(q k^T / sqrt(head_dim) + mask) v, written out, for training steps under bf16 autocast.
 
     q [B, H, T, hd], k and v [B, H, S, hd]; mask broadcastable to [B, H, T, S], True = attend, with
-    at least one True per row. Written out rather than through torch's math kernel, which computes
-    the same but upcasts bf16 to float32 unless a global flag is set, and guards against fully masked
-    rows (isneginf, all and where over every score tensor; `attend` never produces such rows)
+    at least one True per row. Why not torch's math kernel, which computes the same: it upcasts
+    bf16 to float32 unless a process-wide flag is set, and it guards every score tensor against
+    fully masked rows with isneginf, all and where, rows `attend` never produces
     (`bench/train_throughput.py --compare attn-kernel` times the two). Scores and weights are
     rounded to bf16 as every autocast matmul output is (the softmax accumulates in float32), as
     fairseq's --fp16 training keeps its attention weights in half precision after a float32 softmax.
