@@ -297,16 +297,20 @@ def main(argv: list[str] | None = None) -> int:
     switch = _switches(args.compare) if args.compare else None
     variants = list(switch) if switch else [None]
     plain = PairDataset(src_ids, tgt_ids, [], pad_multiple=pad_multiple)
+    batches = [b for b in chosen[: args.warmup] + chosen[args.warmup :] * args.rounds for _ in variants]
     feeds, worker_pids = {}, {}
     for key, (trainer, dataset) in systems.items():
         workers = 0 if key == "c" else args.workers
-        batches = [b for b in chosen[: args.warmup] + chosen[args.warmup :] * args.rounds for _ in variants]
         loader = make_loader(plain if key == "d" else dataset, sampler_over(batches), num_workers=workers, worker_nice=worker_nice)
         feeds[key] = iter(loader)
         worker_pids[key] = [w.pid for w in getattr(feeds[key], "_workers", [])]
     lanes = {(key if v is None else f"{key}:{v}"): (key, v) for key in systems for v in variants}
 
-    def cycle(i: int, sums: dict | None):
+    # Per lane, (wait, step, target tokens) of every timed cycle; rounds are slices of args.steps.
+    timed: dict[str, list[tuple[float, float, int]]] = {k: [] for k in lanes}
+    cycle_steal: list[float | None] = []
+
+    def cycle(i: int, record: bool):
         mark = steal_mark()
         keys = list(systems) if i % 2 == 0 else list(reversed(systems))
         order = variants if i % 2 == 0 else list(reversed(variants))
@@ -314,32 +318,29 @@ def main(argv: list[str] | None = None) -> int:
             key, variant = lanes[lane]
             if switch:
                 switch[variant]()
-            wait, step, ntokens = _step(systems[key][0], feeds[key], live if key == "d" else None, src_lines)
-            if sums is not None:
-                for field, value in zip(("wait", "step", "tokens"), (wait, step, ntokens)):
-                    sums[lane][field] += value
-                cycle_step_s[lane].append(step)
-        if sums is not None:
+            out = _step(systems[key][0], feeds[key], live if key == "d" else None, src_lines)
+            if record:
+                timed[lane].append(out)
+        if record:
             cycle_steal.append(steal_since(mark))
 
-    cycle_step_s: dict[str, list[float]] = {k: [] for k in lanes}
-    cycle_steal: list[float | None] = []
     for i in range(args.warmup):
-        cycle(i, None)
+        cycle(i, record=False)
     results: dict[str, list[dict]] = {k: [] for k in lanes}
+    round_steal: list[float | None] = []
     worker_cpu = {k: 0.0 for k in systems}
     for r in range(args.rounds):
-        sums = {k: {"wait": 0.0, "step": 0.0, "tokens": 0} for k in lanes}
         cpu_before = {k: _cpu_seconds(pids) for k, pids in worker_pids.items()}
         mark = steal_mark()
         for i in range(args.steps):
-            cycle(i, sums)
-        stolen = steal_since(mark)
+            cycle(i, record=True)
+        round_steal.append(steal_since(mark))
         for k in systems:
             worker_cpu[k] += _cpu_seconds(worker_pids[k]) - cpu_before[k]
-        for k, v in sums.items():
-            results[k].append({"step_s": v["step"] / args.steps, "data_wait_fraction": v["wait"] / v["step"],
-                               "tgt_tokens_per_s": v["tokens"] / v["step"], "steal_fraction": stolen})
+        for lane, records in timed.items():
+            wait, step, tokens = (sum(column) for column in zip(*records[-args.steps :]))
+            results[lane].append({"step_s": step / args.steps, "data_wait_fraction": wait / step, "tgt_tokens_per_s": tokens / step})
+        stolen = round_steal[-1]
         print(f"round {r + 1}: " + ", ".join(f"({k}) {o[-1]['step_s'] * 1000:.0f}" for k, o in results.items())
               + " ms/step, steal " + ("unknown" if stolen is None else f"{stolen:.1%}"), file=sys.stderr)
     feeds.clear()
@@ -364,8 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         "logit_rows": args.logit_rows,
         "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         "step_ms": {k: round(v["step_s"] * 1000, 1) for k, v in typical.items()},
-        "steal_fraction_rounds": {k: [None if o["steal_fraction"] is None else round(o["steal_fraction"], 3) for o in v]
-                                  for k, v in results.items()},
+        "steal_fraction_rounds": [None if x is None else round(x, 3) for x in round_steal],
         "quiet_steal": QUIET_STEAL,
     }
     if switch:
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             # The reported ratio: the median over quiet cycles of each cycle's ratio (the same batch,
             # updates seconds apart), which a burst of steal or of a neighbour's load on a few
             # updates cannot move; per-round ratios of summed step times are shown beside it.
-            per_cycle = [t / u for t, u in zip(cycle_step_s[top], cycle_step_s[bottom])]
+            per_cycle = [t[1] / u[1] for t, u in zip(timed[top], timed[bottom])]
             ratio, used = quiet_median(per_cycle, cycle_steal)
             result[name] = round(ratio, 3)
             result[f"{name}_quartiles"] = [round(float(q), 3) for q in np.percentile(per_cycle, [25, 75])]
@@ -469,20 +469,20 @@ def _compare(name: str, argv: list[str], rounds: int, steps: int | None, warmup:
             "step_ms": {k: round(_median([c["step_ms"][k] for c in children[v]]), 1) for k in systems},
             "max_rss_mib": max(c["max_rss_mib"] for c in children[v]),
         }
-    def steal(child, *keys):
-        return worst_steal(*(child["steal_fraction_rounds"][k][0] for k in keys))
+    def steal(child):
+        return child["steal_fraction_rounds"][0]  # each child runs one round
 
     for k in systems:
         pairs = list(zip(children[without], children[with_]))
         per_round = [x["step_ms"][k] / y["step_ms"][k] for x, y in pairs]
-        ratio, used = quiet_median(per_round, [worst_steal(steal(x, k), steal(y, k)) for x, y in pairs])
+        ratio, used = quiet_median(per_round, [worst_steal(steal(x), steal(y)) for x, y in pairs])
         result[f"{k}_{without}_over_{with_}"] = round(ratio, 3)
         result[f"{k}_{without}_over_{with_}_rounds"] = [round(x, 3) for x in per_round]
         result[f"{k}_{without}_over_{with_}_rounds_used"] = used
     if "c" in systems:
         for v in variants:
             ratio, _ = quiet_median([c["step_ms"]["b"] / c["step_ms"]["c"] for c in children[v]],
-                                    [steal(c, "b", "c") for c in children[v]])
+                                    [steal(c) for c in children[v]])
             result[f"b_over_c_{v}"] = round(ratio, 3)
     result[f"rss_{without}_over_{with_}"] = round(result[without]["max_rss_mib"] / result[with_]["max_rss_mib"], 3)
     print("RESULT " + json.dumps(result))

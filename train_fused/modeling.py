@@ -351,7 +351,7 @@ def lower_once(x: Tensor) -> Tensor:
 BF16_ATTENTION_MATH = True
 
 
-def uses_training_attention(q: Tensor) -> bool:
+def _uses_training_attention(q: Tensor) -> bool:
     """Whether `MultiheadAttention.attend` computes through `training_attention` rather than SDPA.
 
     On CPU in bf16 with autograd: there, torch's flash kernel's backward is about 2x slower than
@@ -426,7 +426,7 @@ class MultiheadAttention(nn.Module):
                 empty_rows = ~has_key
                 key_mask = key_mask | empty_rows[:, None]
             attn_mask = key_mask[:, None, None, :]
-        written_out = uses_training_attention(q)
+        written_out = _uses_training_attention(q)
         is_causal = False
         if causal and q_len > 1:
             if attn_mask is None and q_len == k_len and not written_out:
