@@ -26,9 +26,9 @@ batch, as a fraction of the step time. The last line is `RESULT {json}`.
 
     python bench/train_throughput.py [--checkpoint minilm-l6] [--preset small] [--rounds 8]
 
-`--compare attn|attn-kernel|nll|malloc|pad|nice|rows` instead measures one of prlmfuse's speed
+`--compare attn|attn-kernel|dropout|nll|malloc|pad|nice|rows` instead measures one of prlmfuse's speed
 settings, without and with it, on systems (a) and (b) (and (c) for nice), and prints the median of
-the step-time ratios. The first three can change between two updates: one run times both variants,
+the step-time ratios. The first four can change between two updates: one run times both variants,
 each system's two updates on the same batch back to back, and the ratio is the median over quiet
 cycles as above (default 8 rounds). The others take effect at process start: child processes, the
 variants alternating, each child one round of 16 timed cycles (default 5 rounds); the ratio is the
@@ -41,6 +41,9 @@ median over quiet rounds, printed with the peak-memory ratio.
           (train_fused.modeling.BF16_ATTENTION_MATH)
   attn-kernel  training attention through torch's math kernel (SDPA) vs written out
           (train_fused.modeling.training_attention)
+  dropout dropout's random words from torch's mt19937 generator, the bool mask cast to bf16,
+          vs from numpy's PCG64 seeded by torch's generator, cast through uint8
+          (train_fused.modeling.dropout)
   nll     the NLL logged beside the loss as a separate logsumexp over the logits vs derived from
           the smoothed loss (train_fused.trainer.label_smoothed_sums)
 """
@@ -133,6 +136,19 @@ def _sdpa_math_attention(q, k, v, mask, dropout_p):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
     finally:
         torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
+
+
+def _torch_bits_dropout(x, p, training):
+    """modeling.dropout as it was before its random words came from numpy (the "without" of
+    --compare dropout): torch's mt19937 `random_` fills them and the bool keep mask is cast to x's dtype directly."""
+    if not training or p == 0.0:
+        return x
+    n = x.numel()
+    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_(-(2**63), None)
+    bits = words.view(torch.int16)[:n].view(x.shape)
+    dropped = round(p * 65536)
+    keep = bits >= dropped - 32768
+    return x * keep.to(x.dtype).mul_(65536 / (65536 - dropped))
 
 
 def _step(trainer, batches, live: _LivePrLM | None, src_lines) -> tuple[float, float, int]:
@@ -398,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
 # Settings that can change between two updates of one process: --compare of these times both
 # variants in one run, each system's two updates on the same batch back to back (see the lanes in
 # main); name -> {variant: set it}, the second variant is prlmfuse's default.
-SWITCH_NAMES = ("attn", "attn-kernel", "nll")
+SWITCH_NAMES = ("attn", "attn-kernel", "dropout", "nll")
 
 
 def _switches(name: str) -> dict:
@@ -406,7 +422,7 @@ def _switches(name: str) -> dict:
     before anything replaces them."""
     from prlmfuse.train_fused import modeling, trainer
 
-    written, from_loss = modeling.training_attention, trainer.label_smoothed_sums
+    written, from_loss, numpy_bits = modeling.training_attention, trainer.label_smoothed_sums, modeling.dropout
 
     def setter(module, attribute, value):
         return lambda: setattr(module, attribute, value)
@@ -415,6 +431,9 @@ def _switches(name: str) -> dict:
         "attn": {"fp32": setter(modeling, "BF16_ATTENTION_MATH", False), "bf16": setter(modeling, "BF16_ATTENTION_MATH", True)},
         "attn-kernel": {"sdpa": setter(modeling, "training_attention", _sdpa_math_attention),
                         "written": setter(modeling, "training_attention", written)},
+        # modeling.dropout is looked up at every call, by the layers and by training_attention
+        "dropout": {"torch-bits": setter(modeling, "dropout", _torch_bits_dropout),
+                    "numpy-bits": setter(modeling, "dropout", numpy_bits)},
         # trainer.label_smoothed_sums is what Trainer._forward_sums calls
         "nll": {"logsumexp": setter(trainer, "label_smoothed_sums", _logsumexp_nll_sums),
                 "fromloss": setter(trainer, "label_smoothed_sums", from_loss)},

@@ -64,3 +64,30 @@ def test_train_bench_counts_worker_cpu_time(monkeypatch):
     spent, process_spent = bench._cpu_seconds([os.getpid()]) - before, time.process_time() - process_before
     assert spent == pytest.approx(process_spent, abs=0.05)  # /proc counts in clock ticks (10 ms)
     assert bench._cpu_seconds([2**22 + 1]) == 0.0  # a pid that does not exist: nothing, no error
+
+
+def test_train_bench_switches_end_on_prlmfuses_default():
+    """Every --compare switch of bench/train_throughput.py really swaps something, and its second
+    variant (the one each cycle ends on) puts prlmfuse's own setting back."""
+    import torch
+
+    from prlmfuse.train_fused import modeling, trainer
+
+    spec = importlib.util.spec_from_file_location("train_throughput", Path(__file__).parents[1] / "bench" / "train_throughput.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    names = ["BF16_ATTENTION_MATH", "training_attention", "dropout"]
+    before = {n: getattr(modeling, n) for n in names} | {"label_smoothed_sums": trainer.label_smoothed_sums}
+
+    def current():
+        return {n: getattr(modeling, n) for n in names} | {"label_smoothed_sums": trainer.label_smoothed_sums}
+
+    for name in bench.SWITCH_NAMES:
+        without, default = bench._switches(name).values()
+        without()
+        assert current() != before, name
+        if name == "dropout":  # the old way still drops about p of the elements
+            x = torch.ones(100_000)
+            assert abs((modeling.dropout(x, 0.1, True) == 0).float().mean().item() - 0.1) < 0.01
+        default()
+        assert current() == before, name
