@@ -597,7 +597,9 @@ def test_dropout_drops_p_of_the_elements_unbiased_and_reproducibly():
     y.sum().backward()
     assert torch.equal(x.grad, y.detach())  # d(x * mask * scale)/dx = mask * scale
     torch.manual_seed(3)
-    assert torch.equal(dropout(x, 0.1, True), y)  # the default generator: seeds reproduce it
+    assert torch.equal(dropout(x, 0.1, True), y)  # seeded from torch's default generator: seeds reproduce it
+    torch.manual_seed(4)
+    assert not torch.equal(dropout(x, 0.1, True), y)  # and another seed draws another mask
     assert dropout(x, 0.1, False) is x and dropout(x, 0.0, True) is x
     odd = torch.randn(3, 5, 7, dtype=torch.bfloat16)  # numel not a multiple of 4, bf16 kept
     out = dropout(odd, 0.5, True)

@@ -296,9 +296,9 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
     Why not F.dropout: torch's CPU dropout draws one bernoulli_ sample per element, ~20 ns an
     element, ~12% of a small model's training step. The words come from numpy's PCG64, seeded
     for each call from torch's default generator, so torch.manual_seed and a resumed run's
-    restored torch RNG state reproduce every mask; PCG64 fills them about twice as fast as
-    torch's mt19937 `random_`. The keep mask goes to x's dtype through uint8, because torch's
-    bool-to-bfloat16 cast is not vectorized (8x slower). The drop probability is rounded to a
+    restored torch RNG state reproduce every mask; PCG64 fills them faster than torch's mt19937
+    `random_`. The keep mask goes to x's dtype through uint8, because torch's bool-to-bfloat16
+    cast is not vectorized and uint8-to-bfloat16 is. The drop probability is rounded to a
     multiple of 1/65536 and the scale uses the rounded value, so the output stays unbiased
     (`bench/train_throughput.py --compare dropout` times this against torch's generator).
     """
