@@ -299,8 +299,9 @@ def dropout(x: Tensor, p: float, training: bool) -> Tensor:
     restored torch RNG state reproduce every mask; PCG64 fills them faster than torch's mt19937
     `random_`. The keep mask goes to x's dtype through uint8, because torch's bool-to-bfloat16
     cast is not vectorized and uint8-to-bfloat16 is. The drop probability is rounded to a
-    multiple of 1/65536 and the scale uses the rounded value, so the output stays unbiased
-    (`bench/train_throughput.py --compare dropout` times this against torch's generator).
+    multiple of 1/65536 and the scale uses the rounded value, so the output stays unbiased up to
+    the scale's own rounding to x's dtype (8 significant bits in bf16, where F.dropout scales in
+    float32) (`bench/train_throughput.py --compare dropout` times this against torch's generator).
     """
     if not training or p == 0.0:
         return x
