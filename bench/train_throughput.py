@@ -320,7 +320,10 @@ def main(argv: list[str] | None = None) -> int:
         loader = make_loader(plain if key == "d" else dataset, sampler_over(batches), num_workers=workers, worker_nice=worker_nice)
         feeds[key] = iter(loader)
         worker_pids[key] = [w.pid for w in getattr(feeds[key], "_workers", [])]
-    lanes = {(key if v is None else f"{key}:{v}"): (key, v) for key in systems for v in variants}
+    def lane_name(key, variant):
+        return key if variant is None else f"{key}:{variant}"
+
+    lanes = {lane_name(key, v): (key, v) for key in systems for v in variants}
 
     # Per lane, (wait, step, target tokens) of every timed cycle; rounds are slices of args.steps.
     timed: dict[str, list[tuple[float, float, int]]] = {k: [] for k in lanes}
@@ -330,13 +333,13 @@ def main(argv: list[str] | None = None) -> int:
         mark = steal_mark()
         keys = list(systems) if i % 2 == 0 else list(reversed(systems))
         order = variants if i % 2 == 0 else list(reversed(variants))
-        for lane in [(key if v is None else f"{key}:{v}") for key in keys for v in order]:
-            key, variant = lanes[lane]
-            if switch:
-                switch[variant]()
-            out = _step(systems[key][0], feeds[key], live if key == "d" else None, src_lines)
-            if record:
-                timed[lane].append(out)
+        for key in keys:
+            for variant in order:
+                if switch:
+                    switch[variant]()
+                out = _step(systems[key][0], feeds[key], live if key == "d" else None, src_lines)
+                if record:
+                    timed[lane_name(key, variant)].append(out)
         if record:
             cycle_steal.append(steal_since(mark))
 

@@ -49,16 +49,22 @@ def test_decode_bench_readers_serve_batch_features(monkeypatch):
     assert feats.mask.sum(dim=1).tolist() == [5, 4]
 
 
+def _train_bench(monkeypatch):
+    """bench/train_throughput.py as a module, with bench/ on sys.path for its `from _steal import ...`."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))
+    spec = importlib.util.spec_from_file_location("train_throughput", Path(__file__).parents[1] / "bench" / "train_throughput.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/<pid>/stat is Linux's")
 def test_train_bench_counts_worker_cpu_time(monkeypatch):
     """bench/train_throughput.py's per-batch worker CPU figure reads /proc/<pid>/stat correctly."""
     import os
     import time
 
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))  # its `from _steal import ...`
-    spec = importlib.util.spec_from_file_location("train_throughput", Path(__file__).parents[1] / "bench" / "train_throughput.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _train_bench(monkeypatch)
     before, process_before = bench._cpu_seconds([os.getpid()]), time.process_time()
     sum(i * i for i in range(3_000_000))
     spent, process_spent = bench._cpu_seconds([os.getpid()]) - before, time.process_time() - process_before
@@ -66,21 +72,20 @@ def test_train_bench_counts_worker_cpu_time(monkeypatch):
     assert bench._cpu_seconds([2**22 + 1]) == 0.0  # a pid that does not exist: nothing, no error
 
 
-def test_train_bench_switches_end_on_prlmfuses_default():
+def test_train_bench_switches_end_on_prlmfuses_default(monkeypatch):
     """Every --compare switch of bench/train_throughput.py really swaps something, and its second
     variant (the one each cycle ends on) puts prlmfuse's own setting back."""
     import torch
 
     from prlmfuse.train_fused import modeling, trainer
 
-    spec = importlib.util.spec_from_file_location("train_throughput", Path(__file__).parents[1] / "bench" / "train_throughput.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    names = ["BF16_ATTENTION_MATH", "training_attention", "dropout"]
-    before = {n: getattr(modeling, n) for n in names} | {"label_smoothed_sums": trainer.label_smoothed_sums}
+    bench = _train_bench(monkeypatch)
 
     def current():
+        names = ["BF16_ATTENTION_MATH", "training_attention", "dropout"]
         return {n: getattr(modeling, n) for n in names} | {"label_smoothed_sums": trainer.label_smoothed_sums}
+
+    before = current()
 
     for name in bench.SWITCH_NAMES:
         without, default = bench._switches(name).values()
