@@ -37,9 +37,24 @@ def test_batches_respect_budget_and_cover_each_pair_once():
     assert sorted(seen) == list(range(len(src)))
     for b in sampler.batches:
         assert len(b) * max(max(src[i], tgt[i]) for i in b) <= 400
-    # Length bucketing: little padding overall.
+    # Length bucketing, source length first (fairseq's order): little source padding, and every
+    # batch is a run of the sorted source lengths.
+    padded = sum(len(b) * max(src[i] for i in b) for b in sampler.batches)
+    assert padded < 1.1 * src.sum()
+    runs = sorted((min(src[i] for i in b), max(src[i] for i in b)) for b in sampler.batches)
+    assert all(hi <= next_lo for (_, hi), (next_lo, _) in zip(runs, runs[1:]))
+
+
+def test_target_first_order_and_switching_orders():
+    src, tgt = _lengths()
+    sampler = TokenBudgetBatchSampler(src, tgt, 400, seed=1, order="target_first")
     padded = sum(len(b) * max(tgt[i] for i in b) for b in sampler.batches)
-    assert padded < 1.25 * tgt.sum()
+    assert padded < 1.1 * tgt.sum()
+    sampler.use_order("source_first")
+    assert sampler.order == "source_first"
+    assert sampler.batches == TokenBudgetBatchSampler(src, tgt, 400, seed=1).batches
+    with pytest.raises(ValueError, match="batch order 'longest'"):
+        TokenBudgetBatchSampler(src, tgt, 400, order="longest")
 
 
 def test_oversized_pair_gets_a_batch_of_its_own():

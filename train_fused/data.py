@@ -152,6 +152,10 @@ def batch_features(
     return PrLMFeatures(states=states, mask=mask, pooled=pooled)
 
 
+# Sort keys of TokenBudgetBatchSampler.build_batches, the first one the default.
+BATCH_ORDERS = ("source_first", "target_first")
+
+
 class TokenBudgetBatchSampler:
     """Length-bucketed batches under a padded token budget; a seeded new batch order every epoch.
 
@@ -172,6 +176,7 @@ class TokenBudgetBatchSampler:
         seed: int = 1,
         rank: int = 0,
         world_size: int = 1,
+        order: str = "source_first",
     ):
         self.max_tokens = int(max_tokens)
         self.shuffle = shuffle
@@ -180,23 +185,44 @@ class TokenBudgetBatchSampler:
         self.world_size = world_size
         self.epoch = 0
         self.start = 0
-        self.batches = self.build_batches(src_lens, tgt_lens, max_tokens, indices=indices, seed=seed)
+        self._lengths = (src_lens, tgt_lens, indices)
+        self.order = order
+        self.batches = self.build_batches(src_lens, tgt_lens, max_tokens, indices=indices, seed=seed, order=order)
+
+    def use_order(self, order: str) -> None:
+        """Rebuild the batches in another of BATCH_ORDERS (a resumed run keeps the order it started with)."""
+        if order != self.order:
+            src_lens, tgt_lens, indices = self._lengths
+            self.batches = self.build_batches(src_lens, tgt_lens, self.max_tokens, indices=indices, seed=self.seed, order=order)
+            self.order = order
 
     @staticmethod
     def build_batches(
-        src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, *, indices: np.ndarray | None = None, seed: int = 1
+        src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, *, indices: np.ndarray | None = None, seed: int = 1,
+        order: str = "source_first",
     ) -> list[list[int]]:
+        """Batches of pair indices, each within the padded budget, from the pairs sorted by length.
+
+        order "source_first" is fairseq's (LanguagePairDataset.ordered_indices): a stable sort by
+        target length, then by source length, so a batch is a run of nearly equal source lengths.
+        Source first because the encoder, where every PrLM branch runs, pays for source padding
+        (`bench/batch_padding.py`). "target_first", the two sorts the other way round, is how
+        prlmfuse sorted up to commit c112fc3; runs started then resume in it (Trainer.restore).
+        """
+        if order not in BATCH_ORDERS:
+            raise ValueError(f"batch order {order!r}: use one of {', '.join(BATCH_ORDERS)}")
         if indices is None:
             indices = np.arange(len(src_lens))
         sizes = np.maximum(src_lens, tgt_lens)
-        # Random tie-breaking, then a stable sort by target then source length (fairseq's ordering).
-        order = np.random.RandomState(seed).permutation(indices)
-        order = order[np.argsort(src_lens[order], kind="stable")]
-        order = order[np.argsort(tgt_lens[order], kind="stable")]
+        primary, secondary = (src_lens, tgt_lens) if order == "source_first" else (tgt_lens, src_lens)
+        # Random tie-breaking, then the secondary key, then (stably) the primary one.
+        ranked = np.random.RandomState(seed).permutation(indices)
+        ranked = ranked[np.argsort(secondary[ranked], kind="stable")]
+        ranked = ranked[np.argsort(primary[ranked], kind="stable")]
         batches: list[list[int]] = []
         current: list[int] = []
         longest = 0
-        for i in order.tolist():
+        for i in ranked.tolist():
             size = int(sizes[i])
             if current and (len(current) + 1) * max(longest, size) > max_tokens:
                 batches.append(current)

@@ -35,7 +35,7 @@ from prlmfuse.runtime import keep_freed_memory
 from prlmfuse.train_fused import checkpointing
 from prlmfuse.train_fused.bpe import PAD_ID, BPE, train_bpe
 from prlmfuse.train_fused.config import PrLMUse, RunConfig
-from prlmfuse.train_fused.data import Batch, FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader
+from prlmfuse.train_fused.data import BATCH_ORDERS, Batch, FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader
 from prlmfuse.train_fused.distributed import (
     DistContext,
     all_reduce_sum,
@@ -472,7 +472,8 @@ class Trainer:
         self.state = {
             "update": 0, "epoch": 0, "batch_in_epoch": 0, "best_dev_loss": None, "bad_evals": 0,
             "last_dev_loss": None, "tokens_seen": 0, "wall_time": 0.0, "seed": run.seed,
-            "batches_per_epoch": len(self.train_sampler.batches), "world_size": ctx.world_size,
+            "batches_per_epoch": len(self.train_sampler.batches), "batch_order": self.train_sampler.order,
+            "world_size": ctx.world_size,
         }
 
     @staticmethod
@@ -491,6 +492,13 @@ class Trainer:
         for k in self.state:
             if k in state:
                 self.state[k] = state[k]
+        # A run continues in the batch order it started with. States written before the order was
+        # recorded come from prlmfuse up to c112fc3, which sorted by target length first.
+        order = state.get("batch_order", "target_first")
+        if order not in BATCH_ORDERS:
+            raise UserError(f"{self.run_dir}: trainer state has batch_order {order!r}; expected one of {', '.join(BATCH_ORDERS)}")
+        self.state["batch_order"] = order
+        self.train_sampler.use_order(order)
         if state.get("batches_per_epoch") not in (None, len(self.train_sampler.batches)):
             raise UserError(
                 f"{self.run_dir}: the training data now forms {len(self.train_sampler.batches)} batches per epoch, "

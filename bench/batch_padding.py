@@ -1,0 +1,80 @@
+"""How much padding the trainer's token-budget batches carry, under its batch order and the one before.
+
+`TokenBudgetBatchSampler.build_batches` forms batches from the pairs sorted by length. It sorts
+as fairseq does (by target length, then stably by source length, so source length is the primary
+key: order "source_first"); up to commit c112fc3 it applied the two sorts the other way round
+("target_first", which runs started then still resume in), so every batch took sentences of nearly
+equal target length but widely spread source lengths. This prints, for the training split of a corpus and each `--max-tokens`, the number of
+batches and the padded over real token counts of the source and of the target side (lengths
+rounded up as the trainer pads them). Encoder work, and with it every PrLM branch, grows with the
+padded source; decoder layers with the padded target. No timing: the counts are exact.
+
+    python bench/batch_padding.py [--corpus DIR] [--max-tokens 1200 3500] [--bpe-vocab 4000]
+
+Default corpus: the Bible English->Japanese corpus under $PRLMFUSE_HOME (built if missing). The
+last line is `RESULT {json}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def padding(batches: list[list[int]], lens: np.ndarray, pad_multiple: int) -> float:
+    """Padded over real tokens of one side, lengths rounded up as PairDataset pads them."""
+    from prlmfuse.train_fused.data import pad_length
+
+    padded = sum(len(b) * pad_length(int(lens[b].max()), pad_multiple) for b in batches)
+    return padded / float(sum(int(lens[b].sum()) for b in batches))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--corpus", default=None, help="a prlmfuse corpus directory (default: the Bible en->ja under $PRLMFUSE_HOME)")
+    parser.add_argument("--max-tokens", type=int, nargs="+", default=[1200, 3500])
+    parser.add_argument("--bpe-vocab", type=int, default=4000, help="joint BPE size (default 4000, the demo's and results' recipe)")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args(argv)
+
+    from prlmfuse.data import build_bible, load_corpus, prlmfuse_home
+    from prlmfuse.train_fused.bpe import train_bpe
+    from prlmfuse.train_fused.data import PAD_TO_MULTIPLE, TokenBudgetBatchSampler
+
+    corpus = load_corpus(Path(args.corpus)) if args.corpus else build_bible(prlmfuse_home() / "corpora" / "bible-en-ja")
+    src = corpus.src_path("train").read_text(encoding="utf-8").splitlines()
+    tgt = corpus.tgt_path("train").read_text(encoding="utf-8").splitlines()
+    bpe = train_bpe(src + tgt, args.bpe_vocab)
+    # +1 for </s>, as PairDataset counts them.
+    src_lens = np.array([len(x) + 1 for x in bpe.encode_batch(src)], dtype=np.int64)
+    tgt_lens = np.array([len(x) + 1 for x in bpe.encode_batch(tgt)], dtype=np.int64)
+    print(f"corpus {corpus.root}: {len(src_lens)} train pairs, {int(src_lens.sum())} source and "
+          f"{int(tgt_lens.sum())} target tokens (BPE {args.bpe_vocab})", file=sys.stderr)
+
+    result: dict = {"corpus": str(corpus.root), "bpe_vocab": args.bpe_vocab, "pad_multiple": PAD_TO_MULTIPLE}
+    for max_tokens in args.max_tokens:
+        orders = {
+            order: TokenBudgetBatchSampler.build_batches(src_lens, tgt_lens, max_tokens, seed=args.seed, order=order)
+            for order in ("target_first", "source_first")
+        }
+        row = {}
+        for name, batches in orders.items():
+            row[name] = {
+                "batches": len(batches),
+                "src_padded_over_real": round(padding(batches, src_lens, PAD_TO_MULTIPLE), 3),
+                "tgt_padded_over_real": round(padding(batches, tgt_lens, PAD_TO_MULTIPLE), 3),
+            }
+            label = "before (target first)" if name == "target_first" else "prlmfuse (source first)"
+            print(f"max_tokens {max_tokens:5d}  {label:24s} {row[name]['batches']:6d} batches  padded/real: "
+                  f"source {row[name]['src_padded_over_real']:.3f}, target {row[name]['tgt_padded_over_real']:.3f}")
+        result[f"max_tokens_{max_tokens}"] = row
+    print("RESULT " + json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
