@@ -69,6 +69,19 @@ def test_vocab_size_is_respected_when_text_is_rich():
     assert train_bpe(text, vocab_size=400).vocab_size == 400
 
 
+def test_a_large_alphabet_leaves_room_for_merges():
+    """A side with more distinct characters than the vocabulary holds (as Japanese has thousands)
+    must not crowd out the merges: the English side still gets whole-word pieces."""
+    rare = "".join(chr(0x4E00 + i) for i in range(3000))  # 3,000 distinct CJK characters
+    text = [rare[i : i + 30] for i in range(0, 3000, 30)] + [line for line in TRAIN if line.isascii()] * 10
+    bpe = train_bpe(text, vocab_size=1000)
+    assert bpe.vocab_size <= 1000
+    assert len(bpe.encode("In the beginning God created the earth.")) <= 12  # not letter by letter (39 chars)
+    line = rare[1234:1250] + " the earth"
+    ids = bpe.encode(line)
+    assert UNK_ID not in ids and bpe.decode(ids) == line  # rare characters are spelled in bytes
+
+
 def test_too_small_vocab_and_corrupt_file_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="bpe_vocab=100"):
         train_bpe(TRAIN, vocab_size=100)

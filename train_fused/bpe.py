@@ -96,13 +96,19 @@ class BPE:
 def train_bpe(texts: Iterable[str], vocab_size: int) -> BPE:
     """Learn a joint BPE of at most `vocab_size` ids (specials + 256 bytes + learned pieces).
 
+    The alphabet keeps at most half of the learned pieces, the most frequent characters; rarer
+    ones are spelled in byte tokens. Why: `tokenizers` otherwise keeps every character it sees,
+    and a Japanese or Chinese side brings thousands (3,768 on the Bible's Japanese), which left a
+    4,000-id vocabulary no merges at all, so English came out letter by letter.
     Fewer ids come out when the text runs out of pairs worth merging (tiny corpora).
     """
     if vocab_size < MIN_VOCAB:
         raise UserError(f"bpe_vocab={vocab_size} is too small; use at least {MIN_VOCAB} (8000 is typical)")
+    learned_ids = vocab_size - len(SPECIAL_TOKENS) - len(BYTE_TOKENS)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - len(BYTE_TOKENS),
         special_tokens=SPECIAL_TOKENS,
+        limit_alphabet=learned_ids // 2,
         show_progress=False,
     )
     tok = _empty_tokenizer(models.BPE(unk_token="<unk>"))
