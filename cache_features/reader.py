@@ -140,7 +140,9 @@ class CacheReader:
             values = self._read(s, f"layer_{layer:03d}", start, stop)
             scales = self._read(s, f"scale_{layer:03d}", start, stop) if self.dtype == "int8" else None
             out.append(decode(values, scales, self.dtype) if widen else decode_to_transfer(values, scales, self.dtype))
-        return out[0].unsqueeze(0) if len(out) == 1 else torch.stack(out)  # one layer: a view, not a copy
+        if len(out) == 1 and not self.in_memory:
+            return out[0].unsqueeze(0)  # a buffer of its own, just read: a view saves a copy
+        return torch.stack(out)  # copies, so no caller can write into the in-memory cache
 
     @property
     def transfer_dtype(self) -> torch.dtype:

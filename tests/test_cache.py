@@ -211,6 +211,17 @@ def test_in_memory_reader_equals_on_disk(tiny, corpus, tmp_path):
         disk.features(len(disk))
 
 
+@pytest.mark.parametrize("in_memory", [False, True])
+def test_writing_into_read_features_leaves_the_cache_alone(tiny, corpus, tmp_path, in_memory):
+    """One float32 layer comes back without a copy from disk (a fresh buffer); never as a view of the in-memory cache."""
+    build_cache(str(tiny["bert"]), corpus, tmp_path / "c", layers="-2", dtype="float32", progress=False)
+    reader = CacheReader(tmp_path / "c", in_memory=in_memory)
+    first = reader.features(0)
+    expected = first.clone()
+    first.mul_(0)
+    assert torch.equal(reader.features(0), expected)
+
+
 @pytest.mark.parametrize("url_scheme", ["memory", "file"])
 def test_zarr_on_fsspec_urls(tiny, corpus, tmp_path, url_scheme):
     local = build_cache(str(tiny["distilbert"]), corpus, tmp_path / "local", progress=False, shard_bytes=2048)
