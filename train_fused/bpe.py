@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import unicodedata
+from collections import Counter
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -93,6 +94,24 @@ class BPE:
         return cls(tok)
 
 
+def _alphabet(texts: Sequence[str], limit: int) -> list[str] | None:
+    """The `limit` most frequent characters as the tokenizer sees them, or None when all fit.
+
+    Chosen here rather than by the trainer's own limit_alphabet, which breaks ties among equally
+    frequent characters in hash order, so two trainings on the same text kept different
+    characters: ties go to the smaller code point. Forced into the trainer's alphabet, they are
+    exactly what it keeps when the limit equals their number.
+    """
+    counts: Counter[str] = Counter()
+    for text in texts:
+        line = normalize_line(text)
+        counts.update(line.replace(" ", "▁"))
+        counts["▁"] += 1  # Metaspace prepends one to every line
+    if len(counts) <= limit:
+        return None
+    return sorted(sorted(counts), key=lambda c: -counts[c])[:limit]
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int) -> BPE:
     """Learn a joint BPE of at most `vocab_size` ids (specials + 256 bytes + learned pieces).
 
@@ -104,12 +123,13 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> BPE:
     """
     if vocab_size < MIN_VOCAB:
         raise UserError(f"bpe_vocab={vocab_size} is too small; use at least {MIN_VOCAB} (8000 is typical)")
-    learned_ids = vocab_size - len(SPECIAL_TOKENS) - len(BYTE_TOKENS)
+    texts = list(texts)
+    alphabet = _alphabet(texts, (vocab_size - len(SPECIAL_TOKENS) - len(BYTE_TOKENS)) // 2)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size - len(BYTE_TOKENS),
         special_tokens=SPECIAL_TOKENS,
-        limit_alphabet=learned_ids // 2,
         show_progress=False,
+        **({} if alphabet is None else {"initial_alphabet": alphabet, "limit_alphabet": len(alphabet)}),
     )
     tok = _empty_tokenizer(models.BPE(unk_token="<unk>"))
     tok.train_from_iterator(texts, trainer)
