@@ -4,9 +4,9 @@
 as fairseq does (by target length, then stably by source length, so source length is the primary
 key: order "source_first"); up to commit c112fc3 it applied the two sorts the other way round
 ("target_first", which runs started then still resume in), so every batch took sentences of nearly
-equal target length but widely spread source lengths. This prints, for the training split of a corpus and each `--max-tokens`, the number of
-batches and the padded over real token counts of the source and of the target side (lengths
-rounded up as the trainer pads them). Encoder work, and with it every PrLM branch, grows with the
+equal target length but widely spread source lengths. This prints, for the training split of a
+corpus and each `--max-tokens`, the number of batches and the padded over real token counts of
+the source and of the target side (lengths rounded up as the trainer pads them). Encoder work, and with it every PrLM branch, grows with the
 padded source; decoder layers with the padded target. No timing: the counts are exact.
 
     python bench/batch_padding.py [--corpus DIR] [--max-tokens 1200 3500] [--bpe-vocab 4000]
@@ -42,13 +42,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from prlmfuse.data import build_bible, load_corpus, prlmfuse_home
+    from prlmfuse.errors import UserError
     from prlmfuse.train_fused.bpe import train_bpe
     from prlmfuse.train_fused.data import PAD_TO_MULTIPLE, TokenBudgetBatchSampler
 
-    corpus = load_corpus(Path(args.corpus)) if args.corpus else build_bible(prlmfuse_home() / "corpora" / "bible-en-ja")
-    src = corpus.src_path("train").read_text(encoding="utf-8").splitlines()
-    tgt = corpus.tgt_path("train").read_text(encoding="utf-8").splitlines()
-    bpe = train_bpe(src + tgt, args.bpe_vocab)
+    try:
+        corpus = load_corpus(Path(args.corpus)) if args.corpus else build_bible(prlmfuse_home() / "corpora" / "bible-en-ja")
+        src = corpus.src_path("train").read_text(encoding="utf-8").splitlines()
+        tgt = corpus.tgt_path("train").read_text(encoding="utf-8").splitlines()
+        bpe = train_bpe(src + tgt, args.bpe_vocab)
+    except UserError as e:
+        print(f"batch_padding: {e}", file=sys.stderr)
+        return 2
     # +1 for </s>, as PairDataset counts them.
     src_lens = np.array([len(x) + 1 for x in bpe.encode_batch(src)], dtype=np.int64)
     tgt_lens = np.array([len(x) + 1 for x in bpe.encode_batch(tgt)], dtype=np.int64)

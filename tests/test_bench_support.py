@@ -96,3 +96,26 @@ def test_train_bench_switches_end_on_prlmfuses_default(monkeypatch):
             assert abs((modeling.dropout(x, 0.1, True) == 0).float().mean().item() - 0.1) < 0.01
         default()
         assert current() == before, name
+
+
+def test_batch_padding_bench_counts_both_orders(tmp_path, capsys):
+    """bench/batch_padding.py on real Bible verses: source-first batches pad the source less than target-first ones."""
+    import json
+
+    root = Path(__file__).parent
+    support_spec = importlib.util.spec_from_file_location("test_train_support", root / "test_train_support.py")
+    train_support = importlib.util.module_from_spec(support_spec)
+    support_spec.loader.exec_module(train_support)
+    corpus = train_support.small_bible(tmp_path)
+
+    spec = importlib.util.spec_from_file_location("batch_padding", root.parent / "bench" / "batch_padding.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--corpus", str(corpus.root), "--bpe-vocab", "600", "--max-tokens", "400"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1].removeprefix("RESULT "))
+    row = result["max_tokens_400"]
+    assert row["source_first"]["src_padded_over_real"] < row["target_first"]["src_padded_over_real"]
+    assert row["source_first"]["tgt_padded_over_real"] > row["target_first"]["tgt_padded_over_real"]
+    assert all(r["src_padded_over_real"] >= 1 and r["batches"] > 1 for r in row.values())
+    assert bench.main(["--corpus", str(tmp_path / "missing")]) == 2
+    assert "corpus directory not found" in capsys.readouterr().err
