@@ -26,11 +26,11 @@ import numpy as np
 
 
 def padding(batches: list[list[int]], lens: np.ndarray, pad_multiple: int) -> float:
-    """Padded over real tokens of one side, lengths rounded up as PairDataset pads them."""
+    """Padded over real tokens of one side (the batches hold every pair once), lengths rounded up as PairDataset pads them."""
     from prlmfuse.train_fused.data import pad_length
 
     padded = sum(len(b) * pad_length(int(lens[b].max()), pad_multiple) for b in batches)
-    return padded / float(sum(int(lens[b].sum()) for b in batches))
+    return padded / float(lens.sum())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,8 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     # +1 for </s>, as PairDataset counts them.
     src_lens = np.array([len(x) + 1 for x in bpe.encode_batch(src)], dtype=np.int64)
     tgt_lens = np.array([len(x) + 1 for x in bpe.encode_batch(tgt)], dtype=np.int64)
-    print(f"corpus {corpus.root}: {len(src_lens)} train pairs, {int(src_lens.sum())} source and "
-          f"{int(tgt_lens.sum())} target tokens (BPE {args.bpe_vocab})", file=sys.stderr)
+    # What the BPE made of each side: a vocabulary crowded by a large alphabet learns few merges.
+    chars = [len(set("".join(lines)) - {" "}) for lines in (src, tgt)]
+    print(f"corpus {corpus.root}: {len(src_lens)} train pairs; BPE {args.bpe_vocab} gave {bpe.vocab_size} ids; "
+          f"source {int(src_lens.sum())} tokens ({src_lens.mean() - 1:.1f} pieces a sentence, {chars[0]} distinct "
+          f"characters), target {int(tgt_lens.sum())} ({tgt_lens.mean() - 1:.1f}, {chars[1]})", file=sys.stderr)
 
     result: dict = {"corpus": str(corpus.root), "bpe_vocab": args.bpe_vocab, "pad_multiple": PAD_TO_MULTIPLE}
     for max_tokens in args.max_tokens:

@@ -8,9 +8,18 @@ from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("_steal", Path(__file__).parents[1] / "bench" / "_steal.py")
-steal = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(steal)
+BENCH = Path(__file__).parents[1] / "bench"
+
+
+def _module(path: Path):
+    """A script or test helper loaded as a module of its own name (bench/ is no package)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+steal = _module(BENCH / "_steal.py")
 
 
 def test_quiet_median_uses_only_quiet_rounds():
@@ -51,11 +60,8 @@ def test_decode_bench_readers_serve_batch_features(monkeypatch):
 
 def _train_bench(monkeypatch):
     """bench/train_throughput.py as a module, with bench/ on sys.path for its `from _steal import ...`."""
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "bench"))
-    spec = importlib.util.spec_from_file_location("train_throughput", Path(__file__).parents[1] / "bench" / "train_throughput.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    monkeypatch.syspath_prepend(str(BENCH))
+    return _module(BENCH / "train_throughput.py")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/<pid>/stat is Linux's")
@@ -102,15 +108,8 @@ def test_batch_padding_bench_counts_both_orders(tmp_path, capsys):
     """bench/batch_padding.py on real Bible verses: source-first batches pad the source less than target-first ones."""
     import json
 
-    root = Path(__file__).parent
-    support_spec = importlib.util.spec_from_file_location("test_train_support", root / "test_train_support.py")
-    train_support = importlib.util.module_from_spec(support_spec)
-    support_spec.loader.exec_module(train_support)
-    corpus = train_support.small_bible(tmp_path)
-
-    spec = importlib.util.spec_from_file_location("batch_padding", root.parent / "bench" / "batch_padding.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    corpus = _module(Path(__file__).parent / "test_train_support.py").small_bible(tmp_path)
+    bench = _module(BENCH / "batch_padding.py")
     assert bench.main(["--corpus", str(corpus.root), "--bpe-vocab", "600", "--max-tokens", "400"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1].removeprefix("RESULT "))
     row = result["max_tokens_400"]

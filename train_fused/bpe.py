@@ -109,7 +109,7 @@ def _alphabet(texts: Sequence[str], limit: int) -> list[str] | None:
         counts["▁"] += 1  # Metaspace prepends one to every line
     if len(counts) <= limit:
         return None
-    return sorted(sorted(counts), key=lambda c: -counts[c])[:limit]
+    return sorted(counts, key=lambda c: (-counts[c], c))[:limit]
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> BPE:
@@ -117,7 +117,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> BPE:
 
     The alphabet keeps at most half of the learned pieces, the most frequent characters; rarer
     ones are spelled in byte tokens. Why: `tokenizers` otherwise keeps every character it sees,
-    and a Japanese or Chinese side brings thousands (3,768 on the Bible's Japanese), which left a
+    and a Japanese or Chinese side brings thousands (3,767 on the Bible's Japanese), which left a
     4,000-id vocabulary no merges at all, so English came out letter by letter.
     Fewer ids come out when the text runs out of pairs worth merging (tiny corpora).
     """
