@@ -71,12 +71,13 @@ def naive_loop(model, tokenizer, lines: list[str], out_dir: Path) -> tuple[float
 
 def bare_forward(model, tokenizer, info, lines: list[str]) -> tuple[float, int]:
     from prlmfuse.cache_features.extract import (
-        FeatureExtractor, collate, encode_corpus, has_fast_bf16, pad_token_id, parse_layers, plan_batches,
+        FeatureExtractor, collate, encode_corpus, pad_token_id, parse_layers, plan_batches,
     )
+    from prlmfuse.precision import cpu_has_fast_bf16
 
     start = time.perf_counter()
     corpus = encode_corpus(tokenizer, lines, max_length=info.max_length)
-    extractor = FeatureExtractor(model, parse_layers("-2", info.num_layers), autocast=has_fast_bf16())
+    extractor = FeatureExtractor(model, parse_layers("-2", info.num_layers), autocast=cpu_has_fast_bf16())
     pad_id = pad_token_id(tokenizer)
     for batch in plan_batches(corpus.lengths, 8192):
         extractor(*collate(corpus, batch, pad_id))
@@ -115,14 +116,15 @@ def main() -> None:
         child_build(args.checkpoint, args.child_build, args.child_out)
         return
 
-    from prlmfuse.cache_features import build_cache, has_fast_bf16, inspect_cache
+    from prlmfuse.cache_features import build_cache, inspect_cache
+    from prlmfuse.precision import cpu_has_fast_bf16
     from prlmfuse.checkpoints import load_prlm, resolve_checkpoint
 
     lines = bible_sentences(args.sentences)
     info = resolve_checkpoint(args.checkpoint)
     model, tokenizer = load_prlm(info)
     print(f"checkpoint {info.name} ({info.family}, {info.num_layers} layers, d={info.hidden_size}); "
-          f"{len(lines)} verses; torch threads {torch.get_num_threads()}; bf16 autocast {has_fast_bf16()}")
+          f"{len(lines)} verses; torch threads {torch.get_num_threads()}; bf16 autocast {cpu_has_fast_bf16()}")
     with torch.inference_mode():  # one warm-up batch so no variant pays one-time kernel setup
         model(**tokenizer(lines[:8], padding=True, return_tensors="pt"))
 
@@ -182,7 +184,7 @@ def main() -> None:
         "bytes_per_token_total_fp16": round(per_dtype["float16"]["bytes_per_token_total"], 1),
         "rss_mib": {str(n): round(kb / 1024) for n, kb in rss.items()},
         "rss_ratio": round(rss[sizes[-1]] / rss[sizes[0]], 3),
-        "autocast": "bfloat16" if has_fast_bf16() else "off",
+        "autocast": "bfloat16" if cpu_has_fast_bf16() else "off",
         "cpu_count": os.cpu_count(),
     }
     print("RESULT " + json.dumps(result_line))

@@ -224,9 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     from prlmfuse.train_fused.data import (
         PAD_TO_MULTIPLE, WORKER_NICE, FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader,
     )
-    from prlmfuse.train_fused.distributed import DistContext
+    from prlmfuse.distributed import DistContext
     from prlmfuse.train_fused.modeling import FusedTransformer, PrLMSpec
-    from prlmfuse.train_fused.trainer import Trainer, build_model_config, fast_bf16_available
+    from prlmfuse.precision import cpu_has_fast_bf16
+    from prlmfuse.train_fused.trainer import Trainer, build_model_config
 
     pad_multiple = args.pad_multiple or PAD_TO_MULTIPLE
     worker_nice = WORKER_NICE if args.worker_nice is None else args.worker_nice
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     run = RunConfig(name="bench", preset=args.preset, prlms=[use], max_tokens=args.max_tokens, max_updates=needed,
                     num_workers=args.workers, dropout=0.1)
     spec = PrLMSpec(name=info.name, width=info.hidden_size, num_layers=1, num_pooled=absolute_layer + 1)
-    bf16 = run.bf16 and fast_bf16_available()
+    bf16 = run.bf16 and cpu_has_fast_bf16()
     ctx = DistContext()
     tmp_run = Path(tempfile.mkdtemp(prefix="train-bench-run-"))
 

@@ -13,7 +13,7 @@ feature_scale).
 """
 
 from .builder import CacheResult, build_cache
-from .extract import has_fast_bf16, parse_layers
+from .extract import parse_layers
 from .manifest import cache_key, inspect_cache, verify_cache
 from .reader import CacheReader, feature_scale
 from .storage import BACKENDS, STORAGE_DTYPES
@@ -26,7 +26,6 @@ __all__ = [
     "build_cache",
     "cache_key",
     "feature_scale",
-    "has_fast_bf16",
     "inspect_cache",
     "parse_layers",
     "verify_cache",

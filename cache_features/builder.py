@@ -29,7 +29,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from prlmfuse.distributed import DistContext, all_reduce_max, destroy, init_distributed, join_group
 from prlmfuse.errors import UserError
+from prlmfuse.precision import cpu_has_fast_bf16
 from prlmfuse.fileio import pid_lock, is_disk_full, read_lines, sha256_file
 from prlmfuse.runtime import keep_freed_memory
 
@@ -39,7 +41,6 @@ from .extract import (
     ShardPlan,
     collate,
     encode_corpus,
-    has_fast_bf16,
     pad_token_id,
     parse_layers,
     plan_batches,
@@ -99,38 +100,6 @@ def _disk_full_error(what: str, location) -> UserError:
 
 
 # ----------------------------------------------------------------------------- distributed
-
-
-class _Dist:
-    """RANK/WORLD_SIZE from torchrun; a gloo group is created if none exists (and destroyed after)."""
-
-    def __init__(self):
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        self.created_group = False
-        if self.world > 1:
-            import torch.distributed as dist
-
-            if not dist.is_initialized():
-                dist.init_process_group("gloo")
-                self.created_group = True
-            self.world, self.rank = dist.get_world_size(), dist.get_rank()
-
-    def max(self, value: int) -> int:
-        """All-reduce MAX of a small int: every rank leaves with the same value (also a barrier)."""
-        if self.world == 1:
-            return value
-        import torch.distributed as dist
-
-        t = torch.tensor([value], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return int(t.item())
-
-    def close(self) -> None:
-        if self.created_group:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
 
 
 # ----------------------------------------------------------------------------- lock
@@ -388,12 +357,13 @@ def build_cache(
     info = resolve_checkpoint(checkpoint, trust_remote_code=trust_remote_code)
     selection = parse_layers(layers, info.num_layers)
     if autocast is None:
-        autocast = has_fast_bf16()
+        autocast = cpu_has_fast_bf16()
     fields = cache_key(info, sha256_file(corpus_file), selection, dtype, autocast=autocast)
     key = key_hash(fields)
     plan_params = {"max_tokens": int(max_tokens), "shard_bytes": int(shard_bytes)}
 
-    dist = _Dist()
+    created_group = join_group()
+    dist = init_distributed()
     try:
         return _locked_build(info, load_prlm, lines, location, out, selection, fields, key, plan_params, backend,
                              dtype, max_tokens, shard_bytes, autocast, force, progress, dist)
@@ -403,22 +373,23 @@ def build_cache(
             raise _disk_full_error("the cache", location) from None
         raise
     finally:
-        dist.close()
+        if created_group:
+            destroy(dist)
 
 
 def _locked_build(info, load_prlm, lines, location, out, selection, fields, key, plan_params, backend, dtype,
-                  max_tokens, shard_bytes, autocast, force, progress, dist: _Dist) -> CacheResult:
+                  max_tokens, shard_bytes, autocast, force, progress, dist: DistContext) -> CacheResult:
     """Reuse, resume or build `location`: rank 0 decides under the lock; the other ranks follow its verdict."""
-    with _directory_lock(location, enabled=dist.rank == 0, verbose=progress):
+    with _directory_lock(location, enabled=dist.is_main, verbose=progress):
         verdict, error = 0, None  # 0 build, 1 reuse, 2 failed
         manifest = None
-        if dist.rank == 0:
+        if dist.is_main:
             try:
                 manifest = _prepare_directory(location, key, fields, backend, plan_params, force, progress)
                 verdict = 1 if manifest is not None else 0
             except BaseException as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
                 verdict, error = 2, e
-        verdict = dist.max(verdict)
+        verdict = all_reduce_max(dist, verdict)
         if verdict == 2:
             raise error if error is not None else UserError(f"cache build of {out} failed on rank 0")
         if verdict == 1:
@@ -432,7 +403,7 @@ def _locked_build(info, load_prlm, lines, location, out, selection, fields, key,
 
 
 def _build(info, load_prlm, lines, location, selection, fields, key, backend, dtype, max_tokens, shard_bytes,
-           autocast, progress, dist: _Dist) -> dict:
+           autocast, progress, dist: DistContext) -> dict:
     model, tokenizer = load_prlm(info)
     corpus = encode_corpus(tokenizer, lines, max_length=info.max_length)
     del lines
@@ -447,9 +418,9 @@ def _build(info, load_prlm, lines, location, selection, fields, key, backend, dt
         check_shard_name(name, "plan")
 
     done = _completed_records(location, key, names)
-    mine = [plan for plan in shards if plan.index % dist.world == dist.rank]
+    mine = [plan for plan in shards if plan.index % dist.world_size == dist.rank]
     todo = [plan for plan in mine if plan.index not in done]
-    if done and dist.rank == 0:
+    if done and dist.is_main:
         _say(f"resuming {location}: {len(done)} of {len(shards)} shards already complete", progress)
 
     extractor = FeatureExtractor(model, selection, autocast=autocast)
@@ -466,7 +437,7 @@ def _build(info, load_prlm, lines, location, selection, fields, key, backend, dt
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total_sentences, initial=initial, unit="sent", disable=not progress,
-                   desc=f"cache{'' if dist.world == 1 else f' rank {dist.rank}'}", dynamic_ncols=True)
+                   desc=f"cache{'' if not dist.enabled else f' rank {dist.rank}'}", dynamic_ncols=True)
         started, tokens_done = time.perf_counter(), 0
         with bar:
             for plan in todo:
@@ -487,16 +458,16 @@ def _build(info, load_prlm, lines, location, selection, fields, key, backend, dt
         with contextlib.suppress(BaseException):
             writer.close()
 
-    if dist.max(failed):
+    if all_reduce_max(dist, failed):
         raise error if error is not None else UserError(f"cache build of {location} failed on another rank")
 
     manifest = None
-    if dist.rank == 0:
+    if dist.is_main:
         try:
             manifest = _write_manifest(location, key, fields, backend, dtype, selection, d, corpus, names, shards)
         except BaseException as e:  # noqa: BLE001
             failed, error = 1, e
-    if dist.max(failed):
+    if all_reduce_max(dist, failed):
         raise error if error is not None else UserError(f"writing the manifest of {location} failed on rank 0")
     if manifest is None:
         manifest = read_json_at(location, MANIFEST, "cache manifest")

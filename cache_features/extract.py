@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from prlmfuse.batching import token_budget_batches
 from prlmfuse.errors import UserError
 
 # Where each family keeps its stack of transformer layers, relative to the AutoModel base model.
@@ -185,25 +186,8 @@ class ShardPlan:
 
 
 def plan_batches(lengths: np.ndarray, max_tokens: int) -> list[np.ndarray]:
-    """Sort by length (ties by sentence id) and cut into batches whose padded size fits max_tokens.
-
-    Padded size = batch size x longest sentence in the batch; a single sentence longer than the
-    budget still gets a batch of its own.
-    """
-    if max_tokens < 1:
-        raise UserError(f"max_tokens must be >= 1, got {max_tokens}")
-    order = np.argsort(lengths, kind="stable")  # stable: equal lengths keep corpus order
-    batches: list[np.ndarray] = []
-    start = 0
-    n = len(order)
-    while start < n:
-        end = start + 1
-        # sorted ascending, so the newest sentence is always the longest in the batch
-        while end < n and (end + 1 - start) * int(lengths[order[end]]) <= max_tokens:
-            end += 1
-        batches.append(order[start:end].astype(np.int64))
-        start = end
-    return batches
+    """Sentences sorted by length (ties by sentence id), cut into batches within max_tokens."""
+    return token_budget_batches(np.argsort(lengths, kind="stable"), lengths, max_tokens)
 
 
 def plan_shards(batches: list[np.ndarray], lengths: np.ndarray, bytes_per_token: int, shard_bytes: int) -> list[ShardPlan]:
@@ -244,20 +228,6 @@ def pad_token_id(tokenizer) -> int:
 
 
 # ----------------------------------------------------------------------------- forward
-
-
-@functools.lru_cache(maxsize=1)
-def has_fast_bf16() -> bool:
-    """True when the CPU multiplies bf16 natively (AMX or AVX512-BF16): autocast is then ~4x faster."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"amx_bf16", "avx512_bf16"})
-    except OSError:
-        pass
-    return "AMX" in str(torch.backends.cpu.get_cpu_capability()).upper()
 
 
 def _get_path(module: nn.Module, dotted: str) -> nn.Module | None:

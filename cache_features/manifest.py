@@ -40,12 +40,12 @@ def cache_key(checkpoint_info, corpus_file, layers, dtype, *, autocast: bool | N
     `autocast=None` means the default for this machine (bf16 where the CPU has fast bf16), so
     a cache built by default on an AMX machine and one built on a machine without it differ.
     """
-    from .extract import has_fast_bf16
+    from prlmfuse.precision import cpu_has_fast_bf16
 
     check_dtype(dtype)
     selection = layers if isinstance(layers, LayerSelection) else parse_layers(layers, checkpoint_info.num_layers)
     if autocast is None:
-        autocast = has_fast_bf16()
+        autocast = cpu_has_fast_bf16()
     corpus_sha = corpus_file if _looks_like_sha(corpus_file) else sha256_file(corpus_file)
     return {
         "format": FORMAT_VERSION,

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from prlmfuse.data import Corpus
+from prlmfuse.batching import token_budget_batches
 from prlmfuse.errors import UserError
 from prlmfuse.evaluate.metrics import (
     DEFAULT_SEED,
@@ -446,15 +447,7 @@ def decode_corpus(
     lengths = np.fromiter((len(s) + 1 for s in src_ids), dtype=np.int64, count=n)
     # Longest first: the first batch shows the memory peak, later ones only get shorter.
     order = np.argsort(-lengths, kind="stable")
-    batches: list[list[int]] = []
-    current: list[int] = []
-    for i in order.tolist():
-        if current and (len(current) + 1) * int(lengths[current[0]]) > batch_tokens:
-            batches.append(current)
-            current = []
-        current.append(i)
-    if current:
-        batches.append(current)
+    batches = [b.tolist() for b in token_budget_batches(order, lengths, batch_tokens)]
 
     hyps: list[str] = [""] * n
     hyp_tokens = 0

@@ -24,6 +24,7 @@ import click
 
 from prlmfuse import __version__
 from prlmfuse.config import CheckpointEntry, PipelineConfig
+from prlmfuse.distributed import barrier, is_main_process, rank_world
 from prlmfuse.errors import UserError
 from prlmfuse.train_fused.config import PrLMUse, RunConfig, recipe_without_seed
 
@@ -33,28 +34,8 @@ SPLITS = ("train", "dev", "test")
 # ---------------------------------------------------------------------------- distributed
 
 
-def _rank_world() -> tuple[int, int]:
-    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _barrier() -> None:
-    """Under torchrun, wait for every rank (the stages themselves split their work by rank)."""
-    _, world = _rank_world()
-    if world <= 1:
-        return
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
-    dist.barrier()
-
-
-def _is_main() -> bool:
-    return _rank_world()[0] == 0
-
-
 def _say(msg: str) -> None:
-    if _is_main():
+    if is_main_process():
         click.echo(msg)
 
 
@@ -72,13 +53,13 @@ def ensure_data(cfg: PipelineConfig, *, build: bool = True):
     from prlmfuse import data as corpora
 
     root = corpus_dir(cfg)
-    if not build or (root / "corpus.json").is_file() and _rank_world()[1] == 1:
+    if not build or (root / "corpus.json").is_file() and rank_world()[1] == 1:
         if not (root / "corpus.json").is_file():
             raise UserError(f"no corpus in {root}; run `prlmfuse run {cfg.path} --only data` first")
         return corpora.load_corpus(root)
     # Rank 0 builds (or finds) the corpus and every rank passes the same barrier, whatever it saw:
     # a rank that skipped it would meet rank 0 inside the cache build's collectives instead.
-    if _is_main() and not (root / "corpus.json").is_file():
+    if is_main_process() and not (root / "corpus.json").is_file():
         d = cfg.data
         _say(f"data: building {d.kind} corpus in {root}")
         if d.kind == "bible":
@@ -91,7 +72,7 @@ def ensure_data(cfg: PipelineConfig, *, build: bool = True):
                 root, train_src=f.train_src, train_tgt=f.train_tgt, dev_src=f.dev_src, dev_tgt=f.dev_tgt,
                 test_src=f.test_src, test_tgt=f.test_tgt, src_lang=d.src, tgt_lang=d.tgt, task=d.task,
             )
-    _barrier()
+    barrier()
     return corpora.load_corpus(root)
 
 
@@ -240,7 +221,7 @@ def train_runs(
 
     if not isinstance(parallel, int) or parallel < 1:
         raise UserError(f"--jobs must be a positive integer, got {parallel!r}")
-    if parallel > 1 and _rank_world()[1] > 1:
+    if parallel > 1 and rank_world()[1] > 1:
         raise UserError("--jobs > 1 cannot be combined with torchrun; use one or the other")
     corpus = ensure_data(cfg, build=False)
     if jobs is None:
@@ -351,7 +332,7 @@ def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None, jobs=
         if base not in selected:
             baseline = None
     dirs = [run_dir(cfg, r.name) for r in selected]
-    if not _is_main():
+    if not is_main_process():
         return None
     out = cfg.workdir / e.out
     result = evaluate_runs(

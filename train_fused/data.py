@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from prlmfuse.batching import token_budget_batches
 from prlmfuse.cache_features import CacheReader
 from prlmfuse.train_fused.bpe import BOS_ID, EOS_ID, PAD_ID
 from prlmfuse.train_fused.modeling import PrLMFeatures
@@ -221,19 +222,7 @@ class TokenBudgetBatchSampler:
         ranked = np.random.RandomState(seed).permutation(indices)
         ranked = ranked[np.argsort(secondary[ranked], kind="stable")]
         ranked = ranked[np.argsort(primary[ranked], kind="stable")]
-        batches: list[list[int]] = []
-        current: list[int] = []
-        longest = 0
-        for i in ranked.tolist():
-            size = int(sizes[i])
-            if current and (len(current) + 1) * max(longest, size) > max_tokens:
-                batches.append(current)
-                current, longest = [], 0
-            current.append(i)
-            longest = max(longest, size)
-        if current:
-            batches.append(current)
-        return batches
+        return [b.tolist() for b in token_budget_batches(ranked, sizes, max_tokens)]
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Epoch (0-based) whose order to yield next, skipping its first `start` batches."""

@@ -30,13 +30,14 @@ import torch.nn.functional as F
 import prlmfuse
 from prlmfuse.cache_features import CacheReader, verify_cache
 from prlmfuse.errors import UserError
+from prlmfuse.precision import cpu_has_fast_bf16
 from prlmfuse.fileio import pid_lock, atomic_write_json, atomic_write_text, read_json, read_lines
 from prlmfuse.runtime import keep_freed_memory
 from prlmfuse.train_fused import checkpointing
 from prlmfuse.train_fused.bpe import PAD_ID, BPE, train_bpe
 from prlmfuse.train_fused.config import PrLMUse, RunConfig
 from prlmfuse.train_fused.data import BATCH_ORDERS, Batch, FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader
-from prlmfuse.train_fused.distributed import (
+from prlmfuse.distributed import (
     DistContext,
     all_reduce_sum,
     barrier,
@@ -79,12 +80,6 @@ def inverse_sqrt_lr(update: int, lr: float, warmup: int) -> float:
     if update <= warmup:
         return lr * update / warmup
     return lr * math.sqrt(warmup / update)
-
-
-def fast_bf16_available() -> bool:
-    """bf16 autocast only pays off with native bf16 matmuls (AMX or AVX512-BF16); emulated it is slower."""
-    caps = torch._C._cpu._get_cpu_capability() if hasattr(torch._C, "_cpu") else {}
-    return bool(caps.get("amx_bf16") or caps.get("avx512_bf16"))
 
 
 def label_smoothed_sums(logits: torch.Tensor, target: torch.Tensor, smoothing: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -450,7 +445,7 @@ class Trainer:
         self.model = model
         self.ctx = ctx
         self.progress = progress
-        self.use_bf16 = bool(run.bf16) and fast_bf16_available()
+        self.use_bf16 = bool(run.bf16) and cpu_has_fast_bf16()
         keep_freed_memory()
         self.params = [p for p in model.parameters() if p.requires_grad]
         # fused: one kernel over all parameters; torch's default on CPU is a per-tensor loop, ~4x slower.

@@ -1,5 +1,6 @@
-"""Data-parallel training under torchrun (gloo on CPU), without wrapping the model in DDP.
+"""torchrun support for every stage: ranks, one process group, and gradient reduction.
 
+Training is data-parallel without wrapping the model in DDP.
 Every rank builds the same global batches and trains on its own slice of each. Gradients are
 summed over ranks together with the loss sums and the target-token count in ONE all_reduce, and
 only then divided by the global token count: the update is the one a single process would make
@@ -29,19 +30,46 @@ class DistContext:
         return self.rank == 0
 
 
+def rank_world() -> tuple[int, int]:
+    """(RANK, WORLD_SIZE) as torchrun sets them; (0, 1) outside torchrun."""
+    return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_main_process() -> bool:
+    return rank_world()[0] == 0
+
+
+def join_group() -> bool:
+    """Join torchrun's process group when WORLD_SIZE > 1; True when this call created it."""
+    if rank_world()[1] <= 1 or dist.is_initialized():
+        return False
+    dist.init_process_group(backend="gloo")
+    return True
+
+
 def init_distributed() -> DistContext:
-    """Join the torchrun process group when WORLD_SIZE > 1 (gloo: CPU only); single process otherwise."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size <= 1:
+    """The process group's context under torchrun (WORLD_SIZE > 1); a single process otherwise."""
+    if rank_world()[1] <= 1:
         return DistContext()
-    if not dist.is_initialized():
-        dist.init_process_group(backend="gloo")
+    join_group()
     return DistContext(rank=dist.get_rank(), world_size=dist.get_world_size())
 
 
-def barrier(ctx: DistContext) -> None:
+def barrier(ctx: DistContext | None = None) -> None:
+    """Wait for every rank (joining the group first when called outside a training context)."""
+    if ctx is None:
+        ctx = init_distributed()
     if ctx.enabled:
         dist.barrier()
+
+
+def all_reduce_max(ctx: DistContext, value: int) -> int:
+    """The largest `value` over ranks; every rank leaves with it (so it is also a barrier)."""
+    if not ctx.enabled:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def broadcast_parameters(ctx: DistContext, module: torch.nn.Module) -> None:
