@@ -83,7 +83,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -290,32 +289,6 @@ class EncoderOut:
 # ----------------------------------------------------------------------------- building blocks
 
 
-def dropout(x: Tensor, p: float, training: bool) -> Tensor:
-    """Inverted dropout, as F.dropout, with the keep mask cut from 64-bit random words 16 bits at a time.
-
-    Why not F.dropout: torch's CPU dropout draws one bernoulli_ sample per element, ~20 ns an
-    element, ~12% of a small model's training step. The words come from numpy's PCG64, seeded
-    for each call from torch's default generator, so torch.manual_seed and a resumed run's
-    restored torch RNG state reproduce every mask; PCG64 fills them faster than torch's mt19937
-    `random_`. The keep mask goes to x's dtype through uint8, because torch's bool-to-bfloat16
-    cast is not vectorized and uint8-to-bfloat16 is. The drop probability is rounded to a
-    multiple of 1/65536 and the scale uses the rounded value, so the output stays unbiased up to
-    the scale's own rounding to x's dtype (8 significant bits in bf16, where F.dropout scales in
-    float32) (`bench/train_throughput.py --compare dropout` times this against torch's generator).
-    """
-    if not training or p == 0.0:
-        return x
-    if x.device.type != "cpu":
-        return F.dropout(x, p, training=True)
-    n = x.numel()
-    seed = int(torch.empty((), dtype=torch.int64).random_())
-    words = np.random.PCG64(seed).random_raw((n + 3) // 4)
-    dropped = round(p * 65536)
-    keep = words.view(np.int16)[:n] >= dropped - 32768  # int16 uniform over [-32768, 32767]
-    mask = torch.from_numpy(keep.view(np.uint8)).view(x.shape).to(x.dtype)
-    return x * mask.mul_(65536 / (65536 - dropped))
-
-
 class SinusoidalPositions(nn.Module):
     """Fixed sin/cos position embeddings (fairseq layout: all sines, then all cosines)."""
 
@@ -338,58 +311,6 @@ class SinusoidalPositions(nn.Module):
 def positions_from_mask(mask: Tensor) -> Tensor:
     """0, 1, 2, .. over the real tokens of each row, whichever side the padding is on."""
     return (mask.long().cumsum(dim=1) - 1).clamp(min=0)
-
-
-def lower_once(x: Tensor) -> Tensor:
-    """x in autocast's low-precision dtype when autocast is on, else x unchanged.
-
-    Why: autocast casts a float32 input again for every linear that reads it, forward and
-    backward; a layer input that feeds the q, k and v projections (and the PrLM attention's query)
-    is cast once here instead.
-    """
-    device = x.device.type
-    if x.dtype == torch.float32 and torch.is_autocast_enabled(device):
-        return x.to(torch.get_autocast_dtype(device))
-    return x
-
-
-# Attention scores, softmax and weighted sum of bf16 training steps in bf16 (see
-# training_attention); False upcasts them to float32 as torch's math kernel does by default. A
-# module constant so that bench/train_throughput.py --compare attn can time one against the other.
-BF16_ATTENTION_MATH = True
-
-
-def _uses_training_attention(q: Tensor) -> bool:
-    """Whether `MultiheadAttention.attend` computes through `training_attention` rather than SDPA.
-
-    On CPU in bf16 with autograd: there, torch's flash kernel's backward is about 2x slower than
-    autograd through plain matmuls at our sequence lengths (its forward is about 6x faster; torch
-    2.13, measured for B=64, 4 heads, 32 tokens, head_dim 64), so inference, decoding and float32
-    steps keep F.scaled_dot_product_attention and its kernel choice.
-    """
-    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad
-
-
-def training_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float) -> Tensor:
-    """softmax(q k^T / sqrt(head_dim) + mask) v, written out, for training steps under bf16 autocast.
-
-    q [B, H, T, hd], k and v [B, H, S, hd]; mask broadcastable to [B, H, T, S], True = attend, with
-    at least one True per row. Why not torch's math kernel, which computes the same: it upcasts
-    bf16 to float32 unless a process-wide flag is set, and it guards every score tensor against
-    fully masked rows with isneginf, all and where, rows `attend` never produces
-    (`bench/train_throughput.py --compare attn-kernel` times the two). Scores and weights are
-    rounded to bf16 as every autocast matmul output is (the softmax accumulates in float32), as
-    fairseq's --fp16 training keeps its attention weights in half precision after a float32 softmax.
-    """
-    out_dtype = q.dtype
-    with torch.autocast(q.device.type, enabled=False):
-        if not BF16_ATTENTION_MATH:
-            q, k, v = q.float(), k.float(), v.float()
-        scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1))
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        weights = dropout(torch.softmax(scores, dim=-1), dropout_p, training=True)
-        return torch.matmul(weights, v).to(out_dtype)
 
 
 class MultiheadAttention(nn.Module):
@@ -434,19 +355,15 @@ class MultiheadAttention(nn.Module):
                 empty_rows = ~has_key
                 key_mask = key_mask | empty_rows[:, None]
             attn_mask = key_mask[:, None, None, :]
-        written_out = _uses_training_attention(q)
         is_causal = False
         if causal and q_len > 1:
-            if attn_mask is None and q_len == k_len and not written_out:
+            if attn_mask is None and q_len == k_len:
                 is_causal = True
             else:
                 causal_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(diagonal=k_len - q_len)
                 attn_mask = causal_mask if attn_mask is None else attn_mask & causal_mask
         dropout_p = self.attn_dropout if self.training else 0.0
-        if written_out:
-            out = training_attention(q, keys, values, attn_mask, dropout_p)
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
         out = self.out_proj(out.transpose(1, 2).reshape(batch, q_len, d_model))
         if empty_rows is not None:
             out = out.masked_fill(empty_rows[:, None, None], 0.0)
@@ -622,7 +539,7 @@ class EncoderLayer(nn.Module):
         super().__init__()
         d = config.d_model
         self.pre_ln = config.pre_ln
-        self.dropout = config.dropout
+        self.dropout = nn.Dropout(config.dropout)
         self.position = config.position
         self.self_attn = MultiheadAttention(d, config.heads, config.attn_dropout)
         self.self_attn_layer_norm = nn.LayerNorm(d)
@@ -641,24 +558,21 @@ class EncoderLayer(nn.Module):
                 self.prlm_final_layer_norm = nn.ModuleList(nn.LayerNorm(d) for _ in range(k))
         self.merge = FlowMerge(config.merge, d, k, config.dropnet_p)
 
-    def _drop(self, x: Tensor) -> Tensor:
-        return dropout(x, self.dropout, self.training)
-
     def _ffn_block(self, x: Tensor) -> Tensor:
         if self.pre_ln:
-            return x + self._drop(self.ffn(self.final_layer_norm(x)))
-        return self.final_layer_norm(x + self._drop(self.ffn(x)))
+            return x + self.dropout(self.ffn(self.final_layer_norm(x)))
+        return self.final_layer_norm(x + self.dropout(self.ffn(x)))
 
     def forward(self, x: Tensor, mask: Tensor, prlm: list[tuple[Tensor, Tensor]]) -> Tensor:
         """x [B, S, d], mask [B, S]; prlm: per branch (Z [B, M, d_p], mask [B, M])."""
         residual = x
-        h = lower_once(self.self_attn_layer_norm(x) if self.pre_ln else x)
-        attn_s = self._drop(self.self_attn(h, h, mask))
+        h = self.self_attn_layer_norm(x) if self.pre_ln else x
+        attn_s = self.dropout(self.self_attn(h, h, mask))
         if not self.num_prlms:
             x = residual + attn_s
             return self._ffn_block(x if self.pre_ln else self.self_attn_layer_norm(x))
 
-        attn_p = [self._drop(attn(h, z, z_mask)) for attn, (z, z_mask) in zip(self.prlm_attn, prlm)]
+        attn_p = [self.dropout(attn(h, z, z_mask)) for attn, (z, z_mask) in zip(self.prlm_attn, prlm)]
         if self.position == "attn":
             x = residual + self.merge([attn_s, *attn_p])
             return self._ffn_block(x if self.pre_ln else self.self_attn_layer_norm(x))
@@ -674,16 +588,16 @@ class EncoderLayer(nn.Module):
 
         if self.position == "ffn":
             if self.pre_ln:
-                flow_s = self._drop(self.ffn(self.final_layer_norm(x_s)))
-                flow_p = [self._drop(ffn(norm(x))) for ffn, norm, x in zip(self.prlm_ffn, self.prlm_final_layer_norm, x_p)]
+                flow_s = self.dropout(self.ffn(self.final_layer_norm(x_s)))
+                flow_p = [self.dropout(ffn(norm(x))) for ffn, norm, x in zip(self.prlm_ffn, self.prlm_final_layer_norm, x_p)]
                 return x_s + self.merge([flow_s, *flow_p])
-            flow_s = self._drop(self.ffn(x_s))
-            flow_p = [self._drop(ffn(x)) for ffn, x in zip(self.prlm_ffn, x_p)]
+            flow_s = self.dropout(self.ffn(x_s))
+            flow_p = [self.dropout(ffn(x)) for ffn, x in zip(self.prlm_ffn, x_p)]
             return self.final_layer_norm(x_s + self.merge([flow_s, *flow_p]))
 
         # add_norm2, post-LN only
         y_s = self._ffn_block(x_s)
-        y_p = [norm(x + self._drop(ffn(x))) for ffn, norm, x in zip(self.prlm_ffn, self.prlm_final_layer_norm, x_p)]
+        y_p = [norm(x + self.dropout(ffn(x))) for ffn, norm, x in zip(self.prlm_ffn, self.prlm_final_layer_norm, x_p)]
         return self.merge([y_s, *y_p])
 
 
@@ -694,7 +608,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         d = config.d_model
         self.pre_ln = config.pre_ln
-        self.dropout = config.dropout
+        self.dropout = nn.Dropout(config.dropout)
         self.self_attn = MultiheadAttention(d, config.heads, config.attn_dropout)
         self.self_attn_layer_norm = nn.LayerNorm(d)
         self.encoder_attn = MultiheadAttention(d, config.heads, config.attn_dropout)
@@ -706,9 +620,6 @@ class DecoderLayer(nn.Module):
             self.prlm_attn = nn.ModuleList(MultiheadAttention(d, config.heads, config.attn_dropout, w) for w in prlm_widths)
             self.merge = FlowMerge(config.merge, d, len(prlm_widths), config.dropnet_p)
 
-    def _drop(self, x: Tensor) -> Tensor:
-        return dropout(x, self.dropout, self.training)
-
     def forward(
         self, x: Tensor, enc: EncoderOut, layer_index: int, past_kv: tuple[Tensor, Tensor] | None
     ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
@@ -718,25 +629,23 @@ class DecoderLayer(nn.Module):
         """
         # Causal self-attention over the cached positions plus the new ones.
         residual = x
-        h = lower_once(self.self_attn_layer_norm(x) if self.pre_ln else x)
+        h = self.self_attn_layer_norm(x) if self.pre_ln else x
         keys, values = self.self_attn.project_kv(h)
         if past_kv is not None:
             keys = torch.cat([past_kv[0], keys], dim=2)
             values = torch.cat([past_kv[1], values], dim=2)
-        x = residual + self._drop(self.self_attn.attend(h, keys, values, causal=True))
+        x = residual + self.dropout(self.self_attn.attend(h, keys, values, causal=True))
         if not self.pre_ln:
             x = self.self_attn_layer_norm(x)
 
         # Encoder attention, merged with the PrLM attentions on the target side (bert-nmt style).
         residual = x
         h = self.encoder_attn_layer_norm(x) if self.pre_ln else x
-        if self.num_prlms:
-            h = lower_once(h)  # also the query of every target-side PrLM attention
         enc_k, enc_v = enc.cross_kv[layer_index]
-        attended = self._drop(self.encoder_attn.attend(h, enc_k, enc_v, enc.mask))
+        attended = self.dropout(self.encoder_attn.attend(h, enc_k, enc_v, enc.mask))
         if self.num_prlms:
             prlm_attended = [
-                self._drop(attn.attend(h, k, v, m))
+                self.dropout(attn.attend(h, k, v, m))
                 for attn, (k, v), m in zip(self.prlm_attn, enc.prlm_kv[layer_index], enc.prlm_masks)
             ]
             attended = self.merge([attended, *prlm_attended])
@@ -745,9 +654,9 @@ class DecoderLayer(nn.Module):
             x = self.encoder_attn_layer_norm(x)
 
         if self.pre_ln:
-            x = x + self._drop(self.ffn(self.final_layer_norm(x)))
+            x = x + self.dropout(self.ffn(self.final_layer_norm(x)))
         else:
-            x = self.final_layer_norm(x + self._drop(self.ffn(x)))
+            x = self.final_layer_norm(x + self.dropout(self.ffn(x)))
         return x, (keys, values)
 
 
@@ -766,6 +675,7 @@ class FusedTransformer(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, d, padding_idx=config.pad_id)
         self.embed_scale = math.sqrt(d)
         self.embed_positions = SinusoidalPositions(d)
+        self.embed_dropout = nn.Dropout(config.dropout)
         self.prlm_layers = nn.ModuleList(build_layer_selection(p) for p in config.prlms)
         # Identity has no parameters: checkpoints of branches without the norm are unchanged.
         self.prlm_feature_norms = nn.ModuleList(
@@ -836,8 +746,8 @@ class FusedTransformer(nn.Module):
         config = self.config
         batch = src_tokens.shape[0]
         features = self._check_features(prlm, batch)
-        # Z_j [B, M_j, d_p], read by the k and v projections of every layer: cast once.
-        selected = [(lower_once(norm(select(f))), f.mask)
+        # Z_j [B, M_j, d_p], read by the key/value projections of every branch attention.
+        selected = [(norm(select(f)), f.mask)
                     for select, norm, f in zip(self.prlm_layers, self.prlm_feature_norms, features)]
 
         if config.merge == "direct":
@@ -847,7 +757,7 @@ class FusedTransformer(nn.Module):
         else:
             mask = src_tokens != config.pad_id
             x = self.embed_scale * self.embed_tokens(src_tokens) + self.embed_positions(positions_from_mask(mask))
-        x = dropout(x, config.dropout, self.training)
+        x = self.embed_dropout(x)
 
         encoder_branches = selected if config.encoder_prlms else []
         for layer in self.encoder_layers:
@@ -855,8 +765,7 @@ class FusedTransformer(nn.Module):
         if config.pre_ln:
             x = self.encoder_layer_norm(x)
 
-        memory = lower_once(x)  # read by the k and v projections of every decoder layer
-        cross_kv = [layer.encoder_attn.project_kv(memory) for layer in self.decoder_layers]
+        cross_kv = [layer.encoder_attn.project_kv(x) for layer in self.decoder_layers]
         if config.decoder_prlms:
             prlm_kv = [[attn.project_kv(z) for attn, (z, _) in zip(layer.prlm_attn, selected)] for layer in self.decoder_layers]
             prlm_masks = [m for _, m in selected]
@@ -887,7 +796,7 @@ class FusedTransformer(nn.Module):
         new_len = prev_tokens.shape[1]
         positions = torch.arange(past_len, past_len + new_len, device=prev_tokens.device)
         x = self.embed_scale * self.embed_tokens(prev_tokens) + self.embed_positions(positions)
-        x = dropout(x, self.config.dropout, self.training)
+        x = self.embed_dropout(x)
         new_cache = []
         for i, layer in enumerate(self.decoder_layers):
             x, layer_kv = layer(x, enc, i, None if cache is None else cache[i])
