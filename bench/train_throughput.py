@@ -122,35 +122,6 @@ def _logsumexp_nll_sums(logits, target, smoothing):
     return loss, nll
 
 
-def _sdpa_math_attention(q, k, v, mask, dropout_p):
-    """training_attention through torch's SDPA math kernel, as training steps attended before it (the "without" of --compare attn-kernel)."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from prlmfuse.train_fused import modeling
-
-    allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
-    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(modeling.BF16_ATTENTION_MATH)
-    try:
-        with sdpa_kernel(SDPBackend.MATH):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
-    finally:
-        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
-
-
-def _torch_bits_dropout(x, p, training):
-    """modeling.dropout as it was before its random words came from numpy (the "without" of
-    --compare dropout): torch's mt19937 `random_` fills them and the bool keep mask is cast to x's dtype directly."""
-    if not training or p == 0.0:
-        return x
-    n = x.numel()
-    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_(-(2**63), None)
-    bits = words.view(torch.int16)[:n].view(x.shape)
-    dropped = round(p * 65536)
-    keep = bits >= dropped - 32768
-    return x * keep.to(x.dtype).mul_(65536 / (65536 - dropped))
-
-
 def _step(trainer, batches, live: _LivePrLM | None, src_lines) -> tuple[float, float, int]:
     """One update on the next batch of `batches`: (seconds waiting for it, seconds in all, target tokens)."""
     t0 = time.perf_counter()
@@ -197,7 +168,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--home", default=None, help="where corpus and caches go (default $PRLMFUSE_HOME)")
     parser.add_argument("--systems", default="abcd", help="which of a, b, c, d to time (default abcd)")
     parser.add_argument("--pad-multiple", type=int, default=None, help="round padded lengths up to this (default: prlmfuse's)")
-    parser.add_argument("--worker-nice", type=int, default=None, help="niceness added to DataLoader workers (default: prlmfuse's)")
     parser.add_argument("--logit-rows", choices=["scored", "all"], default="scored",
                         help="loss over the real target positions only (prlmfuse's) or over every padded one")
     parser.add_argument("--compare", choices=sorted([*COMPARISONS, *SWITCH_NAMES]),
@@ -222,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     from prlmfuse.train_fused.bpe import train_bpe
     from prlmfuse.train_fused.config import PrLMUse, RunConfig
     from prlmfuse.train_fused.data import (
-        PAD_TO_MULTIPLE, WORKER_NICE, FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader,
+        PAD_TO_MULTIPLE, FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader,
     )
     from prlmfuse.distributed import DistContext
     from prlmfuse.train_fused.modeling import FusedTransformer, PrLMSpec
@@ -230,7 +200,6 @@ def main(argv: list[str] | None = None) -> int:
     from prlmfuse.train_fused.trainer import Trainer, build_model_config
 
     pad_multiple = args.pad_multiple or PAD_TO_MULTIPLE
-    worker_nice = WORKER_NICE if args.worker_nice is None else args.worker_nice
     home = Path(args.home) if args.home else prlmfuse_home()
     corpus = _corpus(home, args.train_pairs)
     try:
@@ -318,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     feeds, worker_pids = {}, {}
     for key, (trainer, dataset) in systems.items():
         workers = 0 if key == "c" else args.workers
-        loader = make_loader(plain if key == "d" else dataset, sampler_over(batches), num_workers=workers, worker_nice=worker_nice)
+        loader = make_loader(plain if key == "d" else dataset, sampler_over(batches), num_workers=workers)
         feeds[key] = iter(loader)
         worker_pids[key] = [w.pid for w in getattr(feeds[key], "_workers", [])]
     def lane_name(key, variant):
@@ -381,7 +350,6 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "bf16": bf16,
         "pad_multiple": pad_multiple,
-        "worker_nice": worker_nice,
         "logit_rows": args.logit_rows,
         "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         "step_ms": {k: round(v["step_s"] * 1000, 1) for k, v in typical.items()},
@@ -418,26 +386,20 @@ def main(argv: list[str] | None = None) -> int:
 # Settings that can change between two updates of one process: --compare of these times both
 # variants in one run, each system's two updates on the same batch back to back (see the lanes in
 # main); name -> {variant: set it}, the second variant is prlmfuse's default.
-SWITCH_NAMES = ("attn", "attn-kernel", "dropout", "nll")
+SWITCH_NAMES = ("nll",)
 
 
 def _switches(name: str) -> dict:
     """{variant: function that sets it} for the switch `name`, prlmfuse's own functions captured
     before anything replaces them."""
-    from prlmfuse.train_fused import modeling, trainer
+    from prlmfuse.train_fused import trainer
 
-    written, from_loss, numpy_bits = modeling.training_attention, trainer.label_smoothed_sums, modeling.dropout
+    from_loss = trainer.label_smoothed_sums
 
     def setter(module, attribute, value):
         return lambda: setattr(module, attribute, value)
 
     return {
-        "attn": {"fp32": setter(modeling, "BF16_ATTENTION_MATH", False), "bf16": setter(modeling, "BF16_ATTENTION_MATH", True)},
-        "attn-kernel": {"sdpa": setter(modeling, "training_attention", _sdpa_math_attention),
-                        "written": setter(modeling, "training_attention", written)},
-        # modeling.dropout is looked up at every call, by the layers and by training_attention
-        "dropout": {"torch-bits": setter(modeling, "dropout", _torch_bits_dropout),
-                    "numpy-bits": setter(modeling, "dropout", numpy_bits)},
         # trainer.label_smoothed_sums is what Trainer._forward_sums calls
         "nll": {"logsumexp": setter(trainer, "label_smoothed_sums", _logsumexp_nll_sums),
                 "fromloss": setter(trainer, "label_smoothed_sums", from_loss)},
@@ -448,9 +410,7 @@ def _switches(name: str) -> dict:
 # name -> (systems timed, {variant: (extra arguments, extra environment)}); the second variant is
 # prlmfuse's default. "nice" also times (c), which has no workers: a control for machine noise.
 COMPARISONS = {
-    "malloc": ("ab", {"glibc": ([], {"PRLMFUSE_MALLOC": "glibc"}), "prlmfuse": ([], {"PRLMFUSE_MALLOC": ""})}),
     "pad": ("ab", {"exact": (["--pad-multiple", "1"], {}), "padded8": (["--pad-multiple", "8"], {})}),
-    "nice": ("abc", {"nice0": (["--worker-nice", "0"], {}), "nice10": (["--worker-nice", "10"], {})}),
     "rows": ("ab", {"all": (["--logit-rows", "all"], {}), "scored": (["--logit-rows", "scored"], {})}),
 }
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,7 @@ import torch
 from prlmfuse.cache_features import CacheReader
 from prlmfuse.train_fused.bpe import BOS_ID, EOS_ID, PAD_ID
 from prlmfuse.train_fused.data import (
-    PAD_TO_MULTIPLE, WORKER_NICE, FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader, pad_length,
+    PAD_TO_MULTIPLE, FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader, pad_length,
 )
 from prlmfuse.train_fused.trainer import inverse_sqrt_lr
 
@@ -43,18 +42,6 @@ def test_batches_respect_budget_and_cover_each_pair_once():
     assert padded < 1.1 * src.sum()
     runs = sorted((min(src[i] for i in b), max(src[i] for i in b)) for b in sampler.batches)
     assert all(hi <= next_lo for (_, hi), (next_lo, _) in zip(runs, runs[1:]))
-
-
-def test_target_first_order_and_switching_orders():
-    src, tgt = _lengths()
-    sampler = TokenBudgetBatchSampler(src, tgt, 400, seed=1, order="target_first")
-    padded = sum(len(b) * max(tgt[i] for i in b) for b in sampler.batches)
-    assert padded < 1.1 * tgt.sum()
-    sampler.use_order("source_first")
-    assert sampler.order == "source_first"
-    assert sampler.batches == TokenBudgetBatchSampler(src, tgt, 400, seed=1).batches
-    with pytest.raises(ValueError, match="batch order 'longest'"):
-        TokenBudgetBatchSampler(src, tgt, 400, order="longest")
 
 
 def test_oversized_pair_gets_a_batch_of_its_own():
@@ -212,25 +199,6 @@ def test_workers_deliver_the_same_batches_as_in_process(cache):
         for got in (w, m):
             assert torch.equal(e.ids, got.ids) and torch.equal(e.src_tokens, got.src_tokens)
             assert torch.equal(e.prlm[0].states, got.prlm[0].states) and torch.equal(e.prlm[0].mask, got.prlm[0].mask)
-
-
-class _NicenessDataset(torch.utils.data.Dataset):
-    """Each 'batch' is the niceness of the process that built it."""
-
-    def __len__(self):
-        return 4
-
-    def __getitems__(self, indices):
-        return os.getpriority(os.PRIO_PROCESS, 0)
-
-
-def test_workers_run_at_lower_priority_than_the_training_step():
-    sampler = [[0], [1], [2], [3]]
-    here = os.getpriority(os.PRIO_PROCESS, 0)
-    got = list(make_loader(_NicenessDataset(), sampler, num_workers=2))
-    assert got == [min(here + WORKER_NICE, 19)] * 4
-    assert list(make_loader(_NicenessDataset(), sampler, num_workers=2, worker_nice=0)) == [here] * 4
-    assert os.getpriority(os.PRIO_PROCESS, 0) == here  # the training process itself is untouched
 
 
 def test_empty_slice_is_an_empty_batch(cache):

@@ -9,9 +9,7 @@ Readers open lazily in whichever process first touches them (never carried acros
 
 from __future__ import annotations
 
-import functools
 import multiprocessing
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -155,10 +153,6 @@ def batch_features(
     return PrLMFeatures(states=states, mask=mask, pooled=pooled)
 
 
-# Sort keys of TokenBudgetBatchSampler.build_batches, the first one the default.
-BATCH_ORDERS = ("source_first", "target_first")
-
-
 class TokenBudgetBatchSampler:
     """Length-bucketed batches under a padded token budget; a seeded new batch order every epoch.
 
@@ -179,7 +173,6 @@ class TokenBudgetBatchSampler:
         seed: int = 1,
         rank: int = 0,
         world_size: int = 1,
-        order: str = "source_first",
     ):
         self.max_tokens = int(max_tokens)
         self.shuffle = shuffle
@@ -188,40 +181,26 @@ class TokenBudgetBatchSampler:
         self.world_size = world_size
         self.epoch = 0
         self.start = 0
-        self._lengths = (src_lens, tgt_lens, indices)
-        self.order = order
-        self.batches = self.build_batches(src_lens, tgt_lens, max_tokens, indices=indices, seed=seed, order=order)
-
-    def use_order(self, order: str) -> None:
-        """Rebuild the batches in another of BATCH_ORDERS (a resumed run keeps the order it started with)."""
-        if order != self.order:
-            src_lens, tgt_lens, indices = self._lengths
-            self.batches = self.build_batches(src_lens, tgt_lens, self.max_tokens, indices=indices, seed=self.seed, order=order)
-            self.order = order
+        self.batches = self.build_batches(src_lens, tgt_lens, max_tokens, indices=indices, seed=seed)
 
     @staticmethod
     def build_batches(
         src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, *, indices: np.ndarray | None = None, seed: int = 1,
-        order: str = "source_first",
     ) -> list[list[int]]:
         """Batches of pair indices, each within the padded budget, from the pairs sorted by length.
 
-        order "source_first" is fairseq's (LanguagePairDataset.ordered_indices): a stable sort by
-        target length, then by source length, so a batch is a run of nearly equal source lengths.
-        Source first because the encoder, where every PrLM branch runs, pays for source padding
-        (`bench/batch_padding.py`). "target_first", the two sorts the other way round, is how
-        prlmfuse sorted up to commit c112fc3; runs started then resume in it (Trainer.restore).
+        The order is fairseq's (LanguagePairDataset.ordered_indices): a stable sort by target
+        length, then by source length, so a batch is a run of nearly equal source lengths. Source
+        length is the primary key because the encoder, where every PrLM branch runs, pays for
+        source padding (`bench/batch_padding.py` counts both sides' padding).
         """
-        if order not in BATCH_ORDERS:
-            raise ValueError(f"batch order {order!r}: use one of {', '.join(BATCH_ORDERS)}")
         if indices is None:
             indices = np.arange(len(src_lens))
         sizes = np.maximum(src_lens, tgt_lens)
-        primary, secondary = (src_lens, tgt_lens) if order == "source_first" else (tgt_lens, src_lens)
-        # Random tie-breaking, then the secondary key, then (stably) the primary one.
+        # Random tie-breaking, then target length, then (stably) source length.
         ranked = np.random.RandomState(seed).permutation(indices)
-        ranked = ranked[np.argsort(secondary[ranked], kind="stable")]
-        ranked = ranked[np.argsort(primary[ranked], kind="stable")]
+        ranked = ranked[np.argsort(tgt_lens[ranked], kind="stable")]
+        ranked = ranked[np.argsort(src_lens[ranked], kind="stable")]
         return [b.tolist() for b in token_budget_batches(ranked, sizes, max_tokens)]
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
@@ -254,21 +233,8 @@ def _keep_batch(batch: Batch) -> Batch:
     return batch
 
 
-# Niceness added to DataLoader workers. Why: on a machine with as many cores as the step has
-# threads, a worker that preempts one OpenMP thread stalls the whole parallel region; at lower
-# priority the workers run in the step's single-threaded gaps and the prefetch queue hides them
-# (bench/train_throughput.py --compare nice).
-WORKER_NICE = 10
-
-
-def _lower_priority(increment: int, worker_id: int) -> None:
-    if increment > 0:
-        os.nice(increment)
-
-
 def make_loader(
     dataset: PairDataset, batch_sampler: TokenBudgetBatchSampler, *, num_workers: int, prefetch_factor: int = 4,
-    worker_nice: int = WORKER_NICE,
 ) -> DataLoader:
     """DataLoader over whole batches; workers (forkserver) read and pad the features ahead of the model."""
     # A private generator: creating a loader iterator must not advance the global torch RNG
@@ -289,5 +255,4 @@ def make_loader(
         persistent_workers=True,
         prefetch_factor=prefetch_factor,
         generator=generator,
-        worker_init_fn=functools.partial(_lower_priority, int(worker_nice)),
     )
