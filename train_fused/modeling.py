@@ -74,6 +74,12 @@ in the PrLM's own width, before the branch's key/value projections:
                (unscaled dot product, as in the paper's eq. 7)
     concat:    Z = sum_n W_n z_n + b (one Linear over the concatenated layers)
 
+Initialisation is fairseq 0.12's transformer's: attention q, k, v xavier-uniform with gain
+1/sqrt(2) when keys have the query's width (plain xavier for a PrLM branch's wider or narrower
+keys) with nn.Linear's default biases, out_proj xavier with a zero bias, the FFN at nn.Linear's
+default, embeddings N(0, d^-1/2) with the padding row zero; projections fairseq has no
+counterpart for get its `Linear` helper's xavier-uniform with a zero bias (`xavier_linear`).
+
 Token ids: pad 0, bos 1, eos 2 by default (see ModelConfig). Sequences may be padded on either
 side; positions count real tokens only, so padding never changes the real tokens' outputs.
 """
@@ -313,8 +319,20 @@ def positions_from_mask(mask: Tensor) -> Tensor:
     return (mask.long().cumsum(dim=1) - 1).clamp(min=0)
 
 
+def xavier_linear(in_features: int, out_features: int, bias: bool = True) -> nn.Linear:
+    """nn.Linear initialised as fairseq's `Linear` helper: xavier-uniform weight, zero bias."""
+    linear = nn.Linear(in_features, out_features, bias)
+    nn.init.xavier_uniform_(linear.weight)
+    if bias:
+        nn.init.zeros_(linear.bias)
+    return linear
+
+
 class MultiheadAttention(nn.Module):
-    """Scaled dot-product attention with separate projections; keys/values may have another width."""
+    """Scaled dot-product attention with separate projections; keys/values may have another width.
+
+    Initialised as fairseq's MultiheadAttention.reset_parameters (see there).
+    """
 
     def __init__(self, d_model: int, heads: int, attn_dropout: float, kv_width: int | None = None):
         super().__init__()
@@ -326,6 +344,16 @@ class MultiheadAttention(nn.Module):
         self.k_proj = nn.Linear(kv_width, d_model)
         self.v_proj = nn.Linear(kv_width, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
+        self.reset_parameters(qkv_same_dim=kv_width == d_model)
+
+    def reset_parameters(self, qkv_same_dim: bool) -> None:
+        """fairseq's init: q, k, v xavier-uniform (gain 1/sqrt(2) when keys have the query's width,
+        fairseq's `qkv_same_dim`), their biases left at nn.Linear's default; out_proj xavier, bias 0."""
+        gain = 1 / math.sqrt(2) if qkv_same_dim else 1.0
+        for proj in (self.k_proj, self.v_proj, self.q_proj):
+            nn.init.xavier_uniform_(proj.weight, gain=gain)
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        nn.init.zeros_(self.out_proj.bias)
 
     def _split_heads(self, x: Tensor) -> Tensor:
         batch, length, _ = x.shape
@@ -375,6 +403,8 @@ class MultiheadAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
+    """fc2(act(fc1(x))); both Linears keep nn.Linear's default init, as fairseq's build_fc1/build_fc2."""
+
     def __init__(self, d_model: int, ffn: int, activation: str):
         super().__init__()
         self.fc1 = nn.Linear(d_model, ffn)
@@ -395,7 +425,8 @@ class FlowMerge(nn.Module):
         self.num_prlms = num_prlms
         if strategy == "gate":
             # One logit vector per PrLM flow; the source flow is the reference class at 0.
-            self.gate_proj = nn.Linear((num_prlms + 1) * d_model, num_prlms * d_model)
+            # fairseq has no gate; its `Linear` helper is what its other learned projections get.
+            self.gate_proj = xavier_linear((num_prlms + 1) * d_model, num_prlms * d_model)
 
     def forward(self, flows: list[Tensor]) -> Tensor:
         if self.strategy == "sum":
@@ -446,7 +477,8 @@ class DynamicLayerWeights(nn.Module):
         self.pooled_row = 0 if spec.layer_mode == "dyn_cls" else 1
         self.register_buffer("pooled_index", torch.tensor(spec.pooled_index, dtype=torch.long), persistent=False)
         self.norm = nn.LayerNorm(spec.width)
-        self.score = nn.Linear(spec.width, 1, bias=False)
+        # A learned projection with no fairseq counterpart: fairseq's `Linear` helper init.
+        self.score = xavier_linear(spec.width, 1, bias=False)
         self.layer_bias = nn.Parameter(torch.zeros(spec.num_layers))
 
     def layer_weights(self, pooled: Tensor) -> Tensor:
@@ -470,11 +502,13 @@ class DepthWiseAttention(nn.Module):
         # kpos_n ~ U(0, 1) are fixed, not learned (paper section 9.2); persistent so a checkpoint
         # reproduces the same keys.
         self.register_buffer("key_positions", torch.rand(n, DWATT_KEY_POS_DIM))
-        self.key_proj = nn.Linear(DWATT_KEY_POS_DIM, d)
+        # The paper gives no init; its Linears get fairseq's `Linear` helper init, as the stacked
+        # per-layer weights below do.
+        self.key_proj = xavier_linear(DWATT_KEY_POS_DIM, d)
         # f_Q(z) = W LN(gelu(U z))
-        self.query_down = nn.Linear(d, hidden)
+        self.query_down = xavier_linear(d, hidden)
         self.query_norm = nn.LayerNorm(hidden)
-        self.query_up = nn.Linear(hidden, d)
+        self.query_up = xavier_linear(hidden, d)
         # f_V,n: one bottleneck MLP and one output LN per layer, nothing shared; stacked over n.
         self.value_down_weight = nn.Parameter(torch.empty(n, hidden, d))
         self.value_down_bias = nn.Parameter(torch.zeros(n, hidden))
@@ -512,7 +546,8 @@ class LayerConcat(nn.Module):
 
     def __init__(self, spec: PrLMSpec):
         super().__init__()
-        self.proj = nn.Linear(spec.num_layers * spec.width, spec.width)
+        # A learned projection with no fairseq counterpart: fairseq's `Linear` helper init.
+        self.proj = xavier_linear(spec.num_layers * spec.width, spec.width)
 
     def forward(self, features: PrLMFeatures) -> Tensor:
         z = features.states  # [B, n, M, d]
@@ -671,8 +706,11 @@ class FusedTransformer(nn.Module):
         self.config = config
         d = config.d_model
         widths = [p.width for p in config.prlms]
-        # One matrix for source, target and output embeddings (joint BPE).
+        # One matrix for source, target and output embeddings (joint BPE); fairseq's Embedding init.
         self.embed_tokens = nn.Embedding(config.vocab_size, d, padding_idx=config.pad_id)
+        nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=d**-0.5)
+        with torch.no_grad():
+            self.embed_tokens.weight[config.pad_id].zero_()
         self.embed_scale = math.sqrt(d)
         self.embed_positions = SinusoidalPositions(d)
         self.embed_dropout = nn.Dropout(config.dropout)
@@ -682,7 +720,8 @@ class FusedTransformer(nn.Module):
             nn.LayerNorm(p.width) if p.feature_norm else nn.Identity() for p in config.prlms
         )
         if config.merge == "direct":
-            self.direct_proj = nn.ModuleList(nn.Linear(w, d) for w in widths)
+            # Maps an input of another width to d_model, as fairseq's project_in_dim (its `Linear` helper).
+            self.direct_proj = nn.ModuleList(xavier_linear(w, d) for w in widths)
         self.encoder_layers = nn.ModuleList(
             EncoderLayer(config, widths if config.encoder_prlms else []) for _ in range(config.enc_layers)
         )
@@ -692,18 +731,6 @@ class FusedTransformer(nn.Module):
         if config.pre_ln:
             self.encoder_layer_norm = nn.LayerNorm(d)
             self.decoder_layer_norm = nn.LayerNorm(d)
-        self.apply(self._init_weights)
-
-    def _init_weights(self, module: nn.Module) -> None:
-        # fairseq's Transformer init.
-        if isinstance(module, nn.Linear):
-            nn.init.xavier_uniform_(module.weight)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=module.embedding_dim**-0.5)
-            with torch.no_grad():
-                module.weight[self.config.pad_id].zero_()
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
