@@ -11,41 +11,27 @@ optimizer step (the trainer's own `Trainer.train_step`) for four systems:
 The systems take turns step by step: every system keeps one DataLoader (workers alive) for the whole
 run, and a cycle runs one update of each system on the same batch, in reverse order every other
 cycle (a-b-c-d, d-c-b-a, ...). A round is `--steps` timed cycles; there are `--rounds` of them,
-after `--warmup` untimed cycles. Why step by step: on this shared VM a step's time swings by 10-30%
-from one window of seconds to the next while the code does not change (the host takes vCPU time
-away, steal in /proc/stat; probably also neighbours sharing the L3 and memory), so systems timed in
-windows of their own, even seconds apart, differ by that much; updates a second apart see the same
-machine. Fairness to (b): taking a batch hands its workers the next one to read, so they read it
-during that same update, as in real training; the bench prints the workers' CPU time per batch to
-show that it fits inside an update (it is a few percent of one). Each cycle records its steal
-fraction, and a reported ratio is the median over the quiet cycles (at most 5% stolen; all cycles if
-none was) of each cycle's ratio, with its quartiles; a burst of steal or of a neighbour's load lands
-on a few updates and cannot move a median. Per-round ratios of summed step times are shown beside
-it, and step times are medians over rounds. Data wait = time the loop spent waiting for the next
-batch, as a fraction of the step time. The last line is `RESULT {json}`.
+after `--warmup` untimed cycles. Why step by step: on a shared machine the speed of a window of
+seconds drifts while the code does not change, and updates a second apart see the same machine.
+Taking a batch hands its workers the next one to read, so (b) reads during the update, as in real
+training; the workers' CPU time per batch is printed beside it. A reported ratio is the median,
+over the cycles with at most 5% of the vCPU time stolen (`_steal.py`; all cycles if none was), of
+each cycle's ratio, with its quartiles; per-round ratios of summed step times are shown beside it,
+and step times are medians over rounds. Data wait = time the loop spent waiting for the next batch,
+as a fraction of the step time. The last line is `RESULT {json}`.
 
     python bench/train_throughput.py [--checkpoint minilm-l6] [--preset small] [--rounds 8]
 
-`--compare attn|attn-kernel|dropout|nll|malloc|pad|nice|rows` instead measures one of prlmfuse's speed
-settings, without and with it, on systems (a) and (b) (and (c) for nice), and prints the median of
-the step-time ratios. The first four can change between two updates: one run times both variants,
-each system's two updates on the same batch back to back, and the ratio is the median over quiet
-cycles as above (default 8 rounds). The others take effect at process start: child processes, the
-variants alternating, each child one round of 16 timed cycles (default 5 rounds); the ratio is the
-median over quiet rounds, printed with the peak-memory ratio.
-  malloc  glibc's default allocator settings vs prlmfuse.runtime.keep_freed_memory
-  pad     exact padded lengths vs lengths rounded up to a multiple of 8 (train_fused.data)
-  nice    DataLoader workers at the step's priority vs 10 lower (train_fused.data.WORKER_NICE)
-  rows    output logits and loss over every padded target position vs the real ones only
-  attn    attention math of bf16 training steps upcast to float32 (torch's default) vs in bf16
-          (train_fused.modeling.BF16_ATTENTION_MATH)
-  attn-kernel  training attention through torch's math kernel (SDPA) vs written out
-          (train_fused.modeling.training_attention)
-  dropout dropout's random words from torch's mt19937 generator, the bool mask cast to bf16,
-          vs from numpy's PCG64 seeded by torch's generator, cast through uint8
-          (train_fused.modeling.dropout)
+`--compare nll|pad|rows` instead measures one of prlmfuse's speed settings, without and with it, on
+systems (a) and (b), and prints the median of the step-time ratios. `nll` can change between two
+updates: one run times both variants, each system's two updates on the same batch back to back, and
+the ratio is the median over quiet cycles as above (default 8 rounds). The others take effect at
+process start: child processes, the variants alternating, each child one round of 16 timed cycles
+(default 5 rounds); the ratio is the median over quiet rounds, printed with the peak-memory ratio.
   nll     the NLL logged beside the loss as a separate logsumexp over the logits vs derived from
           the smoothed loss (train_fused.trainer.label_smoothed_sums)
+  pad     exact padded lengths vs lengths rounded up to a multiple of 8 (train_fused.data)
+  rows    output logits and loss over every padded target position vs the real ones only
 """
 
 from __future__ import annotations
@@ -107,7 +93,7 @@ class _LivePrLM:
 
 
 def _logsumexp_nll_sums(logits, target, smoothing):
-    """label_smoothed_sums as it was before the logged NLL was derived from the loss (the "without" of --compare nll)."""
+    """The NLL as a separate logsumexp over the logits beside the smoothed loss (the "without" of --compare nll)."""
     import torch.nn.functional as F
 
     from prlmfuse.train_fused.bpe import PAD_ID
@@ -171,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--logit-rows", choices=["scored", "all"], default="scored",
                         help="loss over the real target positions only (prlmfuse's) or over every padded one")
     parser.add_argument("--compare", choices=sorted([*COMPARISONS, *SWITCH_NAMES]),
-                        help="time (a) and (b) (and (c) for nice) without and with one of prlmfuse's speed settings")
+                        help="time (a) and (b) without and with one of prlmfuse's speed settings")
     args = parser.parse_args(argv)
     if args.compare and args.compare not in SWITCH_NAMES:
         return _compare(args.compare, argv if argv is not None else sys.argv[1:], args.rounds or 5, args.steps, args.warmup)
@@ -242,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp_run = Path(tempfile.mkdtemp(prefix="train-bench-run-"))
 
     class AllRowsTrainer(Trainer):
-        """The step before logits were limited to real target positions: [B, T, V] logits, pads ignored."""
+        """Logits [B, T, V] over every padded target position, pads ignored by the loss (the "without" of --compare rows)."""
 
         def _forward_sums(self, batch):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.use_bf16):
@@ -407,17 +393,15 @@ def _switches(name: str) -> dict:
 
 
 # The other settings take effect at process start: child processes, the two variants alternating.
-# name -> (systems timed, {variant: (extra arguments, extra environment)}); the second variant is
-# prlmfuse's default. "nice" also times (c), which has no workers: a control for machine noise.
+# name -> (systems timed, {variant: extra arguments}); the second variant is prlmfuse's default.
 COMPARISONS = {
-    "pad": ("ab", {"exact": (["--pad-multiple", "1"], {}), "padded8": (["--pad-multiple", "8"], {})}),
-    "rows": ("ab", {"all": (["--logit-rows", "all"], {}), "scored": (["--logit-rows", "scored"], {})}),
+    "pad": ("ab", {"exact": ["--pad-multiple", "1"], "padded8": ["--pad-multiple", "8"]}),
+    "rows": ("ab", {"all": ["--logit-rows", "all"], "scored": ["--logit-rows", "scored"]}),
 }
 
 
 def _compare(name: str, argv: list[str], rounds: int, steps: int | None, warmup: int | None) -> int:
     """The systems in child processes, the two variants alternating; medians of per-round ratios."""
-    import os
     import subprocess
 
     passthrough, skip = [], False
@@ -438,9 +422,8 @@ def _compare(name: str, argv: list[str], rounds: int, steps: int | None, warmup:
     for r in range(rounds):
         order = list(variants) if r % 2 == 0 else list(reversed(variants))
         for variant in order:
-            extra, env_extra = variants[variant]
-            cmd = [sys.executable, __file__, *passthrough, *extra, "--systems", systems, "--rounds", "1"]
-            out = subprocess.run(cmd, env=dict(os.environ, **env_extra), check=True, stdout=subprocess.PIPE, text=True).stdout
+            cmd = [sys.executable, __file__, *passthrough, *variants[variant], "--systems", systems, "--rounds", "1"]
+            out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
             child = json.loads(out.strip().splitlines()[-1].removeprefix("RESULT "))
             print(f"round {r + 1} ({variant}): step_ms {child['step_ms']}, steal {child['steal_fraction_rounds']}, "
                   f"max RSS {child['max_rss_mib']} MiB", file=sys.stderr)
@@ -462,11 +445,6 @@ def _compare(name: str, argv: list[str], rounds: int, steps: int | None, warmup:
         result[f"{k}_{without}_over_{with_}"] = round(ratio, 3)
         result[f"{k}_{without}_over_{with_}_rounds"] = [round(x, 3) for x in per_round]
         result[f"{k}_{without}_over_{with_}_rounds_used"] = used
-    if "c" in systems:
-        for v in variants:
-            ratio, _ = quiet_median([c["step_ms"]["b"] / c["step_ms"]["c"] for c in children[v]],
-                                    [steal(c) for c in children[v]])
-            result[f"b_over_c_{v}"] = round(ratio, 3)
     result[f"rss_{without}_over_{with_}"] = round(result[without]["max_rss_mib"] / result[with_]["max_rss_mib"], 3)
     print("RESULT " + json.dumps(result))
     return 0
