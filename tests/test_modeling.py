@@ -536,3 +536,57 @@ def test_training_dropout_follows_torchs_seed_and_eval_is_deterministic():
     model.eval()
     with torch.no_grad():
         assert torch.equal(logits(3), logits(4))
+
+
+def test_activation_dropout_drops_the_ffns_hidden_activations():
+    """activation_dropout sits between the FFN's activation and fc2, as fairseq's."""
+    from prlmfuse.train_fused.modeling import FeedForward
+
+    torch.manual_seed(0)
+    ffn = FeedForward(16, 64, "relu", activation_dropout=0.3)
+    x = torch.randn(4, 5, 16)
+    torch.manual_seed(7)
+    got = ffn(x)
+    torch.manual_seed(7)
+    expected = ffn.fc2(F.dropout(F.relu(ffn.fc1(x)), 0.3, training=True))
+    assert torch.equal(got, expected)
+    ffn.eval()
+    assert torch.equal(ffn(x), ffn.fc2(F.relu(ffn.fc1(x))))
+    config = tiny_config(ONE_PRLM, dropout=0.0, activation_dropout=0.2)
+    model = FusedTransformer(config).train()
+    assert all(m.activation_dropout.p == 0.2 for m in model.modules() if isinstance(m, FeedForward))
+    assert sum(isinstance(m, FeedForward) for m in model.modules()) == config.enc_layers * 2 + config.dec_layers
+
+
+def test_feature_dropout_reaches_what_the_branches_read():
+    """feature_dropout drops elements of the selected PrLM features Z once per forward; every branch
+    attention's key/value projections read the same dropped Z; eval reads them clean."""
+    config = tiny_config(ONE_PRLM, side="both", dropout=0.0, feature_dropout=0.5)
+    torch.manual_seed(0)
+    model = FusedTransformer(config).train()
+    src, tgt_in, _, feats = batch_for(config)
+    seen = []
+    hooks = [layer.prlm_attn[0].k_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+             for layer in [*model.encoder_layers, *model.decoder_layers]]
+    model(src, tgt_in, feats)
+    clean = feats[0].states[:, 0]
+    assert len(seen) == config.enc_layers + config.dec_layers
+    assert all(torch.equal(z, seen[0]) for z in seen[1:])
+    kept = seen[0] != 0
+    assert 0.35 < 1 - kept.float().mean().item() < 0.65
+    assert torch.allclose(seen[0][kept], 2 * clean[kept])
+    seen.clear()
+    model.eval()
+    with torch.no_grad():
+        model(src, tgt_in, feats)
+    assert torch.equal(seen[0], clean)
+    for hook in hooks:
+        hook.remove()
+    # Off by default: a training step reads the clean features.
+    assert ModelConfig(vocab_size=VOCAB).feature_dropout == 0.0
+
+
+@pytest.mark.parametrize("name", ["activation_dropout", "feature_dropout"])
+def test_new_dropouts_are_validated(name):
+    with pytest.raises(UserError, match=rf"{name}=1.0 must be in \[0, 1\)"):
+        tiny_config([], **{name: 1.0})

@@ -11,7 +11,9 @@ width d_p each), `drop` = dropout, and Merge(a_0, a_1..a_k) the merge strategy (
     A_S = drop(SelfAttn(H, H, H))          A_j = drop(PrLMAttn_j(H, Z_j, Z_j))
 
 The PrLM attention's key/value projections take width d_p to d_model, so PrLMs of any width
-plug in directly. Post-LN (the paper's setting, `pre_ln=False`), by merge `position`:
+plug in directly. `drop` is `dropout`; attention weights take `attn_dropout`, the FFN's hidden
+activations `activation_dropout` (FFN(x) = fc2(drop_act(act(fc1(x))))), and Z_j, once per
+forward, `feature_dropout` (off by default: noise a PrLM run in train mode would give its output). Post-LN (the paper's setting, `pre_ln=False`), by merge `position`:
 
     attn:       x = LN1(H + Merge(A_S, A_1..A_k))
                 H' = LN2(x + drop(FFN(x)))
@@ -179,7 +181,9 @@ class ModelConfig:
     heads: int = 8
     ffn: int = 2048
     dropout: float = 0.1
-    attn_dropout: float = 0.0
+    attn_dropout: float = 0.0  # on the attention weights
+    activation_dropout: float = 0.0  # after the FFN's activation, as fairseq's
+    feature_dropout: float = 0.0  # on the selected PrLM features as the branches read them
     activation: str = "relu"
     pre_ln: bool = False
     max_positions: int = 1024  # decoding never goes beyond this many target positions
@@ -198,7 +202,8 @@ class ModelConfig:
             (self.vocab_size > max(self.pad_id, self.bos_id, self.eos_id), f"vocab_size={self.vocab_size} must exceed the special token ids"),
             (self.d_model > 0 and self.heads > 0 and self.d_model % self.heads == 0, f"d_model={self.d_model} must be a positive multiple of heads={self.heads}"),
             (self.enc_layers >= 1 and self.dec_layers >= 1 and self.ffn >= 1, "enc_layers, dec_layers and ffn must be at least 1"),
-            (0.0 <= self.dropout < 1.0 and 0.0 <= self.attn_dropout < 1.0, "dropout and attn_dropout must be in [0, 1)"),
+            *[(0.0 <= getattr(self, name) < 1.0, f"{name}={getattr(self, name)} must be in [0, 1)")
+              for name in ("dropout", "attn_dropout", "activation_dropout", "feature_dropout")],
             (0.0 <= self.dropnet_p <= 1.0, f"dropnet_p={self.dropnet_p} must be in [0, 1]"),
             (self.activation in ACTIVATIONS, f"activation {self.activation!r} unknown; use one of {', '.join(ACTIVATIONS)}"),
             (self.merge in MERGES, f"merge {self.merge!r} unknown; use one of {', '.join(MERGES)}"),
@@ -405,14 +410,15 @@ class MultiheadAttention(nn.Module):
 class FeedForward(nn.Module):
     """fc2(act(fc1(x))); both Linears keep nn.Linear's default init, as fairseq's build_fc1/build_fc2."""
 
-    def __init__(self, d_model: int, ffn: int, activation: str):
+    def __init__(self, d_model: int, ffn: int, activation: str, activation_dropout: float = 0.0):
         super().__init__()
         self.fc1 = nn.Linear(d_model, ffn)
         self.fc2 = nn.Linear(ffn, d_model)
         self.activation = F.relu if activation == "relu" else F.gelu
+        self.activation_dropout = nn.Dropout(activation_dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(self.activation(self.fc1(x)))
+        return self.fc2(self.activation_dropout(self.activation(self.fc1(x))))
 
 
 class FlowMerge(nn.Module):
@@ -578,7 +584,7 @@ class EncoderLayer(nn.Module):
         self.position = config.position
         self.self_attn = MultiheadAttention(d, config.heads, config.attn_dropout)
         self.self_attn_layer_norm = nn.LayerNorm(d)
-        self.ffn = FeedForward(d, config.ffn, config.activation)
+        self.ffn = FeedForward(d, config.ffn, config.activation, config.activation_dropout)
         self.final_layer_norm = nn.LayerNorm(d)
         self.num_prlms = len(prlm_widths)
         if not prlm_widths:
@@ -588,7 +594,7 @@ class EncoderLayer(nn.Module):
         if not self.pre_ln and self.position != "attn":
             self.prlm_attn_layer_norm = nn.ModuleList(nn.LayerNorm(d) for _ in range(k))
         if self.position in ("ffn", "add_norm2"):
-            self.prlm_ffn = nn.ModuleList(FeedForward(d, config.ffn, config.activation) for _ in range(k))
+            self.prlm_ffn = nn.ModuleList(FeedForward(d, config.ffn, config.activation, config.activation_dropout) for _ in range(k))
             if self.pre_ln or self.position == "add_norm2":
                 self.prlm_final_layer_norm = nn.ModuleList(nn.LayerNorm(d) for _ in range(k))
         self.merge = FlowMerge(config.merge, d, k, config.dropnet_p)
@@ -648,7 +654,7 @@ class DecoderLayer(nn.Module):
         self.self_attn_layer_norm = nn.LayerNorm(d)
         self.encoder_attn = MultiheadAttention(d, config.heads, config.attn_dropout)
         self.encoder_attn_layer_norm = nn.LayerNorm(d)
-        self.ffn = FeedForward(d, config.ffn, config.activation)
+        self.ffn = FeedForward(d, config.ffn, config.activation, config.activation_dropout)
         self.final_layer_norm = nn.LayerNorm(d)
         self.num_prlms = len(prlm_widths)
         if prlm_widths:
@@ -719,6 +725,7 @@ class FusedTransformer(nn.Module):
         self.prlm_feature_norms = nn.ModuleList(
             nn.LayerNorm(p.width) if p.feature_norm else nn.Identity() for p in config.prlms
         )
+        self.feature_dropout = nn.Dropout(config.feature_dropout)
         if config.merge == "direct":
             # Maps an input of another width to d_model, as fairseq's project_in_dim (its `Linear` helper).
             self.direct_proj = nn.ModuleList(xavier_linear(w, d) for w in widths)
@@ -773,8 +780,9 @@ class FusedTransformer(nn.Module):
         config = self.config
         batch = src_tokens.shape[0]
         features = self._check_features(prlm, batch)
-        # Z_j [B, M_j, d_p], read by the key/value projections of every branch attention.
-        selected = [(norm(select(f)), f.mask)
+        # Z_j [B, M_j, d_p], read by the key/value projections of every branch attention; one
+        # feature-dropout mask per forward, as a PrLM run in train mode gives every layer one output.
+        selected = [(self.feature_dropout(norm(select(f))), f.mask)
                     for select, norm, f in zip(self.prlm_layers, self.prlm_feature_norms, features)]
 
         if config.merge == "direct":
