@@ -349,12 +349,13 @@ class MultiheadAttention(nn.Module):
         self.k_proj = nn.Linear(kv_width, d_model)
         self.v_proj = nn.Linear(kv_width, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
-        self.reset_parameters(qkv_same_dim=kv_width == d_model)
+        self.qkv_same_dim = kv_width == d_model
+        self.reset_parameters()
 
-    def reset_parameters(self, qkv_same_dim: bool) -> None:
+    def reset_parameters(self) -> None:
         """fairseq's init: q, k, v xavier-uniform (gain 1/sqrt(2) when keys have the query's width,
         fairseq's `qkv_same_dim`), their biases left at nn.Linear's default; out_proj xavier, bias 0."""
-        gain = 1 / math.sqrt(2) if qkv_same_dim else 1.0
+        gain = 1 / math.sqrt(2) if self.qkv_same_dim else 1.0
         for proj in (self.k_proj, self.v_proj, self.q_proj):
             nn.init.xavier_uniform_(proj.weight, gain=gain)
         nn.init.xavier_uniform_(self.out_proj.weight)
