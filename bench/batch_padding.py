@@ -6,7 +6,7 @@ does: by target length, then stably by source length, so source length is the pr
 ("target_first": every batch takes sentences of nearly equal target length but widely spread
 source lengths) and prints, for the training split of a corpus and each `--max-tokens`, the
 number of batches and the padded over real token counts of the source and of the target side
-(lengths rounded up as the trainer pads them). Encoder work, and with it every PrLM branch, grows
+(each batch padded to its longest, as the trainer pads). Encoder work, and with it every PrLM branch, grows
 with the padded source; decoder layers with the padded target. No timing: the counts are exact.
 
     python bench/batch_padding.py [--corpus DIR] [--max-tokens 1200 3500] [--bpe-vocab 4000]
@@ -25,11 +25,9 @@ from pathlib import Path
 import numpy as np
 
 
-def padding(batches: list[list[int]], lens: np.ndarray, pad_multiple: int) -> float:
-    """Padded over real tokens of one side (the batches hold every pair once), lengths rounded up as PairDataset pads them."""
-    from prlmfuse.train_fused.data import pad_length
-
-    padded = sum(len(b) * pad_length(int(lens[b].max()), pad_multiple) for b in batches)
+def padding(batches: list[list[int]], lens: np.ndarray) -> float:
+    """Padded over real tokens of one side (the batches hold every pair once), each batch padded to its longest."""
+    padded = sum(len(b) * int(lens[b].max()) for b in batches)
     return padded / float(lens.sum())
 
 
@@ -54,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from prlmfuse.data import build_bible, load_corpus, prlmfuse_home
     from prlmfuse.errors import UserError
     from prlmfuse.train_fused.bpe import train_bpe
-    from prlmfuse.train_fused.data import PAD_TO_MULTIPLE, TokenBudgetBatchSampler
+    from prlmfuse.train_fused.data import TokenBudgetBatchSampler
 
     try:
         corpus = load_corpus(Path(args.corpus)) if args.corpus else build_bible(prlmfuse_home() / "corpora" / "bible-en-ja")
@@ -73,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
           f"source {int(src_lens.sum())} tokens ({src_lens.mean() - 1:.1f} pieces a sentence, {chars[0]} distinct "
           f"characters), target {int(tgt_lens.sum())} ({tgt_lens.mean() - 1:.1f}, {chars[1]})", file=sys.stderr)
 
-    result: dict = {"corpus": str(corpus.root), "bpe_vocab": args.bpe_vocab, "pad_multiple": PAD_TO_MULTIPLE}
+    result: dict = {"corpus": str(corpus.root), "bpe_vocab": args.bpe_vocab}
     for max_tokens in args.max_tokens:
         orders = {
             "target_first": target_first_batches(src_lens, tgt_lens, max_tokens, args.seed),
@@ -83,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, batches in orders.items():
             row[name] = {
                 "batches": len(batches),
-                "src_padded_over_real": round(padding(batches, src_lens, PAD_TO_MULTIPLE), 3),
-                "tgt_padded_over_real": round(padding(batches, tgt_lens, PAD_TO_MULTIPLE), 3),
+                "src_padded_over_real": round(padding(batches, src_lens), 3),
+                "tgt_padded_over_real": round(padding(batches, tgt_lens), 3),
             }
             label = "target first" if name == "target_first" else "prlmfuse (source first)"
             print(f"max_tokens {max_tokens:5d}  {label:24s} {row[name]['batches']:6d} batches  padded/real: "

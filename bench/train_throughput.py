@@ -22,7 +22,7 @@ as a fraction of the step time. The last line is `RESULT {json}`.
 
     python bench/train_throughput.py [--checkpoint minilm-l6] [--preset small] [--rounds 8]
 
-`--compare nll|pad|rows` instead measures one of prlmfuse's speed settings, without and with it, on
+`--compare nll|rows` instead measures one of prlmfuse's speed settings, without and with it, on
 systems (a) and (b), and prints the median of the step-time ratios. `nll` can change between two
 updates: one run times both variants, each system's two updates on the same batch back to back, and
 the ratio is the median over quiet cycles as above (default 8 rounds). The others take effect at
@@ -30,7 +30,6 @@ process start: child processes, the variants alternating, each child one round o
 (default 5 rounds); the ratio is the median over quiet rounds, printed with the peak-memory ratio.
   nll     the NLL logged beside the loss as a separate logsumexp over the logits vs derived from
           the smoothed loss (train_fused.trainer.label_smoothed_sums)
-  pad     exact padded lengths vs lengths rounded up to a multiple of 8 (train_fused.data)
   rows    output logits and loss over every padded target position vs the real ones only
 """
 
@@ -72,21 +71,19 @@ def _corpus(home: Path, train_pairs: int):
 class _LivePrLM:
     """bert-nmt's way: tokenize the raw source and run the frozen PrLM inside the training step."""
 
-    def __init__(self, info, layer: int, autocast: bool, pad_multiple: int):
+    def __init__(self, info, layer: int, autocast: bool):
         from prlmfuse.checkpoints import load_prlm
 
         self.model, self.tokenizer = load_prlm(info)
         self.layer = layer
         self.max_length = int(info.max_length)
         self.autocast = autocast
-        self.pad_multiple = pad_multiple
 
     @torch.no_grad()
     def features(self, lines: list[str]):
         from prlmfuse.train_fused.modeling import PrLMFeatures
 
-        enc = self.tokenizer(lines, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt",
-                             pad_to_multiple_of=self.pad_multiple)
+        enc = self.tokenizer(lines, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
             hidden = self.model(**enc, output_hidden_states=True).hidden_states[self.layer]
         return PrLMFeatures(states=hidden.float()[:, None], mask=enc["attention_mask"].bool(), pooled=None)
@@ -153,7 +150,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bpe-vocab", type=int, default=8000)
     parser.add_argument("--home", default=None, help="where corpus and caches go (default $PRLMFUSE_HOME)")
     parser.add_argument("--systems", default="abcd", help="which of a, b, c, d to time (default abcd)")
-    parser.add_argument("--pad-multiple", type=int, default=None, help="round padded lengths up to this (default: prlmfuse's)")
     parser.add_argument("--logit-rows", choices=["scored", "all"], default="scored",
                         help="loss over the real target positions only (prlmfuse's) or over every padded one")
     parser.add_argument("--compare", choices=sorted([*COMPARISONS, *SWITCH_NAMES]),
@@ -178,14 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     from prlmfuse.train_fused.bpe import train_bpe
     from prlmfuse.train_fused.config import PrLMUse, RunConfig
     from prlmfuse.train_fused.data import (
-        PAD_TO_MULTIPLE, FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader,
+        FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader,
     )
     from prlmfuse.distributed import DistContext
     from prlmfuse.train_fused.modeling import FusedTransformer, PrLMSpec
     from prlmfuse.precision import cpu_has_fast_bf16
     from prlmfuse.train_fused.trainer import Trainer, build_model_config
 
-    pad_multiple = args.pad_multiple or PAD_TO_MULTIPLE
     home = Path(args.home) if args.home else prlmfuse_home()
     corpus = _corpus(home, args.train_pairs)
     try:
@@ -240,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     def make_trainer(prlm_specs, sources):
         torch.manual_seed(1)
         model = FusedTransformer(build_model_config(run, bpe.vocab_size, prlm_specs))
-        dataset = PairDataset(src_ids, tgt_ids, sources, pad_multiple=pad_multiple)
+        dataset = PairDataset(src_ids, tgt_ids, sources)
         return trainer_class(run, tmp_run, model, dataset, dataset, ctx, progress=False), dataset
 
     disk = [FeatureSource(str(caches["train"]), layer_rows=(0,))]
@@ -255,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     if "c" in systems:
         # (c) loads the whole cache into RAM before timing, as in_memory_features does at startup.
         systems["c"][1].readers()[0].features(0)
-    live = _LivePrLM(info, args.layer, autocast=bf16, pad_multiple=pad_multiple) if "d" in systems else None
+    live = _LivePrLM(info, args.layer, autocast=bf16) if "d" in systems else None
     sizes = {k: f"{t.model.num_parameters() / 1e6:.1f}M" for k, (t, _) in systems.items()}
     print(f"model {args.preset}: parameters {sizes}; bf16 autocast {bf16}; "
           f"{needed} batches of <= {args.max_tokens} tokens; PrLM {info.name} ({info.num_layers} layers, d={info.hidden_size})",
@@ -268,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     # yields every batch twice, so the two take the same batch one after the other.
     switch = _switches(args.compare) if args.compare else None
     variants = list(switch) if switch else [None]
-    plain = PairDataset(src_ids, tgt_ids, [], pad_multiple=pad_multiple)
+    plain = PairDataset(src_ids, tgt_ids, [])
     batches = [b for b in chosen[: args.warmup] + chosen[args.warmup :] * args.rounds for _ in variants]
     feeds, worker_pids = {}, {}
     for key, (trainer, dataset) in systems.items():
@@ -335,7 +330,6 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "rounds": args.rounds,
         "bf16": bf16,
-        "pad_multiple": pad_multiple,
         "logit_rows": args.logit_rows,
         "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         "step_ms": {k: round(v["step_s"] * 1000, 1) for k, v in typical.items()},
@@ -395,7 +389,6 @@ def _switches(name: str) -> dict:
 # The other settings take effect at process start: child processes, the two variants alternating.
 # name -> (systems timed, {variant: extra arguments}); the second variant is prlmfuse's default.
 COMPARISONS = {
-    "pad": ("ab", {"exact": ["--pad-multiple", "1"], "padded8": ["--pad-multiple", "8"]}),
     "rows": ("ab", {"all": ["--logit-rows", "all"], "scored": ["--logit-rows", "scored"]}),
 }
 

@@ -52,7 +52,7 @@ def test_decode_bench_readers_serve_batch_features(monkeypatch):
     spec.loader.exec_module(bench)
     states = [torch.randn(2, n, 8) for n in (3, 5, 4)]
     reader = bench._Offset(bench.InMemoryFeatures(states, [torch.randn(3, 2, 8) for _ in states], layers=[4, 5]), 1)
-    feats = batch_features(reader, FeatureSource(path="", layer_rows=(1,)), [0, 1], 1)
+    feats = batch_features(reader, FeatureSource(path="", layer_rows=(1,)), [0, 1])
     assert feats.states.shape == (2, 1, 5, 8)
     assert torch.equal(feats.states[1, 0, :4], states[2][1])
     assert feats.mask.sum(dim=1).tolist() == [5, 4]

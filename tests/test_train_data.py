@@ -13,7 +13,7 @@ import torch
 from prlmfuse.cache_features import CacheReader
 from prlmfuse.train_fused.bpe import BOS_ID, EOS_ID, PAD_ID
 from prlmfuse.train_fused.data import (
-    PAD_TO_MULTIPLE, FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader, pad_length,
+    FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader,
 )
 from prlmfuse.train_fused.trainer import inverse_sqrt_lr
 
@@ -149,8 +149,9 @@ def test_collate_pads_tokens_and_features_from_the_cache(cache):
     assert batch.ntokens == sum(len(tgt[i]) + 1 for i in indices)
     (feats,) = batch.prlm
     lengths = [int(reader.lengths[i]) for i in indices]
-    assert feats.states.shape == (3, 1, pad_length(max(lengths)), reader.hidden_size)
-    assert batch.src_tokens.shape[1] % PAD_TO_MULTIPLE == 0 == batch.tgt_in.shape[1] % PAD_TO_MULTIPLE
+    assert feats.states.shape == (3, 1, max(lengths), reader.hidden_size)
+    assert batch.src_tokens.shape[1] == max(len(src[i]) + 1 for i in indices)
+    assert batch.tgt_in.shape[1] == max(len(tgt[i]) + 1 for i in indices)
     assert feats.mask.sum(1).tolist() == lengths
     # A float16 cache hands over float16 (half the bytes), exactly the stored values.
     assert reader.dtype == "float16" and feats.states.dtype == torch.float16
@@ -159,28 +160,6 @@ def test_collate_pads_tokens_and_features_from_the_cache(cache):
         assert (feats.states[row, :, lengths[row] :] == 0).all()
         torch.testing.assert_close(feats.pooled[row], reader.pooled(i))
     assert feats.pooled.shape == (3, len(reader.pooled_layers), 2, reader.hidden_size)
-
-
-def test_rounded_padding_changes_no_loss(cache):
-    """Lengths rounded up to a multiple of 8 (fewer matmul shapes) leave every real position's loss alone."""
-    from prlmfuse.train_fused.modeling import FusedTransformer, ModelConfig, PrLMSpec
-    from prlmfuse.train_fused.trainer import label_smoothed_sums
-
-    corpus, paths = cache
-    reader = CacheReader(paths["train"])
-    src, tgt = _pairs(40, seed=3)
-    sources = [FeatureSource(paths["train"], layer_rows=(1,))]
-    indices = [3, 8, 21, 30]
-    exact = PairDataset(src, tgt, sources, pad_multiple=1).__getitems__(indices)
-    padded = PairDataset(src, tgt, sources).__getitems__(indices)
-    assert exact.src_tokens.shape[1] % 8 and padded.src_tokens.shape[1] % 8 == 0  # the rounding did something
-    spec = PrLMSpec(name="tiny", width=reader.hidden_size, num_layers=1, num_pooled=len(reader.pooled_layers))
-    torch.manual_seed(0)
-    model = FusedTransformer(ModelConfig.from_preset("tiny", vocab_size=50, prlms=[spec], dropout=0.0)).eval()
-    with torch.no_grad():
-        sums = [label_smoothed_sums(model(b.src_tokens, b.tgt_in, b.prlm), b.tgt_out, 0.1) for b in (exact, padded)]
-    for a, b in zip(*sums):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
 
 
 def test_workers_deliver_the_same_batches_as_in_process(cache):

@@ -49,28 +49,12 @@ class Batch:
         return int(self.ids.shape[0])
 
 
-# Padded lengths are rounded up to a multiple of this. Why: oneDNN builds and caches a kernel for
-# every new matmul shape (milliseconds and about half a MiB each, its cache holds 1,024), so exact
-# lengths made nearly every batch a new shape: the step slowed and the process grew by gigabytes.
-# Rounding cut the shapes of a Bible epoch from 530 to 99 row counts (bench/train_throughput.py --compare pad).
-PAD_TO_MULTIPLE = 8
-
-
-def pad_length(n: int, multiple: int = PAD_TO_MULTIPLE) -> int:
-    n = max(int(n), 1)
-    return -(-n // multiple) * multiple
-
-
 class PairDataset(Dataset):
     """Aligned BPE pairs of one split; item i is sentence i of the corpus split and of every cache."""
 
-    def __init__(
-        self, src_ids: list[np.ndarray], tgt_ids: list[np.ndarray], sources: list[FeatureSource],
-        *, pad_multiple: int = PAD_TO_MULTIPLE,
-    ):
+    def __init__(self, src_ids: list[np.ndarray], tgt_ids: list[np.ndarray], sources: list[FeatureSource]):
         if len(src_ids) != len(tgt_ids):
             raise ValueError(f"{len(src_ids)} source lines vs {len(tgt_ids)} target lines")
-        self.pad_multiple = int(pad_multiple)
         self.src_ids = src_ids
         self.tgt_ids = tgt_ids
         self.sources = list(sources)
@@ -99,8 +83,8 @@ class PairDataset(Dataset):
     def __getitems__(self, indices: list[int]) -> Batch:
         indices = [int(i) for i in indices]
         bsz = len(indices)
-        src_len = pad_length(max((int(self.src_lens[i]) for i in indices), default=1), self.pad_multiple)
-        tgt_len = pad_length(max((int(self.tgt_lens[i]) for i in indices), default=1), self.pad_multiple)
+        src_len = max((int(self.src_lens[i]) for i in indices), default=1)
+        tgt_len = max((int(self.tgt_lens[i]) for i in indices), default=1)
         # Filled in numpy: a DataLoader worker's time comes out of the training step's cores, and a
         # torch slice assignment costs microseconds of dispatch per row where numpy's costs nanoseconds.
         src_tokens = np.full((bsz, src_len), PAD_ID, dtype=np.int64)
@@ -117,7 +101,7 @@ class PairDataset(Dataset):
             tgt_out[row, :m] = tgt
             tgt_out[row, m] = EOS_ID
             ntokens += m + 1
-        prlm = [batch_features(reader, source, indices, self.pad_multiple) for reader, source in zip(self.readers(), self.sources)]
+        prlm = [batch_features(reader, source, indices) for reader, source in zip(self.readers(), self.sources)]
         return Batch(
             ids=torch.tensor(indices, dtype=torch.long),
             src_tokens=torch.from_numpy(src_tokens),
@@ -128,16 +112,14 @@ class PairDataset(Dataset):
         )
 
 
-def batch_features(
-    reader: CacheReader, source: FeatureSource, indices: list[int], pad_multiple: int = PAD_TO_MULTIPLE
-) -> PrLMFeatures:
+def batch_features(reader: CacheReader, source: FeatureSource, indices: list[int]) -> PrLMFeatures:
     """One PrLM branch's features for a batch of sentences, padded with a mask (training and evaluation)."""
     rows = list(source.layer_rows)
     # Stored float16 stays float16 until the model casts it (the same values): half the bytes
     # for the worker to copy and hand over, and less work beside the training step's threads.
     per_sentence = [reader.features(i, rows, widen=False) for i in indices]  # [len(rows), T_i, d] each
     width = int(reader.hidden_size)
-    max_len = pad_length(max((f.shape[1] for f in per_sentence), default=1), pad_multiple)
+    max_len = max((f.shape[1] for f in per_sentence), default=1)
     states = torch.zeros(len(indices), len(rows), max_len, width, dtype=reader.transfer_dtype)
     mask = torch.zeros(len(indices), max_len, dtype=torch.bool)
     for b, f in enumerate(per_sentence):
