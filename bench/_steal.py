@@ -1,9 +1,8 @@
 """CPU time the hypervisor took from this VM (steal), for benchmarks on shared machines.
 
-Why: on this kind of VM, step times swing by 30% and more between minutes while the code does
-not change; /proc/stat's steal column shows the host running someone else on our vCPUs at those
-moments. Benchmarks record the steal fraction of every timed window and compute ratios from the
-windows where it stayed low.
+Why: on a shared VM the host can run someone else on our vCPUs (the steal column of /proc/stat),
+which moves step times while the code does not change. Benchmarks record the steal fraction of
+every timed window and compute ratios from the windows where it stayed low.
 """
 
 from __future__ import annotations

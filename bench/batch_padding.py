@@ -1,13 +1,13 @@
-"""How much padding the trainer's token-budget batches carry, under its batch order and the one before.
+"""How much padding the trainer's token-budget batches carry, beside those of the other sort order.
 
-`TokenBudgetBatchSampler.build_batches` forms batches from the pairs sorted by length. It sorts
-as fairseq does (by target length, then stably by source length, so source length is the primary
-key: order "source_first"); up to commit c112fc3 it applied the two sorts the other way round
-("target_first", which runs started then still resume in), so every batch took sentences of nearly
-equal target length but widely spread source lengths. This prints, for the training split of a
-corpus and each `--max-tokens`, the number of batches and the padded over real token counts of
-the source and of the target side (lengths rounded up as the trainer pads them). Encoder work, and with it every PrLM branch, grows with the
-padded source; decoder layers with the padded target. No timing: the counts are exact.
+`TokenBudgetBatchSampler.build_batches` forms batches from the pairs sorted by length as fairseq
+does: by target length, then stably by source length, so source length is the primary key
+("source_first"). This also forms the batches with the two sorts the other way round
+("target_first": every batch takes sentences of nearly equal target length but widely spread
+source lengths) and prints, for the training split of a corpus and each `--max-tokens`, the
+number of batches and the padded over real token counts of the source and of the target side
+(each batch padded to its longest, as the trainer pads). Encoder work, and with it every PrLM branch, grows
+with the padded source; decoder layers with the padded target. No timing: the counts are exact.
 
     python bench/batch_padding.py [--corpus DIR] [--max-tokens 1200 3500] [--bpe-vocab 4000]
 
@@ -25,12 +25,20 @@ from pathlib import Path
 import numpy as np
 
 
-def padding(batches: list[list[int]], lens: np.ndarray, pad_multiple: int) -> float:
-    """Padded over real tokens of one side (the batches hold every pair once), lengths rounded up as PairDataset pads them."""
-    from prlmfuse.train_fused.data import pad_length
-
-    padded = sum(len(b) * pad_length(int(lens[b].max()), pad_multiple) for b in batches)
+def padding(batches: list[list[int]], lens: np.ndarray) -> float:
+    """Padded over real tokens of one side (the batches hold every pair once), each batch padded to its longest."""
+    padded = sum(len(b) * int(lens[b].max()) for b in batches)
     return padded / float(lens.sum())
+
+
+def target_first_batches(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, seed: int) -> list[list[int]]:
+    """build_batches with the two length sorts swapped: target length is the primary key."""
+    from prlmfuse.batching import token_budget_batches
+
+    ranked = np.random.RandomState(seed).permutation(len(src_lens))
+    ranked = ranked[np.argsort(src_lens[ranked], kind="stable")]
+    ranked = ranked[np.argsort(tgt_lens[ranked], kind="stable")]
+    return [b.tolist() for b in token_budget_batches(ranked, np.maximum(src_lens, tgt_lens), max_tokens)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from prlmfuse.data import build_bible, load_corpus, prlmfuse_home
     from prlmfuse.errors import UserError
     from prlmfuse.train_fused.bpe import train_bpe
-    from prlmfuse.train_fused.data import PAD_TO_MULTIPLE, TokenBudgetBatchSampler
+    from prlmfuse.train_fused.data import TokenBudgetBatchSampler
 
     try:
         corpus = load_corpus(Path(args.corpus)) if args.corpus else build_bible(prlmfuse_home() / "corpora" / "bible-en-ja")
@@ -63,20 +71,20 @@ def main(argv: list[str] | None = None) -> int:
           f"source {int(src_lens.sum())} tokens ({src_lens.mean() - 1:.1f} pieces a sentence, {chars[0]} distinct "
           f"characters), target {int(tgt_lens.sum())} ({tgt_lens.mean() - 1:.1f}, {chars[1]})", file=sys.stderr)
 
-    result: dict = {"corpus": str(corpus.root), "bpe_vocab": args.bpe_vocab, "pad_multiple": PAD_TO_MULTIPLE}
+    result: dict = {"corpus": str(corpus.root), "bpe_vocab": args.bpe_vocab}
     for max_tokens in args.max_tokens:
         orders = {
-            order: TokenBudgetBatchSampler.build_batches(src_lens, tgt_lens, max_tokens, seed=args.seed, order=order)
-            for order in ("target_first", "source_first")
+            "target_first": target_first_batches(src_lens, tgt_lens, max_tokens, args.seed),
+            "source_first": TokenBudgetBatchSampler.build_batches(src_lens, tgt_lens, max_tokens, seed=args.seed),
         }
         row = {}
         for name, batches in orders.items():
             row[name] = {
                 "batches": len(batches),
-                "src_padded_over_real": round(padding(batches, src_lens, PAD_TO_MULTIPLE), 3),
-                "tgt_padded_over_real": round(padding(batches, tgt_lens, PAD_TO_MULTIPLE), 3),
+                "src_padded_over_real": round(padding(batches, src_lens), 3),
+                "tgt_padded_over_real": round(padding(batches, tgt_lens), 3),
             }
-            label = "before (target first)" if name == "target_first" else "prlmfuse (source first)"
+            label = "target first" if name == "target_first" else "prlmfuse (source first)"
             print(f"max_tokens {max_tokens:5d}  {label:24s} {row[name]['batches']:6d} batches  padded/real: "
                   f"source {row[name]['src_padded_over_real']:.3f}, target {row[name]['tgt_padded_over_real']:.3f}")
         result[f"max_tokens_{max_tokens}"] = row

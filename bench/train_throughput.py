@@ -11,41 +11,26 @@ optimizer step (the trainer's own `Trainer.train_step`) for four systems:
 The systems take turns step by step: every system keeps one DataLoader (workers alive) for the whole
 run, and a cycle runs one update of each system on the same batch, in reverse order every other
 cycle (a-b-c-d, d-c-b-a, ...). A round is `--steps` timed cycles; there are `--rounds` of them,
-after `--warmup` untimed cycles. Why step by step: on this shared VM a step's time swings by 10-30%
-from one window of seconds to the next while the code does not change (the host takes vCPU time
-away, steal in /proc/stat; probably also neighbours sharing the L3 and memory), so systems timed in
-windows of their own, even seconds apart, differ by that much; updates a second apart see the same
-machine. Fairness to (b): taking a batch hands its workers the next one to read, so they read it
-during that same update, as in real training; the bench prints the workers' CPU time per batch to
-show that it fits inside an update (it is a few percent of one). Each cycle records its steal
-fraction, and a reported ratio is the median over the quiet cycles (at most 5% stolen; all cycles if
-none was) of each cycle's ratio, with its quartiles; a burst of steal or of a neighbour's load lands
-on a few updates and cannot move a median. Per-round ratios of summed step times are shown beside
-it, and step times are medians over rounds. Data wait = time the loop spent waiting for the next
-batch, as a fraction of the step time. The last line is `RESULT {json}`.
+after `--warmup` untimed cycles. Why step by step: on a shared machine the speed of a window of
+seconds drifts while the code does not change, and updates a second apart see the same machine.
+Taking a batch hands its workers the next one to read, so (b) reads during the update, as in real
+training; the workers' CPU time per batch is printed beside it. A reported ratio is the median,
+over the cycles with at most 5% of the vCPU time stolen (`_steal.py`; all cycles if none was), of
+each cycle's ratio, with its quartiles; per-round ratios of summed step times are shown beside it,
+and step times are medians over rounds. Data wait = time the loop spent waiting for the next batch,
+as a fraction of the step time. The last line is `RESULT {json}`.
 
     python bench/train_throughput.py [--checkpoint minilm-l6] [--preset small] [--rounds 8]
 
-`--compare attn|attn-kernel|dropout|nll|malloc|pad|nice|rows` instead measures one of prlmfuse's speed
-settings, without and with it, on systems (a) and (b) (and (c) for nice), and prints the median of
-the step-time ratios. The first four can change between two updates: one run times both variants,
-each system's two updates on the same batch back to back, and the ratio is the median over quiet
-cycles as above (default 8 rounds). The others take effect at process start: child processes, the
-variants alternating, each child one round of 16 timed cycles (default 5 rounds); the ratio is the
-median over quiet rounds, printed with the peak-memory ratio.
-  malloc  glibc's default allocator settings vs prlmfuse.runtime.keep_freed_memory
-  pad     exact padded lengths vs lengths rounded up to a multiple of 8 (train_fused.data)
-  nice    DataLoader workers at the step's priority vs 10 lower (train_fused.data.WORKER_NICE)
-  rows    output logits and loss over every padded target position vs the real ones only
-  attn    attention math of bf16 training steps upcast to float32 (torch's default) vs in bf16
-          (train_fused.modeling.BF16_ATTENTION_MATH)
-  attn-kernel  training attention through torch's math kernel (SDPA) vs written out
-          (train_fused.modeling.training_attention)
-  dropout dropout's random words from torch's mt19937 generator, the bool mask cast to bf16,
-          vs from numpy's PCG64 seeded by torch's generator, cast through uint8
-          (train_fused.modeling.dropout)
+`--compare nll|rows` instead measures one of prlmfuse's speed settings, without and with it, on
+systems (a) and (b), and prints the median of the step-time ratios. `nll` can change between two
+updates: one run times both variants, each system's two updates on the same batch back to back, and
+the ratio is the median over quiet cycles as above (default 8 rounds). The others take effect at
+process start: child processes, the variants alternating, each child one round of 16 timed cycles
+(default 5 rounds); the ratio is the median over quiet rounds, printed with the peak-memory ratio.
   nll     the NLL logged beside the loss as a separate logsumexp over the logits vs derived from
           the smoothed loss (train_fused.trainer.label_smoothed_sums)
+  rows    output logits and loss over every padded target position vs the real ones only
 """
 
 from __future__ import annotations
@@ -86,28 +71,26 @@ def _corpus(home: Path, train_pairs: int):
 class _LivePrLM:
     """bert-nmt's way: tokenize the raw source and run the frozen PrLM inside the training step."""
 
-    def __init__(self, info, layer: int, autocast: bool, pad_multiple: int):
+    def __init__(self, info, layer: int, autocast: bool):
         from prlmfuse.checkpoints import load_prlm
 
         self.model, self.tokenizer = load_prlm(info)
         self.layer = layer
         self.max_length = int(info.max_length)
         self.autocast = autocast
-        self.pad_multiple = pad_multiple
 
     @torch.no_grad()
     def features(self, lines: list[str]):
         from prlmfuse.train_fused.modeling import PrLMFeatures
 
-        enc = self.tokenizer(lines, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt",
-                             pad_to_multiple_of=self.pad_multiple)
+        enc = self.tokenizer(lines, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
             hidden = self.model(**enc, output_hidden_states=True).hidden_states[self.layer]
         return PrLMFeatures(states=hidden.float()[:, None], mask=enc["attention_mask"].bool(), pooled=None)
 
 
 def _logsumexp_nll_sums(logits, target, smoothing):
-    """label_smoothed_sums as it was before the logged NLL was derived from the loss (the "without" of --compare nll)."""
+    """The NLL as a separate logsumexp over the logits beside the smoothed loss (the "without" of --compare nll)."""
     import torch.nn.functional as F
 
     from prlmfuse.train_fused.bpe import PAD_ID
@@ -120,35 +103,6 @@ def _logsumexp_nll_sums(logits, target, smoothing):
         target_logit = flat_logits.gather(1, flat_target.unsqueeze(1)).squeeze(1)
         nll = ((torch.logsumexp(flat_logits, dim=-1) - target_logit) * keep).sum()
     return loss, nll
-
-
-def _sdpa_math_attention(q, k, v, mask, dropout_p):
-    """training_attention through torch's SDPA math kernel, as training steps attended before it (the "without" of --compare attn-kernel)."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from prlmfuse.train_fused import modeling
-
-    allowed = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
-    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(modeling.BF16_ATTENTION_MATH)
-    try:
-        with sdpa_kernel(SDPBackend.MATH):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
-    finally:
-        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(allowed)
-
-
-def _torch_bits_dropout(x, p, training):
-    """modeling.dropout as it was before its random words came from numpy (the "without" of
-    --compare dropout): torch's mt19937 `random_` fills them and the bool keep mask is cast to x's dtype directly."""
-    if not training or p == 0.0:
-        return x
-    n = x.numel()
-    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=x.device).random_(-(2**63), None)
-    bits = words.view(torch.int16)[:n].view(x.shape)
-    dropped = round(p * 65536)
-    keep = bits >= dropped - 32768
-    return x * keep.to(x.dtype).mul_(65536 / (65536 - dropped))
 
 
 def _step(trainer, batches, live: _LivePrLM | None, src_lines) -> tuple[float, float, int]:
@@ -196,12 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bpe-vocab", type=int, default=8000)
     parser.add_argument("--home", default=None, help="where corpus and caches go (default $PRLMFUSE_HOME)")
     parser.add_argument("--systems", default="abcd", help="which of a, b, c, d to time (default abcd)")
-    parser.add_argument("--pad-multiple", type=int, default=None, help="round padded lengths up to this (default: prlmfuse's)")
-    parser.add_argument("--worker-nice", type=int, default=None, help="niceness added to DataLoader workers (default: prlmfuse's)")
     parser.add_argument("--logit-rows", choices=["scored", "all"], default="scored",
                         help="loss over the real target positions only (prlmfuse's) or over every padded one")
     parser.add_argument("--compare", choices=sorted([*COMPARISONS, *SWITCH_NAMES]),
-                        help="time (a) and (b) (and (c) for nice) without and with one of prlmfuse's speed settings")
+                        help="time (a) and (b) without and with one of prlmfuse's speed settings")
     args = parser.parse_args(argv)
     if args.compare and args.compare not in SWITCH_NAMES:
         return _compare(args.compare, argv if argv is not None else sys.argv[1:], args.rounds or 5, args.steps, args.warmup)
@@ -222,15 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     from prlmfuse.train_fused.bpe import train_bpe
     from prlmfuse.train_fused.config import PrLMUse, RunConfig
     from prlmfuse.train_fused.data import (
-        PAD_TO_MULTIPLE, WORKER_NICE, FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader,
+        FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader,
     )
     from prlmfuse.distributed import DistContext
     from prlmfuse.train_fused.modeling import FusedTransformer, PrLMSpec
     from prlmfuse.precision import cpu_has_fast_bf16
     from prlmfuse.train_fused.trainer import Trainer, build_model_config
 
-    pad_multiple = args.pad_multiple or PAD_TO_MULTIPLE
-    worker_nice = WORKER_NICE if args.worker_nice is None else args.worker_nice
     home = Path(args.home) if args.home else prlmfuse_home()
     corpus = _corpus(home, args.train_pairs)
     try:
@@ -273,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp_run = Path(tempfile.mkdtemp(prefix="train-bench-run-"))
 
     class AllRowsTrainer(Trainer):
-        """The step before logits were limited to real target positions: [B, T, V] logits, pads ignored."""
+        """Logits [B, T, V] over every padded target position, pads ignored by the loss (the "without" of --compare rows)."""
 
         def _forward_sums(self, batch):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.use_bf16):
@@ -285,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     def make_trainer(prlm_specs, sources):
         torch.manual_seed(1)
         model = FusedTransformer(build_model_config(run, bpe.vocab_size, prlm_specs))
-        dataset = PairDataset(src_ids, tgt_ids, sources, pad_multiple=pad_multiple)
+        dataset = PairDataset(src_ids, tgt_ids, sources)
         return trainer_class(run, tmp_run, model, dataset, dataset, ctx, progress=False), dataset
 
     disk = [FeatureSource(str(caches["train"]), layer_rows=(0,))]
@@ -300,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     if "c" in systems:
         # (c) loads the whole cache into RAM before timing, as in_memory_features does at startup.
         systems["c"][1].readers()[0].features(0)
-    live = _LivePrLM(info, args.layer, autocast=bf16, pad_multiple=pad_multiple) if "d" in systems else None
+    live = _LivePrLM(info, args.layer, autocast=bf16) if "d" in systems else None
     sizes = {k: f"{t.model.num_parameters() / 1e6:.1f}M" for k, (t, _) in systems.items()}
     print(f"model {args.preset}: parameters {sizes}; bf16 autocast {bf16}; "
           f"{needed} batches of <= {args.max_tokens} tokens; PrLM {info.name} ({info.num_layers} layers, d={info.hidden_size})",
@@ -313,12 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     # yields every batch twice, so the two take the same batch one after the other.
     switch = _switches(args.compare) if args.compare else None
     variants = list(switch) if switch else [None]
-    plain = PairDataset(src_ids, tgt_ids, [], pad_multiple=pad_multiple)
+    plain = PairDataset(src_ids, tgt_ids, [])
     batches = [b for b in chosen[: args.warmup] + chosen[args.warmup :] * args.rounds for _ in variants]
     feeds, worker_pids = {}, {}
     for key, (trainer, dataset) in systems.items():
         workers = 0 if key == "c" else args.workers
-        loader = make_loader(plain if key == "d" else dataset, sampler_over(batches), num_workers=workers, worker_nice=worker_nice)
+        loader = make_loader(plain if key == "d" else dataset, sampler_over(batches), num_workers=workers)
         feeds[key] = iter(loader)
         worker_pids[key] = [w.pid for w in getattr(feeds[key], "_workers", [])]
     def lane_name(key, variant):
@@ -380,8 +330,6 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup,
         "rounds": args.rounds,
         "bf16": bf16,
-        "pad_multiple": pad_multiple,
-        "worker_nice": worker_nice,
         "logit_rows": args.logit_rows,
         "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         "step_ms": {k: round(v["step_s"] * 1000, 1) for k, v in typical.items()},
@@ -418,26 +366,20 @@ def main(argv: list[str] | None = None) -> int:
 # Settings that can change between two updates of one process: --compare of these times both
 # variants in one run, each system's two updates on the same batch back to back (see the lanes in
 # main); name -> {variant: set it}, the second variant is prlmfuse's default.
-SWITCH_NAMES = ("attn", "attn-kernel", "dropout", "nll")
+SWITCH_NAMES = ("nll",)
 
 
 def _switches(name: str) -> dict:
     """{variant: function that sets it} for the switch `name`, prlmfuse's own functions captured
     before anything replaces them."""
-    from prlmfuse.train_fused import modeling, trainer
+    from prlmfuse.train_fused import trainer
 
-    written, from_loss, numpy_bits = modeling.training_attention, trainer.label_smoothed_sums, modeling.dropout
+    from_loss = trainer.label_smoothed_sums
 
     def setter(module, attribute, value):
         return lambda: setattr(module, attribute, value)
 
     return {
-        "attn": {"fp32": setter(modeling, "BF16_ATTENTION_MATH", False), "bf16": setter(modeling, "BF16_ATTENTION_MATH", True)},
-        "attn-kernel": {"sdpa": setter(modeling, "training_attention", _sdpa_math_attention),
-                        "written": setter(modeling, "training_attention", written)},
-        # modeling.dropout is looked up at every call, by the layers and by training_attention
-        "dropout": {"torch-bits": setter(modeling, "dropout", _torch_bits_dropout),
-                    "numpy-bits": setter(modeling, "dropout", numpy_bits)},
         # trainer.label_smoothed_sums is what Trainer._forward_sums calls
         "nll": {"logsumexp": setter(trainer, "label_smoothed_sums", _logsumexp_nll_sums),
                 "fromloss": setter(trainer, "label_smoothed_sums", from_loss)},
@@ -445,19 +387,14 @@ def _switches(name: str) -> dict:
 
 
 # The other settings take effect at process start: child processes, the two variants alternating.
-# name -> (systems timed, {variant: (extra arguments, extra environment)}); the second variant is
-# prlmfuse's default. "nice" also times (c), which has no workers: a control for machine noise.
+# name -> (systems timed, {variant: extra arguments}); the second variant is prlmfuse's default.
 COMPARISONS = {
-    "malloc": ("ab", {"glibc": ([], {"PRLMFUSE_MALLOC": "glibc"}), "prlmfuse": ([], {"PRLMFUSE_MALLOC": ""})}),
-    "pad": ("ab", {"exact": (["--pad-multiple", "1"], {}), "padded8": (["--pad-multiple", "8"], {})}),
-    "nice": ("abc", {"nice0": (["--worker-nice", "0"], {}), "nice10": (["--worker-nice", "10"], {})}),
-    "rows": ("ab", {"all": (["--logit-rows", "all"], {}), "scored": (["--logit-rows", "scored"], {})}),
+    "rows": ("ab", {"all": ["--logit-rows", "all"], "scored": ["--logit-rows", "scored"]}),
 }
 
 
 def _compare(name: str, argv: list[str], rounds: int, steps: int | None, warmup: int | None) -> int:
     """The systems in child processes, the two variants alternating; medians of per-round ratios."""
-    import os
     import subprocess
 
     passthrough, skip = [], False
@@ -478,9 +415,8 @@ def _compare(name: str, argv: list[str], rounds: int, steps: int | None, warmup:
     for r in range(rounds):
         order = list(variants) if r % 2 == 0 else list(reversed(variants))
         for variant in order:
-            extra, env_extra = variants[variant]
-            cmd = [sys.executable, __file__, *passthrough, *extra, "--systems", systems, "--rounds", "1"]
-            out = subprocess.run(cmd, env=dict(os.environ, **env_extra), check=True, stdout=subprocess.PIPE, text=True).stdout
+            cmd = [sys.executable, __file__, *passthrough, *variants[variant], "--systems", systems, "--rounds", "1"]
+            out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
             child = json.loads(out.strip().splitlines()[-1].removeprefix("RESULT "))
             print(f"round {r + 1} ({variant}): step_ms {child['step_ms']}, steal {child['steal_fraction_rounds']}, "
                   f"max RSS {child['max_rss_mib']} MiB", file=sys.stderr)
@@ -502,11 +438,6 @@ def _compare(name: str, argv: list[str], rounds: int, steps: int | None, warmup:
         result[f"{k}_{without}_over_{with_}"] = round(ratio, 3)
         result[f"{k}_{without}_over_{with_}_rounds"] = [round(x, 3) for x in per_round]
         result[f"{k}_{without}_over_{with_}_rounds_used"] = used
-    if "c" in systems:
-        for v in variants:
-            ratio, _ = quiet_median([c["step_ms"]["b"] / c["step_ms"]["c"] for c in children[v]],
-                                    [steal(c) for c in children[v]])
-            result[f"b_over_c_{v}"] = round(ratio, 3)
     result[f"rss_{without}_over_{with_}"] = round(result[without]["max_rss_mib"] / result[with_]["max_rss_mib"], 3)
     print("RESULT " + json.dumps(result))
     return 0

@@ -33,7 +33,6 @@ from prlmfuse.distributed import DistContext, all_reduce_max, destroy, init_dist
 from prlmfuse.errors import UserError
 from prlmfuse.precision import cpu_has_fast_bf16
 from prlmfuse.fileio import pid_lock, is_disk_full, read_lines, sha256_file
-from prlmfuse.runtime import keep_freed_memory
 
 from .extract import (
     EncodedCorpus,
@@ -342,7 +341,6 @@ def build_cache(
     """
     check_dtype(dtype)
     check_backend(backend)
-    keep_freed_memory()
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise UserError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     location = Location(out)

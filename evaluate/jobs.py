@@ -40,7 +40,6 @@ from prlmfuse.evaluate.metrics import (
 )
 from prlmfuse.train_fused.config import recipe_without_seed
 from prlmfuse.fileio import atomic_write_bytes, atomic_write_json, atomic_write_text, read_json, read_lines, sha256_file
-from prlmfuse.runtime import keep_freed_memory
 
 RUN_FILE = "run.json"
 BPE_FILE = "bpe.json"
@@ -442,7 +441,6 @@ def decode_corpus(
     from prlmfuse.evaluate.decode import beam_search
     from prlmfuse.train_fused.bpe import EOS_ID, PAD_ID
 
-    keep_freed_memory()
     n = len(src_ids)
     lengths = np.fromiter((len(s) + 1 for s in src_ids), dtype=np.int64, count=n)
     # Longest first: the first batch shows the memory peak, later ones only get shorter.

@@ -509,73 +509,6 @@ def test_bad_prlm_spec_and_features_are_user_errors():
         dyn(src, tgt_in, no_pooled)
 
 
-def test_bf16_attention_math_adds_little_to_autocasts_rounding(monkeypatch):
-    from prlmfuse.train_fused import modeling
-
-    config = tiny_config(ONE_PRLM, side="both")
-    torch.manual_seed(0)
-    model = FusedTransformer(config)
-    src, tgt_in, tgt, feats = batch_for(config)
-
-    def loss_and_grads(autocast: bool, bf16_math: bool):
-        monkeypatch.setattr(modeling, "BF16_ATTENTION_MATH", bf16_math)
-        model.zero_grad()
-        torch.manual_seed(1)  # the same dropout masks every time
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            loss, _ = label_smoothed_sums(model(src, tgt_in, feats), tgt, 0.1)
-        loss.backward()
-        # Key biases are left out: softmax ignores them, so their true gradient is zero.
-        grads = [p.grad.flatten() for n, p in model.named_parameters() if not n.endswith("k_proj.bias")]
-        return loss.detach(), torch.cat(grads)
-
-    loss_ref, grad_ref = loss_and_grads(autocast=False, bf16_math=False)
-    loss32, grad32 = loss_and_grads(autocast=True, bf16_math=False)
-    loss16, grad16 = loss_and_grads(autocast=True, bf16_math=True)
-    assert loss16 != loss32  # the switch reaches the training attention, it is not a no-op
-    error32 = (grad32 - grad_ref).norm() / grad_ref.norm()
-    error16 = (grad16 - grad_ref).norm() / grad_ref.norm()
-    assert error16 < 1.25 * error32  # measured: 4.8% against autocast's own 4.6%
-    assert abs(loss16 - loss_ref) < 1.25 * abs(loss32 - loss_ref) + 1e-3 * abs(loss_ref)
-
-
-@pytest.mark.parametrize("case", ["key_mask", "causal", "causal_suffix", "cross"])
-def test_training_attention_computes_what_sdpa_does(case):
-    """The written-out training attention equals torch's SDPA in float32, masks and causality included."""
-    from prlmfuse.train_fused.modeling import training_attention
-
-    torch.manual_seed(0)
-    t_len, s_len = {"key_mask": (7, 7), "causal": (7, 7), "causal_suffix": (3, 7), "cross": (5, 9)}[case]
-    q, k, v = torch.randn(2, 4, t_len, 8), torch.randn(2, 4, s_len, 8), torch.randn(2, 4, s_len, 8)
-    key_mask = torch.ones(2, s_len, dtype=torch.bool)
-    key_mask[1, s_len - 2 :] = False
-    mask = key_mask[:, None, None, :]
-    if case.startswith("causal"):
-        mask = mask & torch.ones(t_len, s_len, dtype=torch.bool).tril(diagonal=s_len - t_len)
-    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    assert torch.allclose(training_attention(q, k, v, mask, 0.0), expected, atol=1e-6)
-
-
-def test_training_steps_attend_through_the_written_out_attention_and_match_inference(monkeypatch):
-    """A bf16 step with autograd takes training_attention; its output matches the SDPA path's."""
-    from prlmfuse.train_fused import modeling
-
-    config = tiny_config(ONE_PRLM, side="both")
-    torch.manual_seed(0)
-    model = FusedTransformer(config).eval()  # no dropout: both paths compute the same function
-    src, tgt_in, _, feats = batch_for(config)
-    calls = []
-    original = modeling.training_attention
-    monkeypatch.setattr(modeling, "training_attention", lambda *a: calls.append(1) or original(*a))
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        with torch.no_grad():
-            inference = model(src, tgt_in, feats).float()
-        assert not calls
-        training = model(src, tgt_in, feats).float()
-    # encoder self + PrLM attention, decoder self, cross and PrLM attention (side=both), per layer
-    assert len(calls) == 2 * config.enc_layers + 3 * config.dec_layers
-    assert (training - inference).abs().max() < 0.05 * inference.abs().max()
-
-
 def test_rows_without_any_real_key_stay_finite():
     config = tiny_config(ONE_PRLM, side="both")
     model = FusedTransformer(config).eval()
@@ -585,23 +518,75 @@ def test_rows_without_any_real_key_stay_finite():
         assert torch.isfinite(model(src, tgt_in, feats)).all()
 
 
-def test_dropout_drops_p_of_the_elements_unbiased_and_reproducibly():
-    from prlmfuse.train_fused.modeling import dropout
+def test_training_dropout_follows_torchs_seed_and_eval_is_deterministic():
+    """Dropout (torch's own) draws from torch's default generator: a seed reproduces a training
+    step, another seed changes it, and eval mode drops nothing."""
+    config = tiny_config(ONE_PRLM, side="both", dropout=0.3, attn_dropout=0.2)
+    torch.manual_seed(0)
+    model = FusedTransformer(config)
+    src, tgt_in, _, feats = batch_for(config)
 
-    x = torch.ones(1000, 1000, requires_grad=True)
-    torch.manual_seed(3)
-    y = dropout(x, 0.1, True)
-    dropped = (y == 0).float().mean().item()
-    assert abs(dropped - 0.1) < 0.002  # 1e6 draws: the standard error is 0.0003
-    assert abs(y.mean().item() - 1.0) < 0.005
-    y.sum().backward()
-    assert torch.equal(x.grad, y.detach())  # d(x * mask * scale)/dx = mask * scale
-    torch.manual_seed(3)
-    assert torch.equal(dropout(x, 0.1, True), y)  # seeded from torch's default generator: seeds reproduce it
-    torch.manual_seed(4)
-    assert not torch.equal(dropout(x, 0.1, True), y)  # and another seed draws another mask
-    assert dropout(x, 0.1, False) is x and dropout(x, 0.0, True) is x
-    odd = torch.randn(3, 5, 7, dtype=torch.bfloat16)  # numel not a multiple of 4, bf16 kept
-    out = dropout(odd, 0.5, True)
-    assert out.dtype == torch.bfloat16 and out.shape == odd.shape
-    assert torch.equal(out[out != 0], (odd * 2)[out != 0])
+    def logits(seed):
+        torch.manual_seed(seed)
+        return model(src, tgt_in, feats)
+
+    model.train()
+    assert torch.equal(logits(3), logits(3))
+    assert not torch.equal(logits(3), logits(4))
+    model.eval()
+    with torch.no_grad():
+        assert torch.equal(logits(3), logits(4))
+
+
+def test_activation_dropout_drops_the_ffns_hidden_activations():
+    """activation_dropout sits between the FFN's activation and fc2, as fairseq's."""
+    from prlmfuse.train_fused.modeling import FeedForward
+
+    torch.manual_seed(0)
+    ffn = FeedForward(16, 64, "relu", activation_dropout=0.3)
+    x = torch.randn(4, 5, 16)
+    torch.manual_seed(7)
+    got = ffn(x)
+    torch.manual_seed(7)
+    expected = ffn.fc2(F.dropout(F.relu(ffn.fc1(x)), 0.3, training=True))
+    assert torch.equal(got, expected)
+    ffn.eval()
+    assert torch.equal(ffn(x), ffn.fc2(F.relu(ffn.fc1(x))))
+    config = tiny_config(ONE_PRLM, dropout=0.0, activation_dropout=0.2)
+    model = FusedTransformer(config).train()
+    assert all(m.activation_dropout.p == 0.2 for m in model.modules() if isinstance(m, FeedForward))
+    assert sum(isinstance(m, FeedForward) for m in model.modules()) == config.enc_layers * 2 + config.dec_layers
+
+
+def test_feature_dropout_reaches_what_the_branches_read():
+    """feature_dropout drops elements of the selected PrLM features Z once per forward; every branch
+    attention's key/value projections read the same dropped Z; eval reads them clean."""
+    config = tiny_config(ONE_PRLM, side="both", dropout=0.0, feature_dropout=0.5)
+    torch.manual_seed(0)
+    model = FusedTransformer(config).train()
+    src, tgt_in, _, feats = batch_for(config)
+    seen = []
+    hooks = [layer.prlm_attn[0].k_proj.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+             for layer in [*model.encoder_layers, *model.decoder_layers]]
+    model(src, tgt_in, feats)
+    clean = feats[0].states[:, 0]
+    assert len(seen) == config.enc_layers + config.dec_layers
+    assert all(torch.equal(z, seen[0]) for z in seen[1:])
+    kept = seen[0] != 0
+    assert 0.35 < 1 - kept.float().mean().item() < 0.65
+    assert torch.allclose(seen[0][kept], 2 * clean[kept])
+    seen.clear()
+    model.eval()
+    with torch.no_grad():
+        model(src, tgt_in, feats)
+    assert torch.equal(seen[0], clean)
+    for hook in hooks:
+        hook.remove()
+    # Off by default: a training step reads the clean features.
+    assert ModelConfig(vocab_size=VOCAB).feature_dropout == 0.0
+
+
+@pytest.mark.parametrize("name", ["activation_dropout", "feature_dropout"])
+def test_new_dropouts_are_validated(name):
+    with pytest.raises(UserError, match=rf"{name}=1.0 must be in \[0, 1\)"):
+        tiny_config([], **{name: 1.0})

@@ -163,40 +163,6 @@ def test_a_second_trainer_on_the_same_run_directory_is_refused(world, tmp_path):
     assert checkpointing.complete_checkpoints(run_dir) == [2]
 
 
-def test_a_run_started_before_the_batch_order_was_recorded_resumes_in_its_own_order(world, tmp_path, monkeypatch):
-    """prlmfuse up to c112fc3 sorted batches by target length first and wrote no batch_order; such a
-    run continues in that order, exactly as if it had never stopped."""
-    import functools
-
-    from prlmfuse.train_fused import data as data_module
-    from prlmfuse.train_fused import trainer as trainer_module
-
-    run = train_support.tiny_run("base", max_updates=8, save_every=4)
-    fresh = train_run(run, world["corpus"], [], tmp_path / "fresh", progress=False)
-    assert checkpointing.latest_trainer_state(fresh)["batch_order"] == "source_first"
-
-    # The old code's sampler, and its state files without batch_order.
-    old_sampler = functools.partial(data_module.TokenBudgetBatchSampler, order="target_first")
-    monkeypatch.setattr(trainer_module, "TokenBudgetBatchSampler", old_sampler)
-    straight = train_run(run, world["corpus"], [], tmp_path / "straight", progress=False)
-    old = train_run(train_support.tiny_run("base", max_updates=4, save_every=4), world["corpus"], [], tmp_path / "old",
-                    progress=False)
-    state_file = old / "trainer_state.json"
-    state_file.write_text(json.dumps({k: v for k, v in json.loads(state_file.read_text()).items() if k != "batch_order"}))
-    monkeypatch.undo()
-
-    train_run(run, world["corpus"], [], old, progress=False)
-    assert checkpointing.latest_trainer_state(old)["batch_order"] == "target_first"
-    for name, tensor in _weights(straight, 8).items():
-        torch.testing.assert_close(_weights(old, 8)[name], tensor, rtol=0, atol=0, msg=name)
-    # Not vacuous: the two orders train different weights here.
-    assert any(not torch.equal(_weights(fresh, 8)[k], v) for k, v in _weights(straight, 8).items())
-
-    state_file.write_text(json.dumps({**json.loads(state_file.read_text()), "batch_order": "longest_first"}))
-    with pytest.raises(UserError, match=r"trainer state has batch_order 'longest_first'; expected one of source_first, target_first"):
-        train_run(train_support.tiny_run("base", max_updates=12, save_every=4), world["corpus"], [], old, progress=False)
-
-
 def test_temp_files_of_a_killed_save_are_removed_on_resume(world, tmp_path):
     run_dir = train_run(train_support.tiny_run("base", max_updates=2, save_every=2), world["corpus"], [],
                         tmp_path / "base", progress=False)

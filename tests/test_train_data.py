@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +13,7 @@ import torch
 from prlmfuse.cache_features import CacheReader
 from prlmfuse.train_fused.bpe import BOS_ID, EOS_ID, PAD_ID
 from prlmfuse.train_fused.data import (
-    PAD_TO_MULTIPLE, WORKER_NICE, FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader, pad_length,
+    FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader,
 )
 from prlmfuse.train_fused.trainer import inverse_sqrt_lr
 
@@ -43,18 +42,6 @@ def test_batches_respect_budget_and_cover_each_pair_once():
     assert padded < 1.1 * src.sum()
     runs = sorted((min(src[i] for i in b), max(src[i] for i in b)) for b in sampler.batches)
     assert all(hi <= next_lo for (_, hi), (next_lo, _) in zip(runs, runs[1:]))
-
-
-def test_target_first_order_and_switching_orders():
-    src, tgt = _lengths()
-    sampler = TokenBudgetBatchSampler(src, tgt, 400, seed=1, order="target_first")
-    padded = sum(len(b) * max(tgt[i] for i in b) for b in sampler.batches)
-    assert padded < 1.1 * tgt.sum()
-    sampler.use_order("source_first")
-    assert sampler.order == "source_first"
-    assert sampler.batches == TokenBudgetBatchSampler(src, tgt, 400, seed=1).batches
-    with pytest.raises(ValueError, match="batch order 'longest'"):
-        TokenBudgetBatchSampler(src, tgt, 400, order="longest")
 
 
 def test_oversized_pair_gets_a_batch_of_its_own():
@@ -162,8 +149,9 @@ def test_collate_pads_tokens_and_features_from_the_cache(cache):
     assert batch.ntokens == sum(len(tgt[i]) + 1 for i in indices)
     (feats,) = batch.prlm
     lengths = [int(reader.lengths[i]) for i in indices]
-    assert feats.states.shape == (3, 1, pad_length(max(lengths)), reader.hidden_size)
-    assert batch.src_tokens.shape[1] % PAD_TO_MULTIPLE == 0 == batch.tgt_in.shape[1] % PAD_TO_MULTIPLE
+    assert feats.states.shape == (3, 1, max(lengths), reader.hidden_size)
+    assert batch.src_tokens.shape[1] == max(len(src[i]) + 1 for i in indices)
+    assert batch.tgt_in.shape[1] == max(len(tgt[i]) + 1 for i in indices)
     assert feats.mask.sum(1).tolist() == lengths
     # A float16 cache hands over float16 (half the bytes), exactly the stored values.
     assert reader.dtype == "float16" and feats.states.dtype == torch.float16
@@ -172,28 +160,6 @@ def test_collate_pads_tokens_and_features_from_the_cache(cache):
         assert (feats.states[row, :, lengths[row] :] == 0).all()
         torch.testing.assert_close(feats.pooled[row], reader.pooled(i))
     assert feats.pooled.shape == (3, len(reader.pooled_layers), 2, reader.hidden_size)
-
-
-def test_rounded_padding_changes_no_loss(cache):
-    """Lengths rounded up to a multiple of 8 (fewer matmul shapes) leave every real position's loss alone."""
-    from prlmfuse.train_fused.modeling import FusedTransformer, ModelConfig, PrLMSpec
-    from prlmfuse.train_fused.trainer import label_smoothed_sums
-
-    corpus, paths = cache
-    reader = CacheReader(paths["train"])
-    src, tgt = _pairs(40, seed=3)
-    sources = [FeatureSource(paths["train"], layer_rows=(1,))]
-    indices = [3, 8, 21, 30]
-    exact = PairDataset(src, tgt, sources, pad_multiple=1).__getitems__(indices)
-    padded = PairDataset(src, tgt, sources).__getitems__(indices)
-    assert exact.src_tokens.shape[1] % 8 and padded.src_tokens.shape[1] % 8 == 0  # the rounding did something
-    spec = PrLMSpec(name="tiny", width=reader.hidden_size, num_layers=1, num_pooled=len(reader.pooled_layers))
-    torch.manual_seed(0)
-    model = FusedTransformer(ModelConfig.from_preset("tiny", vocab_size=50, prlms=[spec], dropout=0.0)).eval()
-    with torch.no_grad():
-        sums = [label_smoothed_sums(model(b.src_tokens, b.tgt_in, b.prlm), b.tgt_out, 0.1) for b in (exact, padded)]
-    for a, b in zip(*sums):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-4)
 
 
 def test_workers_deliver_the_same_batches_as_in_process(cache):
@@ -212,25 +178,6 @@ def test_workers_deliver_the_same_batches_as_in_process(cache):
         for got in (w, m):
             assert torch.equal(e.ids, got.ids) and torch.equal(e.src_tokens, got.src_tokens)
             assert torch.equal(e.prlm[0].states, got.prlm[0].states) and torch.equal(e.prlm[0].mask, got.prlm[0].mask)
-
-
-class _NicenessDataset(torch.utils.data.Dataset):
-    """Each 'batch' is the niceness of the process that built it."""
-
-    def __len__(self):
-        return 4
-
-    def __getitems__(self, indices):
-        return os.getpriority(os.PRIO_PROCESS, 0)
-
-
-def test_workers_run_at_lower_priority_than_the_training_step():
-    sampler = [[0], [1], [2], [3]]
-    here = os.getpriority(os.PRIO_PROCESS, 0)
-    got = list(make_loader(_NicenessDataset(), sampler, num_workers=2))
-    assert got == [min(here + WORKER_NICE, 19)] * 4
-    assert list(make_loader(_NicenessDataset(), sampler, num_workers=2, worker_nice=0)) == [here] * 4
-    assert os.getpriority(os.PRIO_PROCESS, 0) == here  # the training process itself is untouched
 
 
 def test_empty_slice_is_an_empty_batch(cache):

@@ -9,9 +9,7 @@ Readers open lazily in whichever process first touches them (never carried acros
 
 from __future__ import annotations
 
-import functools
 import multiprocessing
-import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -51,28 +49,12 @@ class Batch:
         return int(self.ids.shape[0])
 
 
-# Padded lengths are rounded up to a multiple of this. Why: oneDNN builds and caches a kernel for
-# every new matmul shape (milliseconds and about half a MiB each, its cache holds 1,024), so exact
-# lengths made nearly every batch a new shape: the step slowed and the process grew by gigabytes.
-# Rounding cut the shapes of a Bible epoch from 530 to 99 row counts (bench/train_throughput.py --compare pad).
-PAD_TO_MULTIPLE = 8
-
-
-def pad_length(n: int, multiple: int = PAD_TO_MULTIPLE) -> int:
-    n = max(int(n), 1)
-    return -(-n // multiple) * multiple
-
-
 class PairDataset(Dataset):
     """Aligned BPE pairs of one split; item i is sentence i of the corpus split and of every cache."""
 
-    def __init__(
-        self, src_ids: list[np.ndarray], tgt_ids: list[np.ndarray], sources: list[FeatureSource],
-        *, pad_multiple: int = PAD_TO_MULTIPLE,
-    ):
+    def __init__(self, src_ids: list[np.ndarray], tgt_ids: list[np.ndarray], sources: list[FeatureSource]):
         if len(src_ids) != len(tgt_ids):
             raise ValueError(f"{len(src_ids)} source lines vs {len(tgt_ids)} target lines")
-        self.pad_multiple = int(pad_multiple)
         self.src_ids = src_ids
         self.tgt_ids = tgt_ids
         self.sources = list(sources)
@@ -101,8 +83,8 @@ class PairDataset(Dataset):
     def __getitems__(self, indices: list[int]) -> Batch:
         indices = [int(i) for i in indices]
         bsz = len(indices)
-        src_len = pad_length(max((int(self.src_lens[i]) for i in indices), default=1), self.pad_multiple)
-        tgt_len = pad_length(max((int(self.tgt_lens[i]) for i in indices), default=1), self.pad_multiple)
+        src_len = max((int(self.src_lens[i]) for i in indices), default=1)
+        tgt_len = max((int(self.tgt_lens[i]) for i in indices), default=1)
         # Filled in numpy: a DataLoader worker's time comes out of the training step's cores, and a
         # torch slice assignment costs microseconds of dispatch per row where numpy's costs nanoseconds.
         src_tokens = np.full((bsz, src_len), PAD_ID, dtype=np.int64)
@@ -119,7 +101,7 @@ class PairDataset(Dataset):
             tgt_out[row, :m] = tgt
             tgt_out[row, m] = EOS_ID
             ntokens += m + 1
-        prlm = [batch_features(reader, source, indices, self.pad_multiple) for reader, source in zip(self.readers(), self.sources)]
+        prlm = [batch_features(reader, source, indices) for reader, source in zip(self.readers(), self.sources)]
         return Batch(
             ids=torch.tensor(indices, dtype=torch.long),
             src_tokens=torch.from_numpy(src_tokens),
@@ -130,16 +112,14 @@ class PairDataset(Dataset):
         )
 
 
-def batch_features(
-    reader: CacheReader, source: FeatureSource, indices: list[int], pad_multiple: int = PAD_TO_MULTIPLE
-) -> PrLMFeatures:
+def batch_features(reader: CacheReader, source: FeatureSource, indices: list[int]) -> PrLMFeatures:
     """One PrLM branch's features for a batch of sentences, padded with a mask (training and evaluation)."""
     rows = list(source.layer_rows)
     # Stored float16 stays float16 until the model casts it (the same values): half the bytes
     # for the worker to copy and hand over, and less work beside the training step's threads.
     per_sentence = [reader.features(i, rows, widen=False) for i in indices]  # [len(rows), T_i, d] each
     width = int(reader.hidden_size)
-    max_len = pad_length(max((f.shape[1] for f in per_sentence), default=1), pad_multiple)
+    max_len = max((f.shape[1] for f in per_sentence), default=1)
     states = torch.zeros(len(indices), len(rows), max_len, width, dtype=reader.transfer_dtype)
     mask = torch.zeros(len(indices), max_len, dtype=torch.bool)
     for b, f in enumerate(per_sentence):
@@ -153,10 +133,6 @@ def batch_features(
             0, len(reader.pooled_layers), 2, width
         )
     return PrLMFeatures(states=states, mask=mask, pooled=pooled)
-
-
-# Sort keys of TokenBudgetBatchSampler.build_batches, the first one the default.
-BATCH_ORDERS = ("source_first", "target_first")
 
 
 class TokenBudgetBatchSampler:
@@ -179,7 +155,6 @@ class TokenBudgetBatchSampler:
         seed: int = 1,
         rank: int = 0,
         world_size: int = 1,
-        order: str = "source_first",
     ):
         self.max_tokens = int(max_tokens)
         self.shuffle = shuffle
@@ -188,40 +163,26 @@ class TokenBudgetBatchSampler:
         self.world_size = world_size
         self.epoch = 0
         self.start = 0
-        self._lengths = (src_lens, tgt_lens, indices)
-        self.order = order
-        self.batches = self.build_batches(src_lens, tgt_lens, max_tokens, indices=indices, seed=seed, order=order)
-
-    def use_order(self, order: str) -> None:
-        """Rebuild the batches in another of BATCH_ORDERS (a resumed run keeps the order it started with)."""
-        if order != self.order:
-            src_lens, tgt_lens, indices = self._lengths
-            self.batches = self.build_batches(src_lens, tgt_lens, self.max_tokens, indices=indices, seed=self.seed, order=order)
-            self.order = order
+        self.batches = self.build_batches(src_lens, tgt_lens, max_tokens, indices=indices, seed=seed)
 
     @staticmethod
     def build_batches(
         src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, *, indices: np.ndarray | None = None, seed: int = 1,
-        order: str = "source_first",
     ) -> list[list[int]]:
         """Batches of pair indices, each within the padded budget, from the pairs sorted by length.
 
-        order "source_first" is fairseq's (LanguagePairDataset.ordered_indices): a stable sort by
-        target length, then by source length, so a batch is a run of nearly equal source lengths.
-        Source first because the encoder, where every PrLM branch runs, pays for source padding
-        (`bench/batch_padding.py`). "target_first", the two sorts the other way round, is how
-        prlmfuse sorted up to commit c112fc3; runs started then resume in it (Trainer.restore).
+        The order is fairseq's (LanguagePairDataset.ordered_indices): a stable sort by target
+        length, then by source length, so a batch is a run of nearly equal source lengths. Source
+        length is the primary key because the encoder, where every PrLM branch runs, pays for
+        source padding (`bench/batch_padding.py` counts both sides' padding).
         """
-        if order not in BATCH_ORDERS:
-            raise ValueError(f"batch order {order!r}: use one of {', '.join(BATCH_ORDERS)}")
         if indices is None:
             indices = np.arange(len(src_lens))
         sizes = np.maximum(src_lens, tgt_lens)
-        primary, secondary = (src_lens, tgt_lens) if order == "source_first" else (tgt_lens, src_lens)
-        # Random tie-breaking, then the secondary key, then (stably) the primary one.
+        # Random tie-breaking, then target length, then (stably) source length.
         ranked = np.random.RandomState(seed).permutation(indices)
-        ranked = ranked[np.argsort(secondary[ranked], kind="stable")]
-        ranked = ranked[np.argsort(primary[ranked], kind="stable")]
+        ranked = ranked[np.argsort(tgt_lens[ranked], kind="stable")]
+        ranked = ranked[np.argsort(src_lens[ranked], kind="stable")]
         return [b.tolist() for b in token_budget_batches(ranked, sizes, max_tokens)]
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
@@ -254,21 +215,8 @@ def _keep_batch(batch: Batch) -> Batch:
     return batch
 
 
-# Niceness added to DataLoader workers. Why: on a machine with as many cores as the step has
-# threads, a worker that preempts one OpenMP thread stalls the whole parallel region; at lower
-# priority the workers run in the step's single-threaded gaps and the prefetch queue hides them
-# (bench/train_throughput.py --compare nice).
-WORKER_NICE = 10
-
-
-def _lower_priority(increment: int, worker_id: int) -> None:
-    if increment > 0:
-        os.nice(increment)
-
-
 def make_loader(
     dataset: PairDataset, batch_sampler: TokenBudgetBatchSampler, *, num_workers: int, prefetch_factor: int = 4,
-    worker_nice: int = WORKER_NICE,
 ) -> DataLoader:
     """DataLoader over whole batches; workers (forkserver) read and pad the features ahead of the model."""
     # A private generator: creating a loader iterator must not advance the global torch RNG
@@ -289,5 +237,4 @@ def make_loader(
         persistent_workers=True,
         prefetch_factor=prefetch_factor,
         generator=generator,
-        worker_init_fn=functools.partial(_lower_priority, int(worker_nice)),
     )

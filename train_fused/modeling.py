@@ -11,7 +11,9 @@ width d_p each), `drop` = dropout, and Merge(a_0, a_1..a_k) the merge strategy (
     A_S = drop(SelfAttn(H, H, H))          A_j = drop(PrLMAttn_j(H, Z_j, Z_j))
 
 The PrLM attention's key/value projections take width d_p to d_model, so PrLMs of any width
-plug in directly. Post-LN (the paper's setting, `pre_ln=False`), by merge `position`:
+plug in directly. `drop` is `dropout`; attention weights take `attn_dropout`, the FFN's hidden
+activations `activation_dropout` (FFN(x) = fc2(drop_act(act(fc1(x))))), and Z_j, once per
+forward, `feature_dropout` (off by default: noise a PrLM run in train mode would give its output). Post-LN (the paper's setting, `pre_ln=False`), by merge `position`:
 
     attn:       x = LN1(H + Merge(A_S, A_1..A_k))
                 H' = LN2(x + drop(FFN(x)))
@@ -74,6 +76,12 @@ in the PrLM's own width, before the branch's key/value projections:
                (unscaled dot product, as in the paper's eq. 7)
     concat:    Z = sum_n W_n z_n + b (one Linear over the concatenated layers)
 
+Initialisation is fairseq 0.12's transformer's: attention q, k, v xavier-uniform with gain
+1/sqrt(2) when keys have the query's width (plain xavier for a PrLM branch's wider or narrower
+keys) with nn.Linear's default biases, out_proj xavier with a zero bias, the FFN at nn.Linear's
+default, embeddings N(0, d^-1/2) with the padding row zero; projections fairseq has no
+counterpart for get its `Linear` helper's xavier-uniform with a zero bias (`xavier_linear`).
+
 Token ids: pad 0, bos 1, eos 2 by default (see ModelConfig). Sequences may be padded on either
 side; positions count real tokens only, so padding never changes the real tokens' outputs.
 """
@@ -83,7 +91,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, fields
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -174,7 +181,9 @@ class ModelConfig:
     heads: int = 8
     ffn: int = 2048
     dropout: float = 0.1
-    attn_dropout: float = 0.0
+    attn_dropout: float = 0.0  # on the attention weights
+    activation_dropout: float = 0.0  # after the FFN's activation, as fairseq's
+    feature_dropout: float = 0.0  # on the selected PrLM features as the branches read them
     activation: str = "relu"
     pre_ln: bool = False
     max_positions: int = 1024  # decoding never goes beyond this many target positions
@@ -193,7 +202,8 @@ class ModelConfig:
             (self.vocab_size > max(self.pad_id, self.bos_id, self.eos_id), f"vocab_size={self.vocab_size} must exceed the special token ids"),
             (self.d_model > 0 and self.heads > 0 and self.d_model % self.heads == 0, f"d_model={self.d_model} must be a positive multiple of heads={self.heads}"),
             (self.enc_layers >= 1 and self.dec_layers >= 1 and self.ffn >= 1, "enc_layers, dec_layers and ffn must be at least 1"),
-            (0.0 <= self.dropout < 1.0 and 0.0 <= self.attn_dropout < 1.0, "dropout and attn_dropout must be in [0, 1)"),
+            *[(0.0 <= getattr(self, name) < 1.0, f"{name}={getattr(self, name)} must be in [0, 1)")
+              for name in ("dropout", "attn_dropout", "activation_dropout", "feature_dropout")],
             (0.0 <= self.dropnet_p <= 1.0, f"dropnet_p={self.dropnet_p} must be in [0, 1]"),
             (self.activation in ACTIVATIONS, f"activation {self.activation!r} unknown; use one of {', '.join(ACTIVATIONS)}"),
             (self.merge in MERGES, f"merge {self.merge!r} unknown; use one of {', '.join(MERGES)}"),
@@ -290,32 +300,6 @@ class EncoderOut:
 # ----------------------------------------------------------------------------- building blocks
 
 
-def dropout(x: Tensor, p: float, training: bool) -> Tensor:
-    """Inverted dropout, as F.dropout, with the keep mask cut from 64-bit random words 16 bits at a time.
-
-    Why not F.dropout: torch's CPU dropout draws one bernoulli_ sample per element, ~20 ns an
-    element, ~12% of a small model's training step. The words come from numpy's PCG64, seeded
-    for each call from torch's default generator, so torch.manual_seed and a resumed run's
-    restored torch RNG state reproduce every mask; PCG64 fills them faster than torch's mt19937
-    `random_`. The keep mask goes to x's dtype through uint8, because torch's bool-to-bfloat16
-    cast is not vectorized and uint8-to-bfloat16 is. The drop probability is rounded to a
-    multiple of 1/65536 and the scale uses the rounded value, so the output stays unbiased up to
-    the scale's own rounding to x's dtype (8 significant bits in bf16, where F.dropout scales in
-    float32) (`bench/train_throughput.py --compare dropout` times this against torch's generator).
-    """
-    if not training or p == 0.0:
-        return x
-    if x.device.type != "cpu":
-        return F.dropout(x, p, training=True)
-    n = x.numel()
-    seed = int(torch.empty((), dtype=torch.int64).random_())
-    words = np.random.PCG64(seed).random_raw((n + 3) // 4)
-    dropped = round(p * 65536)
-    keep = words.view(np.int16)[:n] >= dropped - 32768  # int16 uniform over [-32768, 32767]
-    mask = torch.from_numpy(keep.view(np.uint8)).view(x.shape).to(x.dtype)
-    return x * mask.mul_(65536 / (65536 - dropped))
-
-
 class SinusoidalPositions(nn.Module):
     """Fixed sin/cos position embeddings (fairseq layout: all sines, then all cosines)."""
 
@@ -340,60 +324,20 @@ def positions_from_mask(mask: Tensor) -> Tensor:
     return (mask.long().cumsum(dim=1) - 1).clamp(min=0)
 
 
-def lower_once(x: Tensor) -> Tensor:
-    """x in autocast's low-precision dtype when autocast is on, else x unchanged.
-
-    Why: autocast casts a float32 input again for every linear that reads it, forward and
-    backward; a layer input that feeds the q, k and v projections (and the PrLM attention's query)
-    is cast once here instead.
-    """
-    device = x.device.type
-    if x.dtype == torch.float32 and torch.is_autocast_enabled(device):
-        return x.to(torch.get_autocast_dtype(device))
-    return x
-
-
-# Attention scores, softmax and weighted sum of bf16 training steps in bf16 (see
-# training_attention); False upcasts them to float32 as torch's math kernel does by default. A
-# module constant so that bench/train_throughput.py --compare attn can time one against the other.
-BF16_ATTENTION_MATH = True
-
-
-def _uses_training_attention(q: Tensor) -> bool:
-    """Whether `MultiheadAttention.attend` computes through `training_attention` rather than SDPA.
-
-    On CPU in bf16 with autograd: there, torch's flash kernel's backward is about 2x slower than
-    autograd through plain matmuls at our sequence lengths (its forward is about 6x faster; torch
-    2.13, measured for B=64, 4 heads, 32 tokens, head_dim 64), so inference, decoding and float32
-    steps keep F.scaled_dot_product_attention and its kernel choice.
-    """
-    return q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad
-
-
-def training_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float) -> Tensor:
-    """softmax(q k^T / sqrt(head_dim) + mask) v, written out, for training steps under bf16 autocast.
-
-    q [B, H, T, hd], k and v [B, H, S, hd]; mask broadcastable to [B, H, T, S], True = attend, with
-    at least one True per row. Why not torch's math kernel, which computes the same: it upcasts
-    bf16 to float32 unless a process-wide flag is set, and it guards every score tensor against
-    fully masked rows with isneginf, all and where, rows `attend` never produces
-    (`bench/train_throughput.py --compare attn-kernel` times the two). Scores and weights are
-    rounded to bf16 as every autocast matmul output is (the softmax accumulates in float32), as
-    fairseq's --fp16 training keeps its attention weights in half precision after a float32 softmax.
-    """
-    out_dtype = q.dtype
-    with torch.autocast(q.device.type, enabled=False):
-        if not BF16_ATTENTION_MATH:
-            q, k, v = q.float(), k.float(), v.float()
-        scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1))
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        weights = dropout(torch.softmax(scores, dim=-1), dropout_p, training=True)
-        return torch.matmul(weights, v).to(out_dtype)
+def xavier_linear(in_features: int, out_features: int, bias: bool = True) -> nn.Linear:
+    """nn.Linear initialised as fairseq's `Linear` helper: xavier-uniform weight, zero bias."""
+    linear = nn.Linear(in_features, out_features, bias)
+    nn.init.xavier_uniform_(linear.weight)
+    if bias:
+        nn.init.zeros_(linear.bias)
+    return linear
 
 
 class MultiheadAttention(nn.Module):
-    """Scaled dot-product attention with separate projections; keys/values may have another width."""
+    """Scaled dot-product attention with separate projections; keys/values may have another width.
+
+    Initialised as fairseq's MultiheadAttention.reset_parameters (see there).
+    """
 
     def __init__(self, d_model: int, heads: int, attn_dropout: float, kv_width: int | None = None):
         super().__init__()
@@ -405,6 +349,17 @@ class MultiheadAttention(nn.Module):
         self.k_proj = nn.Linear(kv_width, d_model)
         self.v_proj = nn.Linear(kv_width, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
+        self.qkv_same_dim = kv_width == d_model
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """fairseq's init: q, k, v xavier-uniform (gain 1/sqrt(2) when keys have the query's width,
+        fairseq's `qkv_same_dim`), their biases left at nn.Linear's default; out_proj xavier, bias 0."""
+        gain = 1 / math.sqrt(2) if self.qkv_same_dim else 1.0
+        for proj in (self.k_proj, self.v_proj, self.q_proj):
+            nn.init.xavier_uniform_(proj.weight, gain=gain)
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        nn.init.zeros_(self.out_proj.bias)
 
     def _split_heads(self, x: Tensor) -> Tensor:
         batch, length, _ = x.shape
@@ -434,19 +389,15 @@ class MultiheadAttention(nn.Module):
                 empty_rows = ~has_key
                 key_mask = key_mask | empty_rows[:, None]
             attn_mask = key_mask[:, None, None, :]
-        written_out = _uses_training_attention(q)
         is_causal = False
         if causal and q_len > 1:
-            if attn_mask is None and q_len == k_len and not written_out:
+            if attn_mask is None and q_len == k_len:
                 is_causal = True
             else:
                 causal_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(diagonal=k_len - q_len)
                 attn_mask = causal_mask if attn_mask is None else attn_mask & causal_mask
         dropout_p = self.attn_dropout if self.training else 0.0
-        if written_out:
-            out = training_attention(q, keys, values, attn_mask, dropout_p)
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
         out = self.out_proj(out.transpose(1, 2).reshape(batch, q_len, d_model))
         if empty_rows is not None:
             out = out.masked_fill(empty_rows[:, None, None], 0.0)
@@ -458,14 +409,17 @@ class MultiheadAttention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, d_model: int, ffn: int, activation: str):
+    """fc2(act(fc1(x))); both Linears keep nn.Linear's default init, as fairseq's build_fc1/build_fc2."""
+
+    def __init__(self, d_model: int, ffn: int, activation: str, activation_dropout: float = 0.0):
         super().__init__()
         self.fc1 = nn.Linear(d_model, ffn)
         self.fc2 = nn.Linear(ffn, d_model)
         self.activation = F.relu if activation == "relu" else F.gelu
+        self.activation_dropout = nn.Dropout(activation_dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(self.activation(self.fc1(x)))
+        return self.fc2(self.activation_dropout(self.activation(self.fc1(x))))
 
 
 class FlowMerge(nn.Module):
@@ -478,7 +432,8 @@ class FlowMerge(nn.Module):
         self.num_prlms = num_prlms
         if strategy == "gate":
             # One logit vector per PrLM flow; the source flow is the reference class at 0.
-            self.gate_proj = nn.Linear((num_prlms + 1) * d_model, num_prlms * d_model)
+            # fairseq has no gate; its `Linear` helper is what its other learned projections get.
+            self.gate_proj = xavier_linear((num_prlms + 1) * d_model, num_prlms * d_model)
 
     def forward(self, flows: list[Tensor]) -> Tensor:
         if self.strategy == "sum":
@@ -529,7 +484,8 @@ class DynamicLayerWeights(nn.Module):
         self.pooled_row = 0 if spec.layer_mode == "dyn_cls" else 1
         self.register_buffer("pooled_index", torch.tensor(spec.pooled_index, dtype=torch.long), persistent=False)
         self.norm = nn.LayerNorm(spec.width)
-        self.score = nn.Linear(spec.width, 1, bias=False)
+        # A learned projection with no fairseq counterpart: fairseq's `Linear` helper init.
+        self.score = xavier_linear(spec.width, 1, bias=False)
         self.layer_bias = nn.Parameter(torch.zeros(spec.num_layers))
 
     def layer_weights(self, pooled: Tensor) -> Tensor:
@@ -553,11 +509,13 @@ class DepthWiseAttention(nn.Module):
         # kpos_n ~ U(0, 1) are fixed, not learned (paper section 9.2); persistent so a checkpoint
         # reproduces the same keys.
         self.register_buffer("key_positions", torch.rand(n, DWATT_KEY_POS_DIM))
-        self.key_proj = nn.Linear(DWATT_KEY_POS_DIM, d)
+        # The paper gives no init; its Linears get fairseq's `Linear` helper init, as the stacked
+        # per-layer weights below do.
+        self.key_proj = xavier_linear(DWATT_KEY_POS_DIM, d)
         # f_Q(z) = W LN(gelu(U z))
-        self.query_down = nn.Linear(d, hidden)
+        self.query_down = xavier_linear(d, hidden)
         self.query_norm = nn.LayerNorm(hidden)
-        self.query_up = nn.Linear(hidden, d)
+        self.query_up = xavier_linear(hidden, d)
         # f_V,n: one bottleneck MLP and one output LN per layer, nothing shared; stacked over n.
         self.value_down_weight = nn.Parameter(torch.empty(n, hidden, d))
         self.value_down_bias = nn.Parameter(torch.zeros(n, hidden))
@@ -595,7 +553,8 @@ class LayerConcat(nn.Module):
 
     def __init__(self, spec: PrLMSpec):
         super().__init__()
-        self.proj = nn.Linear(spec.num_layers * spec.width, spec.width)
+        # A learned projection with no fairseq counterpart: fairseq's `Linear` helper init.
+        self.proj = xavier_linear(spec.num_layers * spec.width, spec.width)
 
     def forward(self, features: PrLMFeatures) -> Tensor:
         z = features.states  # [B, n, M, d]
@@ -622,11 +581,11 @@ class EncoderLayer(nn.Module):
         super().__init__()
         d = config.d_model
         self.pre_ln = config.pre_ln
-        self.dropout = config.dropout
+        self.dropout = nn.Dropout(config.dropout)
         self.position = config.position
         self.self_attn = MultiheadAttention(d, config.heads, config.attn_dropout)
         self.self_attn_layer_norm = nn.LayerNorm(d)
-        self.ffn = FeedForward(d, config.ffn, config.activation)
+        self.ffn = FeedForward(d, config.ffn, config.activation, config.activation_dropout)
         self.final_layer_norm = nn.LayerNorm(d)
         self.num_prlms = len(prlm_widths)
         if not prlm_widths:
@@ -636,29 +595,26 @@ class EncoderLayer(nn.Module):
         if not self.pre_ln and self.position != "attn":
             self.prlm_attn_layer_norm = nn.ModuleList(nn.LayerNorm(d) for _ in range(k))
         if self.position in ("ffn", "add_norm2"):
-            self.prlm_ffn = nn.ModuleList(FeedForward(d, config.ffn, config.activation) for _ in range(k))
+            self.prlm_ffn = nn.ModuleList(FeedForward(d, config.ffn, config.activation, config.activation_dropout) for _ in range(k))
             if self.pre_ln or self.position == "add_norm2":
                 self.prlm_final_layer_norm = nn.ModuleList(nn.LayerNorm(d) for _ in range(k))
         self.merge = FlowMerge(config.merge, d, k, config.dropnet_p)
 
-    def _drop(self, x: Tensor) -> Tensor:
-        return dropout(x, self.dropout, self.training)
-
     def _ffn_block(self, x: Tensor) -> Tensor:
         if self.pre_ln:
-            return x + self._drop(self.ffn(self.final_layer_norm(x)))
-        return self.final_layer_norm(x + self._drop(self.ffn(x)))
+            return x + self.dropout(self.ffn(self.final_layer_norm(x)))
+        return self.final_layer_norm(x + self.dropout(self.ffn(x)))
 
     def forward(self, x: Tensor, mask: Tensor, prlm: list[tuple[Tensor, Tensor]]) -> Tensor:
         """x [B, S, d], mask [B, S]; prlm: per branch (Z [B, M, d_p], mask [B, M])."""
         residual = x
-        h = lower_once(self.self_attn_layer_norm(x) if self.pre_ln else x)
-        attn_s = self._drop(self.self_attn(h, h, mask))
+        h = self.self_attn_layer_norm(x) if self.pre_ln else x
+        attn_s = self.dropout(self.self_attn(h, h, mask))
         if not self.num_prlms:
             x = residual + attn_s
             return self._ffn_block(x if self.pre_ln else self.self_attn_layer_norm(x))
 
-        attn_p = [self._drop(attn(h, z, z_mask)) for attn, (z, z_mask) in zip(self.prlm_attn, prlm)]
+        attn_p = [self.dropout(attn(h, z, z_mask)) for attn, (z, z_mask) in zip(self.prlm_attn, prlm)]
         if self.position == "attn":
             x = residual + self.merge([attn_s, *attn_p])
             return self._ffn_block(x if self.pre_ln else self.self_attn_layer_norm(x))
@@ -674,16 +630,16 @@ class EncoderLayer(nn.Module):
 
         if self.position == "ffn":
             if self.pre_ln:
-                flow_s = self._drop(self.ffn(self.final_layer_norm(x_s)))
-                flow_p = [self._drop(ffn(norm(x))) for ffn, norm, x in zip(self.prlm_ffn, self.prlm_final_layer_norm, x_p)]
+                flow_s = self.dropout(self.ffn(self.final_layer_norm(x_s)))
+                flow_p = [self.dropout(ffn(norm(x))) for ffn, norm, x in zip(self.prlm_ffn, self.prlm_final_layer_norm, x_p)]
                 return x_s + self.merge([flow_s, *flow_p])
-            flow_s = self._drop(self.ffn(x_s))
-            flow_p = [self._drop(ffn(x)) for ffn, x in zip(self.prlm_ffn, x_p)]
+            flow_s = self.dropout(self.ffn(x_s))
+            flow_p = [self.dropout(ffn(x)) for ffn, x in zip(self.prlm_ffn, x_p)]
             return self.final_layer_norm(x_s + self.merge([flow_s, *flow_p]))
 
         # add_norm2, post-LN only
         y_s = self._ffn_block(x_s)
-        y_p = [norm(x + self._drop(ffn(x))) for ffn, norm, x in zip(self.prlm_ffn, self.prlm_final_layer_norm, x_p)]
+        y_p = [norm(x + self.dropout(ffn(x))) for ffn, norm, x in zip(self.prlm_ffn, self.prlm_final_layer_norm, x_p)]
         return self.merge([y_s, *y_p])
 
 
@@ -694,20 +650,17 @@ class DecoderLayer(nn.Module):
         super().__init__()
         d = config.d_model
         self.pre_ln = config.pre_ln
-        self.dropout = config.dropout
+        self.dropout = nn.Dropout(config.dropout)
         self.self_attn = MultiheadAttention(d, config.heads, config.attn_dropout)
         self.self_attn_layer_norm = nn.LayerNorm(d)
         self.encoder_attn = MultiheadAttention(d, config.heads, config.attn_dropout)
         self.encoder_attn_layer_norm = nn.LayerNorm(d)
-        self.ffn = FeedForward(d, config.ffn, config.activation)
+        self.ffn = FeedForward(d, config.ffn, config.activation, config.activation_dropout)
         self.final_layer_norm = nn.LayerNorm(d)
         self.num_prlms = len(prlm_widths)
         if prlm_widths:
             self.prlm_attn = nn.ModuleList(MultiheadAttention(d, config.heads, config.attn_dropout, w) for w in prlm_widths)
             self.merge = FlowMerge(config.merge, d, len(prlm_widths), config.dropnet_p)
-
-    def _drop(self, x: Tensor) -> Tensor:
-        return dropout(x, self.dropout, self.training)
 
     def forward(
         self, x: Tensor, enc: EncoderOut, layer_index: int, past_kv: tuple[Tensor, Tensor] | None
@@ -718,25 +671,23 @@ class DecoderLayer(nn.Module):
         """
         # Causal self-attention over the cached positions plus the new ones.
         residual = x
-        h = lower_once(self.self_attn_layer_norm(x) if self.pre_ln else x)
+        h = self.self_attn_layer_norm(x) if self.pre_ln else x
         keys, values = self.self_attn.project_kv(h)
         if past_kv is not None:
             keys = torch.cat([past_kv[0], keys], dim=2)
             values = torch.cat([past_kv[1], values], dim=2)
-        x = residual + self._drop(self.self_attn.attend(h, keys, values, causal=True))
+        x = residual + self.dropout(self.self_attn.attend(h, keys, values, causal=True))
         if not self.pre_ln:
             x = self.self_attn_layer_norm(x)
 
         # Encoder attention, merged with the PrLM attentions on the target side (bert-nmt style).
         residual = x
         h = self.encoder_attn_layer_norm(x) if self.pre_ln else x
-        if self.num_prlms:
-            h = lower_once(h)  # also the query of every target-side PrLM attention
         enc_k, enc_v = enc.cross_kv[layer_index]
-        attended = self._drop(self.encoder_attn.attend(h, enc_k, enc_v, enc.mask))
+        attended = self.dropout(self.encoder_attn.attend(h, enc_k, enc_v, enc.mask))
         if self.num_prlms:
             prlm_attended = [
-                self._drop(attn.attend(h, k, v, m))
+                self.dropout(attn.attend(h, k, v, m))
                 for attn, (k, v), m in zip(self.prlm_attn, enc.prlm_kv[layer_index], enc.prlm_masks)
             ]
             attended = self.merge([attended, *prlm_attended])
@@ -745,9 +696,9 @@ class DecoderLayer(nn.Module):
             x = self.encoder_attn_layer_norm(x)
 
         if self.pre_ln:
-            x = x + self._drop(self.ffn(self.final_layer_norm(x)))
+            x = x + self.dropout(self.ffn(self.final_layer_norm(x)))
         else:
-            x = self.final_layer_norm(x + self._drop(self.ffn(x)))
+            x = self.final_layer_norm(x + self.dropout(self.ffn(x)))
         return x, (keys, values)
 
 
@@ -762,17 +713,23 @@ class FusedTransformer(nn.Module):
         self.config = config
         d = config.d_model
         widths = [p.width for p in config.prlms]
-        # One matrix for source, target and output embeddings (joint BPE).
+        # One matrix for source, target and output embeddings (joint BPE); fairseq's Embedding init.
         self.embed_tokens = nn.Embedding(config.vocab_size, d, padding_idx=config.pad_id)
+        nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=d**-0.5)
+        with torch.no_grad():
+            self.embed_tokens.weight[config.pad_id].zero_()
         self.embed_scale = math.sqrt(d)
         self.embed_positions = SinusoidalPositions(d)
+        self.embed_dropout = nn.Dropout(config.dropout)
         self.prlm_layers = nn.ModuleList(build_layer_selection(p) for p in config.prlms)
         # Identity has no parameters: checkpoints of branches without the norm are unchanged.
         self.prlm_feature_norms = nn.ModuleList(
             nn.LayerNorm(p.width) if p.feature_norm else nn.Identity() for p in config.prlms
         )
+        self.feature_dropout = nn.Dropout(config.feature_dropout)
         if config.merge == "direct":
-            self.direct_proj = nn.ModuleList(nn.Linear(w, d) for w in widths)
+            # Maps an input of another width to d_model, as fairseq's project_in_dim (its `Linear` helper).
+            self.direct_proj = nn.ModuleList(xavier_linear(w, d) for w in widths)
         self.encoder_layers = nn.ModuleList(
             EncoderLayer(config, widths if config.encoder_prlms else []) for _ in range(config.enc_layers)
         )
@@ -782,18 +739,6 @@ class FusedTransformer(nn.Module):
         if config.pre_ln:
             self.encoder_layer_norm = nn.LayerNorm(d)
             self.decoder_layer_norm = nn.LayerNorm(d)
-        self.apply(self._init_weights)
-
-    def _init_weights(self, module: nn.Module) -> None:
-        # fairseq's Transformer init.
-        if isinstance(module, nn.Linear):
-            nn.init.xavier_uniform_(module.weight)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=module.embedding_dim**-0.5)
-            with torch.no_grad():
-                module.weight[self.config.pad_id].zero_()
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
@@ -836,8 +781,9 @@ class FusedTransformer(nn.Module):
         config = self.config
         batch = src_tokens.shape[0]
         features = self._check_features(prlm, batch)
-        # Z_j [B, M_j, d_p], read by the k and v projections of every layer: cast once.
-        selected = [(lower_once(norm(select(f))), f.mask)
+        # Z_j [B, M_j, d_p], read by the key/value projections of every branch attention; one
+        # feature-dropout mask per forward, as a PrLM run in train mode gives every layer one output.
+        selected = [(self.feature_dropout(norm(select(f))), f.mask)
                     for select, norm, f in zip(self.prlm_layers, self.prlm_feature_norms, features)]
 
         if config.merge == "direct":
@@ -847,7 +793,7 @@ class FusedTransformer(nn.Module):
         else:
             mask = src_tokens != config.pad_id
             x = self.embed_scale * self.embed_tokens(src_tokens) + self.embed_positions(positions_from_mask(mask))
-        x = dropout(x, config.dropout, self.training)
+        x = self.embed_dropout(x)
 
         encoder_branches = selected if config.encoder_prlms else []
         for layer in self.encoder_layers:
@@ -855,8 +801,7 @@ class FusedTransformer(nn.Module):
         if config.pre_ln:
             x = self.encoder_layer_norm(x)
 
-        memory = lower_once(x)  # read by the k and v projections of every decoder layer
-        cross_kv = [layer.encoder_attn.project_kv(memory) for layer in self.decoder_layers]
+        cross_kv = [layer.encoder_attn.project_kv(x) for layer in self.decoder_layers]
         if config.decoder_prlms:
             prlm_kv = [[attn.project_kv(z) for attn, (z, _) in zip(layer.prlm_attn, selected)] for layer in self.decoder_layers]
             prlm_masks = [m for _, m in selected]
@@ -887,7 +832,7 @@ class FusedTransformer(nn.Module):
         new_len = prev_tokens.shape[1]
         positions = torch.arange(past_len, past_len + new_len, device=prev_tokens.device)
         x = self.embed_scale * self.embed_tokens(prev_tokens) + self.embed_positions(positions)
-        x = dropout(x, self.config.dropout, self.training)
+        x = self.embed_dropout(x)
         new_cache = []
         for i, layer in enumerate(self.decoder_layers):
             x, layer_kv = layer(x, enc, i, None if cache is None else cache[i])

@@ -32,11 +32,10 @@ from prlmfuse.cache_features import CacheReader, verify_cache
 from prlmfuse.errors import UserError
 from prlmfuse.precision import cpu_has_fast_bf16
 from prlmfuse.fileio import pid_lock, atomic_write_json, atomic_write_text, read_json, read_lines
-from prlmfuse.runtime import keep_freed_memory
 from prlmfuse.train_fused import checkpointing
 from prlmfuse.train_fused.bpe import PAD_ID, BPE, train_bpe
 from prlmfuse.train_fused.config import PrLMUse, RunConfig
-from prlmfuse.train_fused.data import BATCH_ORDERS, Batch, FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader
+from prlmfuse.train_fused.data import Batch, FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader
 from prlmfuse.distributed import (
     DistContext,
     all_reduce_sum,
@@ -446,7 +445,6 @@ class Trainer:
         self.ctx = ctx
         self.progress = progress
         self.use_bf16 = bool(run.bf16) and cpu_has_fast_bf16()
-        keep_freed_memory()
         self.params = [p for p in model.parameters() if p.requires_grad]
         # fused: one kernel over all parameters; torch's default on CPU is a per-tensor loop, ~4x slower.
         self.optimizer = torch.optim.Adam(
@@ -467,7 +465,7 @@ class Trainer:
         self.state = {
             "update": 0, "epoch": 0, "batch_in_epoch": 0, "best_dev_loss": None, "bad_evals": 0,
             "last_dev_loss": None, "tokens_seen": 0, "wall_time": 0.0, "seed": run.seed,
-            "batches_per_epoch": len(self.train_sampler.batches), "batch_order": self.train_sampler.order,
+            "batches_per_epoch": len(self.train_sampler.batches),
             "world_size": ctx.world_size,
         }
 
@@ -487,13 +485,6 @@ class Trainer:
         for k in self.state:
             if k in state:
                 self.state[k] = state[k]
-        # A run continues in the batch order it started with. States written before the order was
-        # recorded come from prlmfuse up to c112fc3, which sorted by target length first.
-        order = state.get("batch_order", "target_first")
-        if order not in BATCH_ORDERS:
-            raise UserError(f"{self.run_dir}: trainer state has batch_order {order!r}; expected one of {', '.join(BATCH_ORDERS)}")
-        self.state["batch_order"] = order
-        self.train_sampler.use_order(order)
         if state.get("batches_per_epoch") not in (None, len(self.train_sampler.batches)):
             raise UserError(
                 f"{self.run_dir}: the training data now forms {len(self.train_sampler.batches)} batches per epoch, "
