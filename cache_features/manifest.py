@@ -1,4 +1,13 @@
-"""The cache key, the manifest, and the checks that a cache on disk is what its manifest says."""
+"""The cache key, the manifest, and the checks that a cache on disk is what its manifest says.
+
+A cache directory (a local path or an fsspec URL) holds:
+  manifest.json              written last: key, key_fields, counts, layers, dtype, backend, shard list
+  build.json                 written first: key and plan parameters, so a rerun resumes or refuses
+  progress/<shard>.json      one record (name, counts, sha256) per finished shard
+  shards/shard-NNNNN.zarr|.h5  the features (arrays in shards.py)
+  .lock                      local paths only: one build at a time
+key_fields["format"] is FORMAT_VERSION; a cache of any other format is refused, never converted.
+"""
 
 from __future__ import annotations
 
