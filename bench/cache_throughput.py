@@ -9,6 +9,8 @@
 (b) and (c) alternate for --rounds rounds and each keeps its best, (b) on a freshly loaded model
 each round as (c) loads its own: a model object that has run other work, or a noisy neighbour
 during one phase, otherwise decides the ratio.
+(d) training read: every sentence of (c)'s cache read once in shuffled order through
+CacheReader.features(i, widen=False), as a training DataLoader worker reads it (best of --rounds).
 Then bytes per token of each stored dtype (small caches), and peak RSS of cache builds of 2,000 and
 8,000 sentences in subprocesses (memory must not grow with the corpus). Last line: RESULT {json}.
 """
@@ -84,6 +86,20 @@ def bare_forward(model, tokenizer, info, lines: list[str]) -> tuple[float, int]:
     return time.perf_counter() - start, int(corpus.offsets[-1])
 
 
+def read_all(path: str, seed: int) -> tuple[float, int]:
+    """Seconds to read every sentence's token features once, shuffled, through a fresh reader."""
+    from prlmfuse.cache_features import CacheReader
+
+    reader = CacheReader(path)
+    order = np.random.default_rng(seed).permutation(len(reader))
+    start = time.perf_counter()
+    for i in order:
+        reader.features(int(i), widen=False)
+    elapsed = time.perf_counter() - start
+    reader.close()
+    return elapsed, len(order)
+
+
 def child_build(checkpoint: str, n: int, out: str) -> None:
     """Subprocess entry: build a cache of n verses and print this process's peak RSS."""
     from prlmfuse.cache_features import build_cache
@@ -153,6 +169,9 @@ def main() -> None:
         print(f"(a) naive loop      {rate_a:10,.0f} tokens/s  ({tokens_a} tokens, {seconds_a:.1f} s)")
         print(f"(b) bare forward    {rate_b:10,.0f} tokens/s  ({tokens_b} tokens, {seconds_b:.1f} s)")
         print(f"(c) build_cache     {rate_c:10,.0f} tokens/s  ({tokens_c} tokens, {seconds_c:.1f} s, incl. load)")
+        seconds_d = min(read_all(result.path, seed)[0] for seed in range(args.rounds))
+        rate_d = len(lines) / seconds_d
+        print(f"(d) training read   {rate_d:10,.0f} sentences/s  ({len(lines)} sentences, {seconds_d:.2f} s)")
 
         small = write_corpus(lines[: args.dtype_sentences], tmp / "small.src")
         per_dtype = {}
@@ -177,6 +196,7 @@ def main() -> None:
         "tokens_per_s_c": round(rate_c),
         "c_over_a": round(rate_c / rate_a, 3),
         "c_over_b": round(rate_c / rate_b, 3),
+        "read_sentences_per_s_d": round(rate_d),
         "bytes_per_token_fp16": round(per_dtype["float16"]["bytes_per_token"], 1),
         "bytes_per_token_bf16": round(per_dtype["bfloat16"]["bytes_per_token"], 1),
         "bytes_per_token_fp32": round(per_dtype["float32"]["bytes_per_token"], 1),

@@ -6,17 +6,18 @@
     reader.features(0)   # float32 [n_layers, T_0, d]
     reader.pooled(0)     # float32 [n_pooled_layers, 2, d]  (first token, mean) of layers 0..highest
 
-Modules: extract (tokenize, middle cut, plan, forward through a truncated model view), storage
-(HDF5 / Zarr v3 shards, dtype codecs, checksums), manifest (cache key, manifest, verify/inspect),
-builder (build_cache: locking, resume, background writer, torchrun), reader (CacheReader,
-feature_scale).
+Modules: extract (tokenize, middle cut, plan, forward through a truncated model view), codecs
+(storage dtypes), location (local path or fsspec URL), shards (HDF5 / Zarr v3 shard files,
+checksums), manifest (cache key, manifest, verify/inspect), build_directory (lock, reuse/resume),
+background_writer, builder (build_cache, torchrun), reader (CacheReader, feature_scale).
 """
 
 from .builder import CacheResult, build_cache
 from .extract import parse_layers
 from .manifest import cache_key, inspect_cache, verify_cache
 from .reader import CacheReader, feature_scale
-from .storage import BACKENDS, STORAGE_DTYPES
+from .codecs import STORAGE_DTYPES
+from .shards import BACKENDS
 
 __all__ = [
     "BACKENDS",

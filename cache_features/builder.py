@@ -18,11 +18,7 @@ then, seeing the finished cache, reuses it. URLs are not locked (object stores h
 from __future__ import annotations
 
 import contextlib
-import os
-import queue
-import re
-import sys
-import threading
+import logging
 import time
 from dataclasses import dataclass
 
@@ -32,7 +28,7 @@ import torch
 from prlmfuse.distributed import DistContext, all_reduce_max, destroy, init_distributed, join_group
 from prlmfuse.errors import UserError
 from prlmfuse.precision import cpu_has_fast_bf16
-from prlmfuse.fileio import pid_lock, is_disk_full, read_lines, sha256_file
+from prlmfuse.fileio import is_disk_full, read_lines, sha256_file
 
 from .extract import (
     EncodedCorpus,
@@ -45,40 +41,16 @@ from .extract import (
     plan_batches,
     plan_shards,
 )
-from .manifest import (
-    BUILD_RECORD,
-    MANIFEST,
-    PROGRESS_DIR,
-    SHARD_DIR,
-    cache_key,
-    check_shard_name,
-    key_hash,
-    read_json_at,
-    write_json_at,
-)
-from .storage import (
-    ArraySpec,
-    Location,
-    check_backend,
-    check_dtype,
-    create_shard,
-    encode,
-    pooled_storage_dtype,
-    shard_suffix,
-    token_bytes_per_row,
-    token_numpy_dtype,
-)
+from .background_writer import BackgroundWriter
+from .build_directory import completed_records, directory_lock, disk_full_error, prepare_directory
+from .codecs import check_dtype, encode, pooled_storage_dtype, token_bytes_per_row, token_numpy_dtype
+from .location import Location
+from .manifest import MANIFEST, cache_key, check_shard_name, key_hash, read_json_at, write_json_at
+from .shards import ArraySpec, check_backend, shard_suffix
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_SHARD_BYTES = 64 << 20
-_WRITER_QUEUE_BATCHES = 4  # bounded: at most this many encoded batches wait for the disk
-_OUR_NAMES = {MANIFEST, BUILD_RECORD, SHARD_DIR, PROGRESS_DIR, ".lock"}
-# Temp names of fileio.atomic_path (".<final name>.<random>.tmp") and of the shard writers
-# (".<shard>.tmp-<pid>"): what a kill -9 mid-write leaves behind. Never trusted, removed on resume.
-_STALE_TEMP = {
-    "": re.compile(r"^\.(manifest|build)\.json\..+\.tmp$"),
-    PROGRESS_DIR: re.compile(r"^\.shard-\d{5}\.(zarr|h5)\.json\..+\.tmp$"),
-    SHARD_DIR: re.compile(r"^\.shard-\d{5}\.(zarr|h5)\.tmp-\d+$"),
-}
 
 
 @dataclass(frozen=True)
@@ -87,196 +59,6 @@ class CacheResult:
     key: str
     reused: bool
     manifest: dict
-
-
-def _say(message: str, enabled: bool) -> None:
-    if enabled:
-        print(message, file=sys.stderr, flush=True)
-
-
-def _disk_full_error(what: str, location) -> UserError:
-    return UserError(f"disk full while writing {what} in {location}; free space and rerun to resume")
-
-
-# ----------------------------------------------------------------------------- distributed
-
-
-# ----------------------------------------------------------------------------- lock
-
-
-@contextlib.contextmanager
-def _directory_lock(location: Location, enabled: bool, verbose: bool):
-    """A second build of the same local directory waits for the first (then finds its cache)."""
-    if not enabled or location.url:
-        yield
-        return
-    lock_path = location.path / ".lock"
-    with pid_lock(lock_path, when_held=lambda pid: _say(f"waiting: another build (pid {pid}) holds {lock_path}", True)):
-        yield
-
-
-# ----------------------------------------------------------------------------- writer thread
-
-
-class _BackgroundWriter:
-    """Owns the open shard; the model thread only enqueues encoded rows (bounded queue).
-
-    After a shard is renamed into place, its progress record is written: only then does the
-    shard count as complete (the rule that also makes fsspec URLs, which cannot rename, safe).
-    """
-
-    def __init__(self, location: Location, backend: str, key: str):
-        self.location, self.backend, self.key = location, backend, key
-        self.queue: queue.Queue = queue.Queue(maxsize=_WRITER_QUEUE_BATCHES)
-        self.error: BaseException | None = None
-        self.records: list[dict] = []
-        self.thread = threading.Thread(target=self._run, name="prlmfuse-cache-writer", daemon=True)
-        self.thread.start()
-
-    def _put(self, item) -> None:
-        while True:
-            if self.error is not None:
-                raise self.error
-            try:
-                self.queue.put(item, timeout=0.5)
-                return
-            except queue.Full:
-                continue
-
-    def open(self, name: str, specs: dict[str, ArraySpec], first_rows: dict[str, np.ndarray], meta: dict) -> None:
-        self._put(("open", name, specs, first_rows, meta))
-
-    def append(self, rows: dict[str, np.ndarray]) -> None:
-        self._put(("rows", rows))
-
-    def commit(self) -> None:
-        self._put(("commit",))
-
-    def close(self) -> list[dict]:
-        # The sentinel goes in even after an error: the thread keeps draining, so this never
-        # blocks, and the thread ends instead of waiting forever on an abandoned queue.
-        self.queue.put(None)
-        self.thread.join()
-        if self.error is not None:
-            raise self.error
-        return self.records
-
-    def _run(self) -> None:
-        writer = None
-        name = meta = None
-        while True:
-            item = self.queue.get()
-            if item is None:
-                break
-            if self.error is not None:
-                continue  # drain so the model thread never blocks on a dead writer
-            try:
-                if item[0] == "open":
-                    _, name, specs, first_rows, meta = item
-                    writer = create_shard(self.location, self.backend, f"{SHARD_DIR}/{name}", specs)
-                    for array, rows in first_rows.items():
-                        writer.append(array, rows)
-                elif item[0] == "rows":
-                    for array, rows in item[1].items():
-                        writer.append(array, rows)
-                else:
-                    checksum = writer.commit()
-                    writer = None
-                    record = {"name": name, "sha256": checksum, "key": self.key, **meta}
-                    write_json_at(self.location, f"{PROGRESS_DIR}/{name}.json", record)
-                    self.records.append(record)
-            except BaseException as e:  # noqa: BLE001 - re-raised in the model thread
-                self.error = _disk_full_error(f"shard {name}", self.location) if is_disk_full(e) else e
-                if writer is not None:
-                    writer.abort()
-                    writer = None
-        if writer is not None:
-            writer.abort()
-
-
-# ----------------------------------------------------------------------------- state on disk
-
-
-def _completed_records(location: Location, key: str, names: dict[int, str]) -> dict[int, dict]:
-    """Progress records of shards finished by an earlier (possibly killed) run of the same build."""
-    done = {}
-    for index, name in names.items():
-        rel = f"{PROGRESS_DIR}/{name}.json"
-        if not location.exists(rel):
-            continue
-        try:
-            record = read_json_at(location, rel, "progress record")
-        except UserError:
-            continue  # a torn record (URL stores) just means: redo this shard
-        if record.get("key") == key and record.get("name") == name and location.exists(f"{SHARD_DIR}/{name}"):
-            done[index] = record
-    return done
-
-
-def _clear_build_state(location: Location) -> None:
-    for name in (MANIFEST, BUILD_RECORD, PROGRESS_DIR, SHARD_DIR):
-        location.remove(name)
-
-
-def _remove_stale_temps(location: Location) -> None:
-    """Delete what killed builds left half-written (called under the directory lock)."""
-    if location.url:
-        return
-    for sub, pattern in _STALE_TEMP.items():
-        directory = location.path / sub
-        if directory.is_dir():
-            for entry in os.listdir(directory):
-                if pattern.match(entry):
-                    location.remove(f"{sub}/{entry}" if sub else entry)
-
-
-def _prepare_directory(location: Location, key: str, fields: dict, backend: str, plan_params: dict,
-                       force: bool, verbose: bool) -> dict | None:
-    """Decide reuse / resume / fresh build. Returns the manifest when the cache can be reused."""
-    entries = {e for e in location.listdir() if not _STALE_TEMP[""].match(e)}
-    foreign = entries - _OUR_NAMES
-    if foreign and not (entries & {MANIFEST, BUILD_RECORD}):
-        raise UserError(
-            f"output directory {location} is not empty and holds no prlmfuse cache "
-            f"(found {sorted(foreign)[:3]}); choose an empty or new directory"
-        )
-    if force:
-        if entries & {MANIFEST, BUILD_RECORD, SHARD_DIR, PROGRESS_DIR}:
-            _say(f"{location}: replacing what is there (--force)", verbose)
-        _clear_build_state(location)
-    else:
-        found = None  # (key, backend) of what the directory holds
-        if MANIFEST in entries:
-            try:
-                manifest = read_json_at(location, MANIFEST, "cache manifest")
-                if manifest.get("key") == key and manifest.get("backend") == backend and manifest.get("complete") is True:
-                    return manifest
-                found = (manifest.get("key"), manifest.get("backend"))
-            except UserError:
-                pass  # a torn manifest is rewritten at the end of the resumed build, if build.json agrees
-        if found is None and BUILD_RECORD in entries:
-            record = read_json_at(location, BUILD_RECORD, "build record")
-            found = (record.get("key"), record.get("backend"))
-            if found == (key, backend) and record.get("plan") != plan_params:
-                _say(f"{location}: the interrupted build used another plan {record.get('plan')}; starting over",
-                     verbose)
-                _clear_build_state(location)
-        elif found is None and entries & {SHARD_DIR, PROGRESS_DIR}:
-            found = ("unknown", "unknown")
-        if found is not None and found != (key, backend):
-            raise UserError(
-                f"output directory {location} holds a different cache (key {str(found[0])[:12]}, backend "
-                f"{found[1]}; this build is key {key[:12]}, backend {backend}); use --force to replace it "
-                "or choose another --out"
-            )
-    _remove_stale_temps(location)
-    try:
-        write_json_at(location, BUILD_RECORD, {"key": key, "key_fields": fields, "backend": backend, "plan": plan_params})
-    except OSError as e:
-        if is_disk_full(e):
-            raise _disk_full_error(BUILD_RECORD, location) from None
-        raise
-    return None
 
 
 # ----------------------------------------------------------------------------- build
@@ -368,7 +150,7 @@ def build_cache(
     except OSError as e:
         # anything not already named (the lock file, a directory): still one actionable line
         if is_disk_full(e):
-            raise _disk_full_error("the cache", location) from None
+            raise disk_full_error("the cache", location) from None
         raise
     finally:
         if created_group:
@@ -378,12 +160,12 @@ def build_cache(
 def _locked_build(info, load_prlm, lines, location, out, selection, fields, key, plan_params, backend, dtype,
                   max_tokens, shard_bytes, autocast, force, progress, dist: DistContext) -> CacheResult:
     """Reuse, resume or build `location`: rank 0 decides under the lock; the other ranks follow its verdict."""
-    with _directory_lock(location, enabled=dist.is_main, verbose=progress):
+    with directory_lock(location, enabled=dist.is_main):
         verdict, error = 0, None  # 0 build, 1 reuse, 2 failed
         manifest = None
         if dist.is_main:
             try:
-                manifest = _prepare_directory(location, key, fields, backend, plan_params, force, progress)
+                manifest = prepare_directory(location, key, fields, backend, plan_params, force)
                 verdict = 1 if manifest is not None else 0
             except BaseException as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
                 verdict, error = 2, e
@@ -393,7 +175,7 @@ def _locked_build(info, load_prlm, lines, location, out, selection, fields, key,
         if verdict == 1:
             if manifest is None:
                 manifest = read_json_at(location, MANIFEST, "cache manifest")
-            _say(f"cached: {out} already holds this cache (key {key[:12]}), nothing to do", progress)
+            logger.info("cached: %s already holds this cache (key %s), nothing to do", out, key[:12])
             return CacheResult(str(out), key, True, manifest)
         manifest = _build(info, load_prlm, lines, location, selection, fields, key, backend, dtype,
                           max_tokens, shard_bytes, autocast, progress, dist)
@@ -415,11 +197,11 @@ def _build(info, load_prlm, lines, location, selection, fields, key, backend, dt
     for name in names.values():
         check_shard_name(name, "plan")
 
-    done = _completed_records(location, key, names)
+    done = completed_records(location, key, names)
     mine = [plan for plan in shards if plan.index % dist.world_size == dist.rank]
     todo = [plan for plan in mine if plan.index not in done]
     if done and dist.is_main:
-        _say(f"resuming {location}: {len(done)} of {len(shards)} shards already complete", progress)
+        logger.info("resuming %s: %d of %d shards already complete", location, len(done), len(shards))
 
     extractor = FeatureExtractor(model, selection, autocast=autocast)
     pad_id = pad_token_id(tokenizer)
@@ -430,7 +212,7 @@ def _build(info, load_prlm, lines, location, selection, fields, key, backend, dt
 
     failed = 0
     error: BaseException | None = None
-    writer = _BackgroundWriter(location, backend, key)
+    writer = BackgroundWriter(location, backend, key)
     try:
         from tqdm.auto import tqdm
 
@@ -473,7 +255,7 @@ def _build(info, load_prlm, lines, location, selection, fields, key, backend, dt
 
 
 def _write_manifest(location, key, fields, backend, dtype, selection, d, corpus: EncodedCorpus, names, shards) -> dict:
-    records = _completed_records(location, key, names)
+    records = completed_records(location, key, names)
     missing = [names[p.index] for p in shards if p.index not in records]
     if missing:
         raise RuntimeError(f"cache {location}: shards {missing[:5]} were not completed by any rank")
@@ -501,6 +283,6 @@ def _write_manifest(location, key, fields, backend, dtype, selection, d, corpus:
         write_json_at(location, MANIFEST, manifest)
     except OSError as e:
         if is_disk_full(e):
-            raise _disk_full_error(MANIFEST, location) from None
+            raise disk_full_error(MANIFEST, location) from None
         raise
     return manifest

@@ -6,7 +6,6 @@ Nothing here touches the disk; `builder.py` streams what `FeatureExtractor` retu
 from __future__ import annotations
 
 import copy
-import functools
 import inspect
 from dataclasses import dataclass
 from typing import Iterable, Sequence

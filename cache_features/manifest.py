@@ -1,4 +1,13 @@
-"""The cache key, the manifest, and the checks that a cache on disk is what its manifest says."""
+"""The cache key, the manifest, and the checks that a cache on disk is what its manifest says.
+
+A cache directory (a local path or an fsspec URL) holds:
+  manifest.json              written last: key, key_fields, counts, layers, dtype, backend, shard list
+  build.json                 written first: key and plan parameters, so a rerun resumes or refuses
+  progress/<shard>.json      one record (name, counts, sha256) per finished shard
+  shards/shard-NNNNN.zarr|.h5  the features (arrays in shards.py)
+  .lock                      local paths only: one build at a time
+key_fields["format"] is FORMAT_VERSION; a cache of any other format is refused, never converted.
+"""
 
 from __future__ import annotations
 
@@ -14,18 +23,11 @@ from prlmfuse.errors import UserError
 from prlmfuse.fileio import sha256_file
 
 from .extract import LayerSelection, parse_layers
-from .storage import (
-    BACKENDS,
-    STORAGE_DTYPES,
-    Location,
-    ShardChecksum,
-    ShardHandle,
-    check_dtype,
-    pooled_storage_dtype,
-    token_numpy_dtype,
-)
+from .codecs import STORAGE_DTYPES, check_dtype, pooled_storage_dtype, token_numpy_dtype
+from .location import Location
+from .shards import BACKENDS, ShardChecksum, ShardHandle
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # bump when the layout or key changes: older caches are then refused, never read
 MANIFEST = "manifest.json"
 BUILD_RECORD = "build.json"  # written when a build starts: lets a rerun resume or refuse a different key
 SHARD_DIR = "shards"
@@ -107,8 +109,14 @@ def load_manifest(path_or_url) -> tuple[Location, dict]:
     location = path_or_url if isinstance(path_or_url, Location) else Location(path_or_url)
     where = location.full(MANIFEST)
     manifest = read_json_at(location, MANIFEST, "cache manifest")
-    required = ("key", "key_fields", "num_sentences", "num_tokens", "layers", "pooled_layers", "hidden_size",
-                "dtype", "backend", "shards", "complete")
+    fields = manifest.get("key_fields")
+    found = fields.get("format") if isinstance(fields, dict) else None
+    if found != FORMAT_VERSION:
+        raise UserError(f"{where}: cache format {found}, this prlmfuse reads format {FORMAT_VERSION}; "
+                        "rebuild the cache with --force")
+    required = ("key", "num_sentences", "num_tokens", "layers", "pooled_layers", "hidden_size", "dtype",
+                "pooled_dtype", "backend", "shards", "truncated_sentences", "truncated_tokens", "max_length",
+                "complete")
     missing = [k for k in required if k not in manifest]
     if missing:
         raise UserError(f"{where}: manifest lacks {', '.join(missing)}; rebuild the cache with --force")
@@ -197,8 +205,8 @@ def inspect_cache(path) -> dict:
         "num_sentences": manifest["num_sentences"],
         "num_tokens": manifest["num_tokens"],
         "num_shards": len(manifest["shards"]),
-        "truncated_sentences": manifest.get("truncated_sentences", 0),
-        "truncated_tokens": manifest.get("truncated_tokens", 0),
+        "truncated_sentences": manifest["truncated_sentences"],
+        "truncated_tokens": manifest["truncated_tokens"],
         "size_on_disk": location.size(),
         "shard_bytes": shard_bytes,
         "pooled_bytes": pooled_bytes,

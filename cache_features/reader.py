@@ -15,7 +15,9 @@ import torch
 from prlmfuse.errors import UserError
 
 from .manifest import SHARD_DIR, expected_arrays, load_manifest
-from .storage import Location, ShardHandle, decode, decode_to_transfer, transfer_dtype
+from .codecs import decode, decode_to_transfer, transfer_dtype
+from .location import Location
+from .shards import ShardHandle
 
 
 class CacheReader:
@@ -29,7 +31,7 @@ class CacheReader:
         self.hidden_size: int = int(m["hidden_size"])
         self.num_sentences: int = int(m["num_sentences"])
         self.dtype: str = m["dtype"]
-        self.pooled_dtype: str = m.get("pooled_dtype", "float16" if self.dtype == "int8" else self.dtype)
+        self.pooled_dtype: str = m["pooled_dtype"]
         self.backend: str = m["backend"]
         self.in_memory = in_memory
         self._shard_names = [s["name"] for s in m["shards"]]

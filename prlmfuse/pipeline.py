@@ -127,7 +127,7 @@ def _cache_state(path: str) -> tuple[str, str]:
     truncated or not JSON is damaged, and `why` says how.
     """
     from prlmfuse.cache_features.manifest import MANIFEST
-    from prlmfuse.cache_features.storage import Location
+    from prlmfuse.cache_features.location import Location
 
     try:
         data = Location(path).read_bytes(MANIFEST)  # a local directory or an fsspec URL alike

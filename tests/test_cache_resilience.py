@@ -49,16 +49,16 @@ def test_kill_9_mid_shard_then_resume_is_byte_identical(setup, tmp_path, backend
     child = _child(f"""
         import os, signal, torch
         torch.set_num_threads(1)
-        from prlmfuse.cache_features import build_cache, storage
+        from prlmfuse.cache_features import build_cache, shards
         calls = {{"n": 0}}
-        original = storage.ShardWriter.append
+        original = shards.ShardWriter.append
         def append(self, name, rows):
             if name.startswith("layer_"):
                 calls["n"] += 1
                 if calls["n"] == 7 * 2 + 1:
                     os.kill(os.getpid(), signal.SIGKILL)
             return original(self, name, rows)
-        storage.ShardWriter.append = append
+        shards.ShardWriter.append = append
         build_cache({str(checkpoint)!r}, {str(corpus)!r}, {str(out)!r}, backend={backend!r}, **{BUILD_ARGS!r})
     """)
     _, err = child.communicate(timeout=300)

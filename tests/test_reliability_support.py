@@ -205,7 +205,8 @@ def temp_leftovers(directory: Path) -> list[str]:
 def assert_same_cache(path: Path, reference: Path) -> None:
     """Same manifest shards (names, counts, sha256), every sentence exactly once, equal features."""
     from prlmfuse.cache_features import CacheReader, verify_cache
-    from prlmfuse.cache_features.storage import Location, ShardHandle
+    from prlmfuse.cache_features.location import Location
+    from prlmfuse.cache_features.shards import ShardHandle
 
     verify_cache(path)
     a, b = CacheReader(path), CacheReader(reference)
@@ -229,7 +230,8 @@ def assert_same_cache(path: Path, reference: Path) -> None:
 
 
 def _read_shard_array(cache: Path, manifest: dict, shard: str, array: str) -> np.ndarray:
-    from prlmfuse.cache_features.storage import Location, ShardHandle
+    from prlmfuse.cache_features.location import Location
+    from prlmfuse.cache_features.shards import ShardHandle
 
     handle = ShardHandle(Location(cache), manifest["backend"], f"shards/{shard}")
     try:

@@ -1,0 +1,130 @@
+"""The state of a cache directory during a build: its lock, and the reuse / resume / refuse decision.
+
+What a directory may hold (layout in manifest.py): manifest.json once complete, build.json from the
+start of a build, progress/<shard>.json per finished shard, shards/, and the temp names a killed
+build leaves behind, which are never trusted and are removed on resume.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+
+from prlmfuse.errors import UserError
+from prlmfuse.fileio import is_disk_full, pid_lock
+
+from .location import Location
+from .manifest import BUILD_RECORD, MANIFEST, PROGRESS_DIR, SHARD_DIR, read_json_at, write_json_at
+
+logger = logging.getLogger(__name__)
+
+_OUR_NAMES = {MANIFEST, BUILD_RECORD, SHARD_DIR, PROGRESS_DIR, ".lock"}
+# Temp names of fileio.atomic_path (".<final name>.<random>.tmp") and of the shard writers
+# (".<shard>.tmp-<pid>"): what a kill -9 mid-write leaves behind.
+_STALE_TEMP = {
+    "": re.compile(r"^\.(manifest|build)\.json\..+\.tmp$"),
+    PROGRESS_DIR: re.compile(r"^\.shard-\d{5}\.(zarr|h5)\.json\..+\.tmp$"),
+    SHARD_DIR: re.compile(r"^\.shard-\d{5}\.(zarr|h5)\.tmp-\d+$"),
+}
+
+
+def disk_full_error(what: str, location) -> UserError:
+    return UserError(f"disk full while writing {what} in {location}; free space and rerun to resume")
+
+
+@contextlib.contextmanager
+def directory_lock(location: Location, enabled: bool):
+    """A second build of the same local directory waits for the first (then finds its cache).
+
+    URLs are not locked: object stores have no flock.
+    """
+    if not enabled or location.url:
+        yield
+        return
+    lock_path = location.path / ".lock"
+    with pid_lock(lock_path, when_held=lambda pid: logger.warning("waiting: another build (pid %s) holds %s",
+                                                                  pid, lock_path)):
+        yield
+
+
+def completed_records(location: Location, key: str, names: dict[int, str]) -> dict[int, dict]:
+    """Progress records of shards finished by an earlier (possibly killed) run of the same build."""
+    done = {}
+    for index, name in names.items():
+        rel = f"{PROGRESS_DIR}/{name}.json"
+        if not location.exists(rel):
+            continue
+        try:
+            record = read_json_at(location, rel, "progress record")
+        except UserError:
+            continue  # a torn record (URL stores) just means: redo this shard
+        if record.get("key") == key and record.get("name") == name and location.exists(f"{SHARD_DIR}/{name}"):
+            done[index] = record
+    return done
+
+
+def _clear_build_state(location: Location) -> None:
+    for name in (MANIFEST, BUILD_RECORD, PROGRESS_DIR, SHARD_DIR):
+        location.remove(name)
+
+
+def _remove_stale_temps(location: Location) -> None:
+    """Delete what killed builds left half-written (called under the directory lock)."""
+    if location.url:
+        return
+    for sub, pattern in _STALE_TEMP.items():
+        directory = location.path / sub
+        if directory.is_dir():
+            for entry in os.listdir(directory):
+                if pattern.match(entry):
+                    location.remove(f"{sub}/{entry}" if sub else entry)
+
+
+def prepare_directory(location: Location, key: str, fields: dict, backend: str, plan_params: dict,
+                      force: bool) -> dict | None:
+    """Decide reuse / resume / fresh build. Returns the manifest when the cache can be reused."""
+    entries = {e for e in location.listdir() if not _STALE_TEMP[""].match(e)}
+    foreign = entries - _OUR_NAMES
+    if foreign and not (entries & {MANIFEST, BUILD_RECORD}):
+        raise UserError(
+            f"output directory {location} is not empty and holds no prlmfuse cache "
+            f"(found {sorted(foreign)[:3]}); choose an empty or new directory"
+        )
+    if force:
+        if entries & {MANIFEST, BUILD_RECORD, SHARD_DIR, PROGRESS_DIR}:
+            logger.info("%s: replacing what is there (--force)", location)
+        _clear_build_state(location)
+    else:
+        found = None  # (key, backend) of what the directory holds
+        if MANIFEST in entries:
+            try:
+                manifest = read_json_at(location, MANIFEST, "cache manifest")
+                if manifest.get("key") == key and manifest.get("backend") == backend and manifest.get("complete") is True:
+                    return manifest
+                found = (manifest.get("key"), manifest.get("backend"))
+            except UserError:
+                pass  # a torn manifest is rewritten at the end of the resumed build, if build.json agrees
+        if found is None and BUILD_RECORD in entries:
+            record = read_json_at(location, BUILD_RECORD, "build record")
+            found = (record.get("key"), record.get("backend"))
+            if found == (key, backend) and record.get("plan") != plan_params:
+                logger.info("%s: the interrupted build used another plan %s; starting over", location, record.get("plan"))
+                _clear_build_state(location)
+        elif found is None and entries & {SHARD_DIR, PROGRESS_DIR}:
+            found = ("unknown", "unknown")
+        if found is not None and found != (key, backend):
+            raise UserError(
+                f"output directory {location} holds a different cache (key {str(found[0])[:12]}, backend "
+                f"{found[1]}; this build is key {key[:12]}, backend {backend}); use --force to replace it "
+                "or choose another --out"
+            )
+    _remove_stale_temps(location)
+    try:
+        write_json_at(location, BUILD_RECORD, {"key": key, "key_fields": fields, "backend": backend, "plan": plan_params})
+    except OSError as e:
+        if is_disk_full(e):
+            raise disk_full_error(BUILD_RECORD, location) from None
+        raise
+    return None

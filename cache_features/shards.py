@@ -1,0 +1,288 @@
+"""Shard files: HDF5 (local) and Zarr v3 (local or any fsspec URL) behind one small interface.
+
+A shard holds, for a run of sentences in plan order:
+  sentence_ids  int64 [S]          global line numbers
+  offsets       int64 [S + 1]      token rows of sentence j are offsets[j]:offsets[j+1]
+  layer_NNN     [N, d]             token features of hidden_states[NNN] (stored dtype)
+  scale_NNN     float32 [N]        per-token absmax / 127, int8 only
+  pooled        [S, P, 2, d]       first-token and mean vectors of layers 0..P-1
+Arrays are written sequentially (rows in order), so a shard's size in memory is one batch, not the shard.
+The checksum is sha256 over each array's values (plus its name, dtype and shape): the same for
+both backends, so `verify_cache` never depends on how a backend lays bytes on disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from prlmfuse.errors import UserError
+from prlmfuse.fileio import fsync_dir
+
+from .disk_space import HDF5_METADATA_BYTES, reserve_space
+from .location import Location
+
+BACKENDS = ("zarr", "hdf5")
+CHUNK_BYTES = 256 * 1024  # zarr chunk target: a random sentence read touches one or two small files
+
+
+def check_backend(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise UserError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    return backend
+
+
+def shard_suffix(backend: str) -> str:
+    return {"zarr": ".zarr", "hdf5": ".h5"}[check_backend(backend)]
+
+
+class ShardChecksum:
+    """sha256 over each array's values in row order, combined with names, dtypes and shapes."""
+
+    def __init__(self, arrays: dict[str, tuple[tuple[int, ...], np.dtype]]):
+        self.arrays = arrays
+        self.hashers = {name: hashlib.sha256() for name in arrays}
+
+    def update(self, name: str, rows: np.ndarray) -> None:
+        self.hashers[name].update(memoryview(np.ascontiguousarray(rows)).cast("B"))
+
+    def hexdigest(self) -> str:
+        total = hashlib.sha256()
+        for name in sorted(self.arrays):
+            shape, dtype = self.arrays[name]
+            total.update(f"{name}:{np.dtype(dtype).str}:{tuple(shape)}:{self.hashers[name].hexdigest()}\n".encode())
+        return total.hexdigest()
+
+
+# ----------------------------------------------------------------------------- writers
+
+
+@dataclass(frozen=True)
+class ArraySpec:
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    def row_bytes(self) -> int:
+        return int(np.prod(self.shape[1:], dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+class ShardWriter:
+    """Sequential row appends into a shard of known array shapes; commit() publishes it."""
+
+    def __init__(self, specs: dict[str, ArraySpec]):
+        self.specs = specs
+        self.position = {name: 0 for name in specs}
+        self.checksum = ShardChecksum({n: (s.shape, s.dtype) for n, s in specs.items()})
+
+    def append(self, name: str, rows: np.ndarray) -> None:
+        spec = self.specs[name]
+        rows = np.asarray(rows, dtype=spec.dtype)
+        start = self.position[name]
+        if start + len(rows) > spec.shape[0]:
+            raise RuntimeError(f"shard array {name} overflow: {start}+{len(rows)} > {spec.shape[0]}")
+        self.checksum.update(name, rows)
+        self._write(name, start, rows)
+        self.position[name] = start + len(rows)
+
+    def commit(self) -> str:
+        for name, spec in self.specs.items():
+            if self.position[name] != spec.shape[0]:
+                raise RuntimeError(f"shard array {name} incomplete: {self.position[name]} of {spec.shape[0]} rows")
+        self._finish()
+        return self.checksum.hexdigest()
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def _write(self, name: str, start: int, rows: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def _finish(self) -> None:
+        raise NotImplementedError
+
+
+def _temp_name(final: Path) -> Path:
+    return final.with_name(f".{final.name}.tmp-{os.getpid()}")
+
+
+class Hdf5ShardWriter(ShardWriter):
+    """Contiguous datasets in a temp file; fsync + rename on commit (local paths only)."""
+
+    def __init__(self, location: Location, name: str, specs: dict[str, ArraySpec]):
+        import h5py
+
+        super().__init__(specs)
+        self.final = location.path / name
+        self.tmp = _temp_name(self.final)
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        self.file = None
+        try:
+            self.file = h5py.File(self.tmp, "w", libver="latest")
+            reserve_space(self.tmp, sum(s.nbytes() for s in specs.values()) + HDF5_METADATA_BYTES * (1 + len(specs)))
+            for array, spec in specs.items():
+                # contiguous layout: a sentence read is one exact slice, no chunk over-read
+                self.file.create_dataset(array, shape=spec.shape, dtype=spec.dtype)
+        except BaseException:
+            self.abort()  # e.g. a full disk: the caller never gets a writer to abort
+            raise
+
+    def _write(self, name, start, rows):
+        if len(rows):
+            self.file[name][start : start + len(rows)] = rows
+
+    def _finish(self):
+        # Flush while the file is open: a full disk then fails here as a plain OSError, whereas the
+        # same failure inside close() leaves HDF5 an id it cannot release and the process segfaults (h5py#914).
+        self.file.flush()
+        self.file.close()
+        with open(self.tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(self.tmp, self.final)
+        fsync_dir(self.final.parent)
+
+    def abort(self):
+        if self.file is not None:
+            # Give the temp file's space back first, so the metadata close() still writes finds room.
+            with contextlib.suppress(OSError):
+                os.truncate(self.tmp, 0)
+            with contextlib.suppress(Exception):
+                self.file.close()
+        with contextlib.suppress(FileNotFoundError):
+            self.tmp.unlink()
+
+
+def _chunk_rows(spec: ArraySpec) -> int:
+    return max(1, min(max(spec.shape[0], 1), CHUNK_BYTES // max(spec.row_bytes(), 1)))
+
+
+class ZarrShardWriter(ShardWriter):
+    """A Zarr v3 group of uncompressed arrays, written through zarr's array API.
+
+    Local: built in a temp directory and renamed on commit. URL: written in place; the caller
+    counts it complete only once its progress record is written after commit().
+    Rows are buffered so every write covers whole chunks (a partial-chunk write reads the chunk back).
+    """
+
+    def __init__(self, location: Location, name: str, specs: dict[str, ArraySpec]):
+        import zarr
+
+        super().__init__(specs)
+        if location.url:
+            location.remove(name)
+            self.tmp = None
+            store = location.zarr_store(name, read_only=False)
+        else:
+            self.final = location.path / name
+            self.tmp = _temp_name(self.final)
+            if self.tmp.exists():
+                shutil.rmtree(self.tmp)
+            self.final.parent.mkdir(parents=True, exist_ok=True)
+            store = zarr.storage.LocalStore(self.tmp)
+        self.arrays = {}
+        self.pending: dict[str, list[np.ndarray]] = {}
+        self.flushed: dict[str, int] = {}
+        try:
+            group = zarr.open_group(store, mode="w")
+            for array, spec in specs.items():
+                self.arrays[array] = group.create_array(
+                    array, shape=spec.shape, dtype=spec.dtype, chunks=(_chunk_rows(spec),) + spec.shape[1:],
+                    compressors=None, fill_value=0,
+                )
+                self.pending[array] = []
+                self.flushed[array] = 0
+        except BaseException:
+            self.abort()  # e.g. a full disk: the caller never gets a writer to abort
+            raise
+
+    def _write(self, name, start, rows):
+        self.pending[name].append(rows)
+        self._flush(name, final=False)
+
+    def _flush(self, name: str, *, final: bool) -> None:
+        chunk = self.arrays[name].chunks[0]
+        pending_rows = sum(len(p) for p in self.pending[name])
+        writable = pending_rows if final else (pending_rows // chunk) * chunk
+        if writable == 0:
+            return
+        block = np.concatenate(self.pending[name]) if len(self.pending[name]) > 1 else self.pending[name][0]
+        start = self.flushed[name]
+        self.arrays[name][start : start + writable] = block[:writable]
+        self.flushed[name] = start + writable
+        self.pending[name] = [block[writable:]] if writable < len(block) else []
+
+    def _finish(self):
+        for name in self.arrays:
+            self._flush(name, final=True)
+        if self.tmp is not None:
+            for root, _dirs, files in os.walk(self.tmp):
+                for file in files:
+                    with open(os.path.join(root, file), "rb+") as f:
+                        os.fsync(f.fileno())
+            if self.final.exists():
+                shutil.rmtree(self.final)
+            os.replace(self.tmp, self.final)
+            fsync_dir(self.final.parent)
+
+    def abort(self):
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def create_shard(location: Location, backend: str, name: str, specs: dict[str, ArraySpec]) -> ShardWriter:
+    if backend == "hdf5":
+        if location.url:
+            raise UserError(f"the hdf5 backend needs a local directory, got {location}; use --backend zarr for URLs")
+        return Hdf5ShardWriter(location, name, specs)
+    return ZarrShardWriter(location, name, specs)
+
+
+# ----------------------------------------------------------------------------- reader
+
+
+class ShardHandle:
+    """Read access to one complete shard; arrays are sliced along their first axis.
+
+    Open it in the process that reads: neither h5py files nor zarr arrays are safe to use across fork.
+    """
+
+    def __init__(self, location: Location, backend: str, name: str):
+        self.backend = backend
+        if backend == "hdf5":
+            import h5py
+
+            # rdcc: HDF5's chunk cache is useless for contiguous datasets; keep per-process memory flat
+            self.file = h5py.File(location.path / name, "r", rdcc_nbytes=0)
+            self.arrays = {key: self.file[key] for key in self.file.keys()}
+        else:
+            import zarr
+
+            group = zarr.open_group(location.zarr_store(name, read_only=True), mode="r")
+            self.file = None
+            self.arrays = {key: group[key] for key in group.array_keys()}
+
+    def names(self) -> list[str]:
+        return sorted(self.arrays)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.arrays[name].shape)
+
+    def dtype(self, name: str) -> np.dtype:
+        return np.dtype(self.arrays[name].dtype)
+
+    def read(self, name: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
+        return np.asarray(self.arrays[name][slice(start, stop)])
+
+    def close(self) -> None:
+        if self.file is not None:
+            with contextlib.suppress(Exception):
+                self.file.close()
+        self.arrays = {}
