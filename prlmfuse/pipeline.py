@@ -100,7 +100,7 @@ def _safe(name: str) -> str:
 def cache_jobs(cfg: PipelineConfig, corpus) -> list[CacheJob]:
     """One job per (checkpoint entry, split). The directory name carries a hash of everything that
     goes into the cache key, so a changed corpus or checkpoint gets a new cache beside the old one."""
-    from prlmfuse.checkpoints import resolve_checkpoint
+    from prlmfuse.prlms import resolve_checkpoint
 
     root = cfg.cache.root
     is_url = "://" in root

@@ -104,7 +104,7 @@ import json, os, sys, traceback
 import torch
 torch.set_num_threads(1)
 from transformers import BertModel, BertTokenizerFast, PreTrainedTokenizerFast  # noqa: F401 - preload
-import prlmfuse.cache_features, prlmfuse.checkpoints, prlmfuse.data  # noqa: F401
+import prlmfuse.cache_features, prlmfuse.prlms, prlmfuse.corpora  # noqa: F401
 import prlmfuse.train_fused.trainer  # noqa: F401
 from prlmfuse.errors import UserError
 import importlib.util

@@ -235,10 +235,10 @@ def test_no_prlm_is_loaded_during_training(world, tmp_path, monkeypatch):
     monkeypatch.setattr(modeling_utils.PreTrainedModel, "__init__", trap)
     monkeypatch.setattr(transformers.AutoModel, "from_pretrained", trap)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", trap)
-    import prlmfuse.checkpoints as checkpoints
+    import prlmfuse.prlms as prlms
 
-    monkeypatch.setattr(checkpoints, "load_prlm", trap)
-    monkeypatch.setattr(checkpoints, "resolve_checkpoint", trap)
+    monkeypatch.setattr(prlms, "load_prlm", trap)
+    monkeypatch.setattr(prlms, "resolve_checkpoint", trap)
 
     use = PrLMUse(checkpoint=str(gone), layer=-1)
     run_dir = train_run(support.tiny_run("nolm", prlms=[use], max_updates=4), corpus, [support.caches_for(use, paths)],
