@@ -66,7 +66,7 @@ from _steal import QUIET_STEAL, quiet_median, steal_mark, steal_since, worst_ste
 
 def _corpus(home: Path, train_pairs: int):
     """The first `train_pairs` Bible verses (and short dev/test) as a corpus of their own."""
-    from prlmfuse.data import build_bible, load_corpus, register_text
+    from prlmfuse.corpora import build_bible, load_corpus, register_text
 
     full = build_bible(home / "corpora" / "bible-en-ja")
     out = home / "bench" / f"bible-en-ja-first{train_pairs}"

@@ -73,7 +73,7 @@ def data_bible(out: str, src: str, tgt: str, force: bool) -> None:
 
     Split by whole books: test = Mark, dev = Ruth + Ephesians + Philippians, train = the rest.
     """
-    from prlmfuse.data import build_bible
+    from prlmfuse.corpora import build_bible
 
     _print_corpus(build_bible(out, src=src, tgt=tgt, force=force))
 
@@ -84,7 +84,7 @@ def data_bible(out: str, src: str, tgt: str, force: bool) -> None:
 @click.option("--force", is_flag=True, help="Replace a different corpus already in OUT.")
 def data_debian(out: str, lists_dir: str | None, force: bool) -> None:
     """Summarization: Debian long package descriptions -> their one-line synopsis."""
-    from prlmfuse.data import build_debian_descriptions
+    from prlmfuse.corpora import build_debian_descriptions
 
     _print_corpus(build_debian_descriptions(out, lists_dir=lists_dir, force=force))
 
@@ -103,7 +103,7 @@ def data_debian(out: str, lists_dir: str | None, force: bool) -> None:
 @click.option("--force", is_flag=True, help="Replace a different corpus already in OUT.")
 def data_text(out: str, task: str, force: bool, **files: str) -> None:
     """Check and register your own train/dev/test source and target files."""
-    from prlmfuse.data import register_text
+    from prlmfuse.corpora import register_text
 
     _print_corpus(register_text(out, task=task, force=force, **files))
 
@@ -125,9 +125,9 @@ def checkpoints() -> None:
 @checkpoints.command("list")
 def checkpoints_list() -> None:
     """Show the offline aliases: prepared or not, family, layers and width."""
-    from prlmfuse.checkpoints import list_checkpoints
+    from prlmfuse.prlms import list_aliases
 
-    rows = list_checkpoints()
+    rows = list_aliases()
     click.echo(f"{'alias':<24}{'prepared':<10}{'family':<14}{'layers':>7}{'width':>7}  package")
     for r in rows:
         click.echo(
@@ -140,10 +140,10 @@ def checkpoints_list() -> None:
 @click.argument("names", nargs=-1, required=True)
 def checkpoints_prepare(names: tuple[str, ...]) -> None:
     """Convert or copy offline checkpoints into the local cache (once)."""
-    from prlmfuse.checkpoints import prepare_checkpoint
+    from prlmfuse.prlms import prepare_alias
 
     for name in names:
-        info = prepare_checkpoint(name)
+        info = prepare_alias(name)
         click.echo(f"{name}: {info.family}, {info.num_layers} layers, width {info.hidden_size} -> {info.path}")
 
 

@@ -58,7 +58,7 @@ def job_build_cache(checkpoint: str, corpus: str, out: str, result: str, **kwarg
 
 
 def job_train(corpus: str, ckpt: str, paths: dict, out: str, run: dict) -> None:
-    from prlmfuse.data import load_corpus
+    from prlmfuse.corpora import load_corpus
     from prlmfuse.train_fused import PrLMUse, train_run
 
     train_support = load_module("test_train_support")

@@ -258,7 +258,7 @@ def main():
     torch.set_num_threads(1)
     spec = importlib.util.spec_from_file_location("s", {support!r})
     s = importlib.util.module_from_spec(spec); spec.loader.exec_module(s)
-    from prlmfuse.data import load_corpus
+    from prlmfuse.corpora import load_corpus
     from prlmfuse.train_fused import PrLMUse, train_run
     args = json.loads(sys.argv[1])
     corpus = load_corpus(args["corpus"])
