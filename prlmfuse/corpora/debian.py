@@ -6,6 +6,7 @@ from __future__ import annotations
 import bz2
 import gzip
 import hashlib
+import logging
 import lzma
 import os
 import re
@@ -18,6 +19,8 @@ from typing import Iterator
 from prlmfuse.corpora.corpus import SPLITS, Corpus, install_corpus, normalize_text
 from prlmfuse.errors import UserError
 from prlmfuse.fileio import prlmfuse_home
+
+logger = logging.getLogger(__name__)
 
 DEBIAN_MIN_WORDS = 40
 # A package's split is fixed by a hash of its name, so adding or dropping other packages never
@@ -86,6 +89,7 @@ def _apt_update_translations(lists_dir: Path) -> None:
     if apt_get is None:
         raise UserError(f"apt-get not found: the Debian descriptions corpus needs apt's Translation-en lists; {fix}")
     (lists_dir / "partial").mkdir(parents=True, exist_ok=True)
+    logger.info("fetching apt's Translation-en lists into %s (apt-get update)", lists_dir)
     cmd = [
         apt_get,
         "-o", f"Dir::State::Lists={lists_dir.resolve()}",
