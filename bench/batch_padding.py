@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args(argv)
 
-    from prlmfuse.data import build_bible, load_corpus, prlmfuse_home
+    from prlmfuse.corpora import build_bible, load_corpus
+    from prlmfuse.fileio import prlmfuse_home
     from prlmfuse.errors import UserError
     from prlmfuse.train_fused.bpe import train_bpe
     from prlmfuse.train_fused.data import TokenBudgetBatchSampler

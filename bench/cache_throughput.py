@@ -134,7 +134,7 @@ def main() -> None:
 
     from prlmfuse.cache_features import build_cache, inspect_cache
     from prlmfuse.precision import cpu_has_fast_bf16
-    from prlmfuse.checkpoints import load_prlm, resolve_checkpoint
+    from prlmfuse.prlms import load_prlm, resolve_checkpoint
 
     lines = bible_sentences(args.sentences)
     info = resolve_checkpoint(args.checkpoint)

@@ -51,7 +51,7 @@ from _steal import QUIET_STEAL, quiet_median, steal_mark, steal_since, worst_ste
 
 def _corpus(home: Path, train_pairs: int):
     """The first `train_pairs` Bible verses (and short dev/test) as a corpus of their own."""
-    from prlmfuse.data import build_bible, load_corpus, register_text
+    from prlmfuse.corpora import build_bible, load_corpus, register_text
 
     full = build_bible(home / "corpora" / "bible-en-ja")
     out = home / "bench" / f"bible-en-ja-first{train_pairs}"
@@ -72,7 +72,7 @@ class _LivePrLM:
     """bert-nmt's way: tokenize the raw source and run the frozen PrLM inside the training step."""
 
     def __init__(self, info, layer: int, autocast: bool):
-        from prlmfuse.checkpoints import load_prlm
+        from prlmfuse.prlms import load_prlm
 
         self.model, self.tokenizer = load_prlm(info)
         self.layer = layer
@@ -168,8 +168,8 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     from prlmfuse.cache_features import build_cache
-    from prlmfuse.checkpoints import prepare_checkpoint, resolve_checkpoint
-    from prlmfuse.data import prlmfuse_home
+    from prlmfuse.prlms import prepare_alias, resolve_checkpoint
+    from prlmfuse.fileio import prlmfuse_home
     from prlmfuse.train_fused import trainer as trainer_module
     from prlmfuse.train_fused.bpe import train_bpe
     from prlmfuse.train_fused.config import PrLMUse, RunConfig
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     home = Path(args.home) if args.home else prlmfuse_home()
     corpus = _corpus(home, args.train_pairs)
     try:
-        info = prepare_checkpoint(args.checkpoint)
+        info = prepare_alias(args.checkpoint)
     except Exception:  # not an alias: a local directory or hub id
         info = resolve_checkpoint(args.checkpoint)
     absolute_layer = args.layer if args.layer >= 0 else info.num_layers + 1 + args.layer

@@ -132,7 +132,7 @@ def build_cache(
     if not lines:
         raise UserError(f"corpus file {corpus_file} is empty; give a file with at least one line")
 
-    from prlmfuse.checkpoints import load_prlm, resolve_checkpoint
+    from prlmfuse.prlms import load_prlm, resolve_checkpoint
 
     info = resolve_checkpoint(checkpoint, trust_remote_code=trust_remote_code)
     selection = parse_layers(layers, info.num_layers)

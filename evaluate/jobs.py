@@ -27,7 +27,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from prlmfuse.data import Corpus
+from prlmfuse.corpora import Corpus
 from prlmfuse.batching import token_budget_batches
 from prlmfuse.errors import UserError
 from prlmfuse.evaluate.metrics import (
@@ -123,7 +123,7 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
 
 def open_run(run_dir: str | os.PathLike) -> RunView:
     """Read run.json and the corpus it trained on; refuse a directory that has nothing to decode with."""
-    from prlmfuse.data import load_corpus
+    from prlmfuse.corpora import load_corpus
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():

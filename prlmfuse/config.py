@@ -17,20 +17,21 @@ from typing import Any
 
 import yaml
 
+from prlmfuse.cache_features import BACKENDS, STORAGE_DTYPES
+from prlmfuse.corpora import TASKS
 from prlmfuse.errors import UserError
 from prlmfuse.train_fused.config import RunConfig
+from prlmfuse.train_fused.modeling import LAYER_MODES, MERGES, POSITIONS, PRESETS, SIDES
 
 CORPUS_KINDS = ("bible", "debian-descriptions", "text")
-BACKENDS = ("zarr", "hdf5")
-DTYPES = ("float16", "bfloat16", "float32", "int8")
-LAYER_MODES = ("dyn_cls", "dyn_aver", "dwatt", "concat")
-PRESETS = ("base", "summarization", "small", "tiny")
+# A string `layer` names a learned combination of layers; "fixed" is what an integer index means.
+STRING_LAYER_MODES = tuple(m for m in LAYER_MODES if m != "fixed")
 # String fields of RunConfig that take one of a fixed set of values.
 RUN_CHOICES = {
-    "preset": PRESETS,
-    "merge": ("sum", "average", "gate", "dropnet", "direct"),
-    "position": ("attn", "add_norm1", "ffn", "add_norm2"),
-    "side": ("source", "target", "both"),
+    "preset": tuple(PRESETS),
+    "merge": MERGES,
+    "position": POSITIONS,
+    "side": SIDES,
 }
 
 
@@ -282,13 +283,13 @@ def _expand_runs(raw_runs: Any, defaults: dict, where: _Where, base_dir: Path) -
             for key, choices in RUN_CHOICES.items():
                 _check_choice(getattr(run, key), choices, keypath + (key,), where)
             for i, use in enumerate(run.prlms):
-                if isinstance(use.layer, str) and use.layer not in LAYER_MODES:
+                if isinstance(use.layer, str) and use.layer not in STRING_LAYER_MODES:
                     raise where.error(
                         keypath + ("prlms", i, "layer"),
-                        f"{use.layer!r} is neither a layer index nor one of {', '.join(LAYER_MODES)}",
+                        f"{use.layer!r} is neither a layer index nor one of {', '.join(STRING_LAYER_MODES)}",
                     )
                 if use.dtype is not None:
-                    _check_choice(use.dtype, DTYPES, keypath + ("prlms", i, "dtype"), where)
+                    _check_choice(use.dtype, STORAGE_DTYPES, keypath + ("prlms", i, "dtype"), where)
             if run.merge == "direct" and len(run.prlms) != 1:
                 raise where.error(keypath + ("merge",), "merge 'direct' needs exactly one entry in prlms")
             if run.max_updates is None and run.max_epochs is None:
@@ -333,7 +334,7 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
     workdir = _coerce(raw.get("workdir", "work"), Path, ("workdir",), where, base_dir)
     data = _build(DataConfig, raw.get("data"), ("data",), where, base_dir)
     _check_choice(data.kind, CORPUS_KINDS, ("data", "kind"), where)
-    _check_choice(data.task, ("translation", "summarization"), ("data", "task"), where)
+    _check_choice(data.task, TASKS, ("data", "task"), where)
     if data.kind == "text":
         if data.files is None:
             raise where.error(("data",), "kind 'text' needs files: {train_src, train_tgt, dev_src, dev_tgt, test_src, test_tgt}")
@@ -344,12 +345,12 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
 
     cache = _build(CacheConfig, raw.get("cache"), ("cache",), where, base_dir)
     _check_choice(cache.backend, BACKENDS, ("cache", "backend"), where)
-    _check_choice(cache.dtype, DTYPES, ("cache", "dtype"), where)
+    _check_choice(cache.dtype, STORAGE_DTYPES, ("cache", "dtype"), where)
     for i, ck in enumerate(cache.checkpoints):
         if isinstance(ck.layers, str) and ck.layers != "all":
             raise where.error(("cache", "checkpoints", i, "layers"), f"expected a list of layer indices or 'all', got {ck.layers!r}")
         if ck.dtype is not None:
-            _check_choice(ck.dtype, DTYPES, ("cache", "checkpoints", i, "dtype"), where)
+            _check_choice(ck.dtype, STORAGE_DTYPES, ("cache", "checkpoints", i, "dtype"), where)
 
     raw_train = raw.get("train") or {}
     if not isinstance(raw_train, dict):

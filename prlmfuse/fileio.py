@@ -1,4 +1,5 @@
-"""Small file helpers shared by every stage: atomic writes, hashing, checked text reading."""
+"""Small file helpers shared by every stage: prlmfuse's home directory, atomic writes, hashing,
+checked text reading."""
 
 from __future__ import annotations
 
@@ -13,6 +14,13 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from prlmfuse.errors import UserError
+
+
+def prlmfuse_home() -> Path:
+    """Where prepared PrLMs, the file-digest cache and fetched apt lists live: $PRLMFUSE_HOME or
+    ~/.cache/prlmfuse."""
+    env = os.environ.get("PRLMFUSE_HOME")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "prlmfuse"
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:

@@ -50,7 +50,7 @@ def corpus_dir(cfg: PipelineConfig) -> Path:
 
 def ensure_data(cfg: PipelineConfig, *, build: bool = True):
     """The pipeline's corpus: loaded if built before, else built (rank 0 only under torchrun)."""
-    from prlmfuse import data as corpora
+    from prlmfuse import corpora
 
     root = corpus_dir(cfg)
     if not build or (root / "corpus.json").is_file() and rank_world()[1] == 1:
@@ -100,7 +100,7 @@ def _safe(name: str) -> str:
 def cache_jobs(cfg: PipelineConfig, corpus) -> list[CacheJob]:
     """One job per (checkpoint entry, split). The directory name carries a hash of everything that
     goes into the cache key, so a changed corpus or checkpoint gets a new cache beside the old one."""
-    from prlmfuse.checkpoints import resolve_checkpoint
+    from prlmfuse.prlms import resolve_checkpoint
 
     root = cfg.cache.root
     is_url = "://" in root
@@ -385,7 +385,7 @@ def print_plan(cfg: PipelineConfig, names: list[str] | None) -> None:
     click.echo(f"data:  {root} [{'present' if has_data else 'to build: ' + cfg.data.kind}]")
     jobs = None
     if has_data:
-        from prlmfuse import data as corpora
+        from prlmfuse import corpora
 
         corpus = corpora.load_corpus(root)
         jobs = cache_jobs(cfg, corpus)

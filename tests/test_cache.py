@@ -291,7 +291,7 @@ def test_reuse_mismatch_and_force(tiny, corpus, tmp_path, caplog):
 
 
 def test_cache_key_fields(tiny, corpus):
-    from prlmfuse.checkpoints import resolve_checkpoint
+    from prlmfuse.prlms import resolve_checkpoint
 
     info = resolve_checkpoint(str(tiny["bert"]))
     fields = cache_key(info, corpus, "-2", "float16", autocast=False)

@@ -147,6 +147,6 @@ def write_corpus(path: Path, lines: list[str]) -> Path:
 
 def minilm_dir() -> Path:
     # Through the alias: importing the package itself would pull in sentence-transformers.
-    from prlmfuse.checkpoints import resolve_checkpoint
+    from prlmfuse.prlms import resolve_checkpoint
 
     return Path(resolve_checkpoint("minilm-l6").path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 from pathlib import Path
 
 import click
@@ -100,3 +101,25 @@ def test_data_bible_through_the_cli(tmp_path, capsys, monkeypatch):
     assert meta["splits"]["test"]["src"]["lines"] == 678  # the verses of Mark
     test_src = (out_dir / "test.src").read_text(encoding="utf-8").splitlines()
     assert test_src[0] == "The beginning of the Gospel of Jesus Christ, the Son of God."
+
+
+@pytest.mark.parametrize("flags, level", [((), logging.INFO), (("--quiet",), logging.WARNING),
+                                          (("-q",), logging.WARNING), (("--verbose",), logging.DEBUG)])
+def test_library_log_records_reach_stderr_at_the_chosen_level(flags, level, capsys):
+    stage = logging.getLogger("prlmfuse.pipeline")  # any library module's logger
+    with cli.logging_to_stderr():  # what main() wraps every command in
+        cli.cli.main([*flags, "checkpoints", "list"], prog_name="prlmfuse", standalone_mode=False)
+        stage.debug("a debug line")
+        stage.info("an info line")
+        stage.warning("a warning line")
+    out, err = capsys.readouterr()
+    assert "minilm-l6" in out
+    expected = ["a debug line"] * (level <= logging.DEBUG) + ["an info line"] * (level <= logging.INFO)
+    assert err.splitlines() == [*expected, "warning: a warning line"]
+    # Afterwards the records go back to where they went before the command.
+    assert not logging.getLogger("prlmfuse").handlers and logging.getLogger("prlmfuse").level == logging.NOTSET
+
+
+def test_quiet_and_verbose_together_is_a_one_line_error(capsys, monkeypatch):
+    assert_one_line_error(run_cli(["--quiet", "--verbose", "checkpoints", "list"], capsys, monkeypatch),
+                          "--quiet", "--verbose")

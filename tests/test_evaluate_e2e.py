@@ -68,7 +68,7 @@ def _run_config(name, prlms=()):
 def world(tmp_path_factory):
     """A corpus, its caches and two trained runs (baseline, fused); built once for the module."""
     from prlmfuse.cache_features import build_cache
-    from prlmfuse.data import register_text
+    from prlmfuse.corpora import register_text
     from prlmfuse.train_fused import PrLMCaches, train_run
     from prlmfuse.train_fused.config import PrLMUse
 

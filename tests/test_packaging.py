@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -22,3 +23,18 @@ def test_stage_packages_live_under_prlmfuse_and_hf_evaluate_still_imports(tmp_pa
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_every_package_folder_is_listed_for_installation():
+    """pyproject.toml lists packages by name, so a new subpackage left out would be missing from a wheel."""
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    setuptools = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
+    listed = set(setuptools["packages"])
+    on_disk = set()
+    for package, folder in setuptools["package-dir"].items():
+        for init in (root / folder).rglob("__init__.py"):
+            relative = init.parent.relative_to(root / folder).parts
+            on_disk.add(".".join((package, *relative)))
+    assert on_disk <= listed, sorted(on_disk - listed)

@@ -292,7 +292,7 @@ def test_real_processes_exit_2_with_one_line(world, damaged_train_cache, tmp_pat
 
 
 def test_over_long_test_sentences_are_cut_and_counted_at_evaluate(world, tmp_path, capsys, monkeypatch):
-    from prlmfuse.data import register_text
+    from prlmfuse.corpora import register_text
     from prlmfuse.train_fused import train_run
 
     raw = world["raw"]

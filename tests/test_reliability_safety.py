@@ -185,14 +185,14 @@ def _pipeline(tmp_path: Path, ckpt: Path, trust: str) -> Path:
                                              ("trust_remote_code: true", True)])
 def test_trust_remote_code_only_when_pipeline_yaml_sets_it(trained, tmp_path, monkeypatch, trust, expected):
     import prlmfuse.cache_features
-    import prlmfuse.checkpoints
+    import prlmfuse.prlms
     from prlmfuse import pipeline
     from prlmfuse.config import load_pipeline
 
     ckpt = train_support.tiny_prlm(tmp_path / "bert")
     cfg = load_pipeline(_pipeline(tmp_path, ckpt, trust))
     seen = []
-    real_resolve = prlmfuse.checkpoints.resolve_checkpoint
+    real_resolve = prlmfuse.prlms.resolve_checkpoint
 
     def resolve(name, *, trust_remote_code=False):
         seen.append(("resolve", trust_remote_code))
@@ -201,8 +201,11 @@ def test_trust_remote_code_only_when_pipeline_yaml_sets_it(trained, tmp_path, mo
     def build_cache(*args, **kwargs):
         seen.append(("build_cache", kwargs["trust_remote_code"]))
 
-    monkeypatch.setattr(prlmfuse.checkpoints, "resolve_checkpoint", resolve)
-    monkeypatch.setattr(prlmfuse.cache_features, "build_cache", build_cache)
+    # Patched where they live and in the pipeline, which may import either name at module level.
+    for module, name, fake in ((prlmfuse.prlms, "resolve_checkpoint", resolve),
+                               (prlmfuse.cache_features, "build_cache", build_cache)):
+        monkeypatch.setattr(module, name, fake)
+        monkeypatch.setattr(pipeline, name, fake, raising=False)
     pipeline.build_caches(cfg, trained["corpus"])
     assert seen and all(value is expected for _, value in seen), seen
 

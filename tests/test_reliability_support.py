@@ -58,7 +58,7 @@ def job_build_cache(checkpoint: str, corpus: str, out: str, result: str, **kwarg
 
 
 def job_train(corpus: str, ckpt: str, paths: dict, out: str, run: dict) -> None:
-    from prlmfuse.data import load_corpus
+    from prlmfuse.corpora import load_corpus
     from prlmfuse.train_fused import PrLMUse, train_run
 
     train_support = load_module("test_train_support")
@@ -104,7 +104,7 @@ import json, os, sys, traceback
 import torch
 torch.set_num_threads(1)
 from transformers import BertModel, BertTokenizerFast, PreTrainedTokenizerFast  # noqa: F401 - preload
-import prlmfuse.cache_features, prlmfuse.checkpoints, prlmfuse.data  # noqa: F401
+import prlmfuse.cache_features, prlmfuse.prlms, prlmfuse.corpora  # noqa: F401
 import prlmfuse.train_fused.trainer  # noqa: F401
 from prlmfuse.errors import UserError
 import importlib.util

@@ -235,10 +235,10 @@ def test_no_prlm_is_loaded_during_training(world, tmp_path, monkeypatch):
     monkeypatch.setattr(modeling_utils.PreTrainedModel, "__init__", trap)
     monkeypatch.setattr(transformers.AutoModel, "from_pretrained", trap)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", trap)
-    import prlmfuse.checkpoints as checkpoints
+    import prlmfuse.prlms as prlms
 
-    monkeypatch.setattr(checkpoints, "load_prlm", trap)
-    monkeypatch.setattr(checkpoints, "resolve_checkpoint", trap)
+    monkeypatch.setattr(prlms, "load_prlm", trap)
+    monkeypatch.setattr(prlms, "resolve_checkpoint", trap)
 
     use = PrLMUse(checkpoint=str(gone), layer=-1)
     run_dir = train_run(support.tiny_run("nolm", prlms=[use], max_updates=4), corpus, [support.caches_for(use, paths)],
@@ -258,7 +258,7 @@ def main():
     torch.set_num_threads(1)
     spec = importlib.util.spec_from_file_location("s", {support!r})
     s = importlib.util.module_from_spec(spec); spec.loader.exec_module(s)
-    from prlmfuse.data import load_corpus
+    from prlmfuse.corpora import load_corpus
     from prlmfuse.train_fused import PrLMUse, train_run
     args = json.loads(sys.argv[1])
     corpus = load_corpus(args["corpus"])

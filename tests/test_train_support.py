@@ -19,7 +19,7 @@ _cache_spec.loader.exec_module(cache_support)
 
 def small_bible(root: Path, *, train: int = 240, dev: int = 24, test: int = 24):
     """The first verses of the real Bible English->Japanese corpus, registered as a corpus of its own."""
-    from prlmfuse.data import build_bible, register_text
+    from prlmfuse.corpora import build_bible, register_text
 
     full = build_bible(root / "bible")
     files = {}

