@@ -9,10 +9,11 @@
 Modules: extract (tokenize, middle cut, plan, forward through a truncated model view), storage
 (HDF5 / Zarr v3 shards, dtype codecs, checksums), manifest (cache key, manifest, verify/inspect),
 builder (build_cache: locking, resume, background writer, torchrun), reader (CacheReader,
-feature_scale).
+feature_scale), compat (cache status, open-and-validate against a run, layer rows).
 """
 
 from .builder import CacheResult, build_cache
+from .compat import cache_status, check_key_fields, choose_layers, layer_rows, open_cache
 from .extract import parse_layers
 from .manifest import cache_key, inspect_cache, verify_cache
 from .reader import CacheReader, feature_scale
@@ -25,8 +26,13 @@ __all__ = [
     "CacheResult",
     "build_cache",
     "cache_key",
+    "cache_status",
+    "check_key_fields",
+    "choose_layers",
     "feature_scale",
     "inspect_cache",
+    "layer_rows",
+    "open_cache",
     "parse_layers",
     "verify_cache",
 ]
