@@ -222,12 +222,15 @@ def main(argv: list[str] | None = None) -> int:
     from prlmfuse.train_fused.bpe import train_bpe
     from prlmfuse.train_fused.config import PrLMUse, RunConfig
     from prlmfuse.train_fused.data import (
-        PAD_TO_MULTIPLE, WORKER_NICE, FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader,
+        PAD_TO_MULTIPLE, WORKER_NICE, PairDataset, TokenBudgetBatchSampler, make_loader,
     )
     from prlmfuse.distributed import DistContext
     from prlmfuse.train_fused.modeling import FusedTransformer, PrLMSpec
     from prlmfuse.precision import cpu_has_fast_bf16
-    from prlmfuse.train_fused.trainer import Trainer, build_model_config
+    from prlmfuse.cache_features import CacheReader
+    from prlmfuse.train_fused.branches import PrLMBranch
+    from prlmfuse.train_fused.run_setup import build_model_config
+    from prlmfuse.train_fused.trainer import Trainer
 
     pad_multiple = args.pad_multiple or PAD_TO_MULTIPLE
     worker_nice = WORKER_NICE if args.worker_nice is None else args.worker_nice
@@ -288,12 +291,13 @@ def main(argv: list[str] | None = None) -> int:
         dataset = PairDataset(src_ids, tgt_ids, sources, pad_multiple=pad_multiple)
         return trainer_class(run, tmp_run, model, dataset, dataset, ctx, progress=False), dataset
 
-    disk = [FeatureSource(str(caches["train"]), layer_rows=(0,))]
-    memory = [FeatureSource(str(caches["train"]), layer_rows=(0,), in_memory=True)]
+    def cached(in_memory: bool):
+        return [PrLMBranch(CacheReader(caches["train"], in_memory=in_memory), layer_rows=(0,), pooled_rows=None)]
+
     makers = {
         "a": lambda: make_trainer([], []),
-        "b": lambda: make_trainer([spec], disk),
-        "c": lambda: make_trainer([spec], memory),
+        "b": lambda: make_trainer([spec], cached(False)),
+        "c": lambda: make_trainer([spec], cached(True)),
         "d": lambda: make_trainer([spec], []),  # features come from the live PrLM, not from a cache
     }
     systems = {k: make() for k, make in makers.items() if k in args.systems}

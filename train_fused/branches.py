@@ -9,7 +9,7 @@ features through `train_fused.data.batch_features(branch, ...)` into `PrLMFeatur
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prlmfuse.cache_features import CacheReader, choose_layers, layer_rows, open_cache
 from prlmfuse.cache_features.compat import POOLED_MODES
@@ -25,10 +25,11 @@ class PrLMBranch:
     reader: CacheReader
     layer_rows: tuple[int, ...]  # rows of reader.features(i) fed to the model, in its order
     pooled_rows: tuple[int, ...] | None  # rows of reader.pooled(i) for Dyn[CLS]/Dyn[Aver]; None if unused
-    spec: PrLMSpec
-    # run.json's record of the branch: checkpoint, layer, layers and pooled_layers read (hidden_states
-    # indices), layer_mode, and the key_fields of the cache the run trained on.
-    record: dict
+    # The model's view of the branch, and run.json's record of it: checkpoint, layer, layers and
+    # pooled_layers read (hidden_states indices), layer_mode, the key_fields of the training cache.
+    # open_branch fills both; a branch over a hand-made reader (a bench's) may go without.
+    spec: PrLMSpec | None = None
+    record: dict = field(default_factory=dict)
 
 
 def open_branch(
