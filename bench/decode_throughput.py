@@ -167,7 +167,7 @@ def run_systems(args):
         src_path = run.corpus.src_path(args.split)
         lines = read_lines(src_path)
         branches = run.open_branches(run.test_cache_paths(args.split), source=str(src_path),
-                                     source_sha256=sha256_file(src_path), source_lines=len(lines))
+                                     source_name=f"{args.split} source", source_sha256=sha256_file(src_path), source_lines=len(lines))
         ids = encode_sources(bpe, lines, int(run.model_config.get("max_positions", 1024)))
         if args.limit:
             ids = ids[: args.limit]

@@ -71,13 +71,15 @@ def open_cache(
     *,
     expected_fields: dict | None,
     source: str,
+    source_name: str,
     source_sha256: str,
     source_lines: int,
     verify: bool = False,
     in_memory: bool = False,
 ) -> CacheReader:
-    """The cache at `path`, checked to hold features of `source` (its file name, sha256 and line count).
+    """The cache at `path`, checked to hold features of the file `source` (its sha256 and line count).
 
+    source_name: what the file is, for messages ("train source").
     expected_fields: key fields the cache must match (those of the cache the run trained on);
     None for the training cache itself. verify: re-hash every shard first (training reads each
     feature many times; a test set once).
@@ -88,9 +90,9 @@ def open_cache(
     fields = dict(reader.manifest["key_fields"])
     if fields.get(_CORPUS_FIELD) != source_sha256:
         raise UserError(
-            f"cache {path} was built from another version of the source {source} (cache corpus_sha256 "
-            f"{str(fields.get(_CORPUS_FIELD))[:16]}, file sha256 {source_sha256[:16]}); rebuild the cache "
-            "(prlmfuse run --only cache)"
+            f"cache {path} was built from a different {source_name} (cache corpus_sha256 "
+            f"{str(fields.get(_CORPUS_FIELD))[:16]}, {source} sha256 {source_sha256[:16]}); rebuild the cache "
+            "for this corpus (prlmfuse run --only cache)"
         )
     if reader.num_sentences != source_lines:
         raise UserError(

@@ -132,7 +132,8 @@ def evaluate_runs(
             if len(src_lines) != len(refs):
                 raise UserError(f"{src_path} has {len(src_lines)} lines but {tgt_path} has {len(refs)}; realign the corpus")
             src_sha = sha256_file(src_path)
-            branches = run.open_branches(run.test_cache_paths(split), source=str(src_path), source_sha256=src_sha,
+            branches = run.open_branches(run.test_cache_paths(split), source=str(src_path),
+                                         source_name=f"{split} source", source_sha256=src_sha,
                                          source_lines=len(src_lines))
             cache_keys = [b.reader.key for b in branches]
             key = _decode_key(run, weights, settings, split, src_sha, cache_keys)

@@ -63,7 +63,7 @@ def live_features(
             trust_remote_code=trust_remote_code,
         )
         paths.append(str(result.path))
-    return run.open_branches(paths, source=f"the input lines ({corpus_file})", source_sha256=sha256_file(corpus_file),
+    return run.open_branches(paths, source=str(corpus_file), source_name="input", source_sha256=sha256_file(corpus_file),
                              source_lines=len(lines))
 
 

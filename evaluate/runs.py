@@ -71,8 +71,8 @@ class RunView:
             "side": str(model.get("side", "?")),
         }
 
-    def open_branches(self, paths: Sequence[str], *, source: str, source_sha256: str, source_lines: int,
-                      in_memory: bool = True) -> list[PrLMBranch]:
+    def open_branches(self, paths: Sequence[str], *, source: str, source_name: str, source_sha256: str,
+                      source_lines: int, in_memory: bool = True) -> list[PrLMBranch]:
         """One PrLMBranch per PrLM of the run, over the caches at `paths` (one each, in order), each checked
         against the run's training cache and against `source`, the text it must encode."""
         uses = RunConfig.from_dict(self.record.get("train") or {"name": self.name}).prlms
@@ -81,8 +81,8 @@ class RunView:
                             f"{len(uses)} configured PrLMs; the file is inconsistent")
         # Test sets are small and read once: one bulk read per cache (in_memory) rather than a read
         # per sentence from zarr/HDF5, which would count against the fused model's sentences/s.
-        return [open_branch(use, str(path), trained=record, source=source, source_sha256=source_sha256,
-                            source_lines=source_lines, in_memory=in_memory)
+        return [open_branch(use, str(path), trained=record, source=source, source_name=source_name,
+                            source_sha256=source_sha256, source_lines=source_lines, in_memory=in_memory)
                 for use, record, path in zip(uses, self.prlms, paths)]
 
     def test_cache_paths(self, split: str) -> list[str]:

@@ -180,7 +180,7 @@ def test_test_cache_of_another_source_is_refused_and_run_json_suffices_without_t
     dev = build_cache(world["checkpoint"], world["corpus"].src_path("dev"), world["root"] / "caches" / "dev-as-test",
                       layers="-2", dtype="float16", autocast=False, progress=False)
     stale = copy_with("fused-stale", test={"path": dev.path, "key": dev.key})
-    with pytest.raises(UserError, match="another version of the source") as info:
+    with pytest.raises(UserError, match="different test source") as info:
         evaluate_runs([stale], out=world["root"] / "eval-stale", beam=1, progress=False)
     assert dev.path in str(info.value)
 

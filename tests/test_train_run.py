@@ -174,7 +174,7 @@ def test_refusals_are_one_line_user_errors(world, tmp_path):
     corpus, ckpt, paths = world
     use = PrLMUse(checkpoint=str(ckpt), layer=-2)
     wrong = support.caches_for(use, {**paths, "train": paths["dev"]})
-    with pytest.raises(UserError, match=r"another version of the source .*train\.src .*corpus_sha256 .* sha256 ") as e:
+    with pytest.raises(UserError, match=r"different train source .*corpus_sha256 .*train\.src sha256 ") as e:
         train_run(support.tiny_run(prlms=[use]), corpus, [wrong], tmp_path / "a", progress=False)
     assert "\n" not in str(e.value)
 

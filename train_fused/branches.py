@@ -38,12 +38,14 @@ def open_branch(
     *,
     trained: dict | None,
     source: str,
+    source_name: str,
     source_sha256: str,
     source_lines: int,
     verify: bool = False,
     in_memory: bool = False,
 ) -> PrLMBranch:
-    """Open the cache at `path` for the branch `use`, checked against the source it must encode.
+    """Open the cache at `path` for the branch `use`, checked against the file `source` it must encode
+    (`source_name` says which, for messages: "train source").
 
     trained: the branch's run.json record when the run's layers and training cache are known
     (dev and test caches, evaluation, live features): the cache must match its key fields and hold
@@ -51,7 +53,7 @@ def open_branch(
     """
     reader = open_cache(
         path, expected_fields=None if trained is None else trained["key_fields"], source=source,
-        source_sha256=source_sha256, source_lines=source_lines, verify=verify, in_memory=in_memory,
+        source_name=source_name, source_sha256=source_sha256, source_lines=source_lines, verify=verify, in_memory=in_memory,
     )
     fields = dict(reader.manifest["key_fields"])
     if trained is None:

@@ -79,7 +79,7 @@ def open_run_branches(run: RunConfig, corpus, caches: list[dict[str, str]]) -> d
                 continue
             branch = open_branch(
                 use, str(paths[split]), trained=trained, source=str(corpus.src_path(split)),
-                source_sha256=corpus.src_sha256(split), source_lines=int(corpus.splits[split]["src"]["lines"]),
+                source_name=f"{split} source", source_sha256=corpus.src_sha256(split), source_lines=int(corpus.splits[split]["src"]["lines"]),
                 verify=True, in_memory=run.in_memory_features and split != "test",
             )
             trained = branch.record
