@@ -78,7 +78,9 @@ def _interleaved(systems: dict, src_ids, settings, batch_tokens: int, repeats: i
     caused by other processes on the shared cores fall on all systems alike; the per-chunk
     minimum drops the spells that hit one system anyway.
     """
-    from prlmfuse.evaluate.jobs import decode_corpus
+    import dataclasses
+
+    from prlmfuse.evaluate.corpus_decode import decode_corpus
 
     names = list(systems)
     chunks = [src_ids[i : i + chunk] for i in range(0, len(src_ids), chunk)]
@@ -90,7 +92,7 @@ def _interleaved(systems: dict, src_ids, settings, batch_tokens: int, repeats: i
                 model, bpe, branches = systems[name]
                 # Features are looked up by corpus index: give the chunk's own indices.
                 offset = c * chunk
-                chunk_branches = [b.__class__(_Offset(b.reader, offset), b.layer_rows, b.pooled_rows) for b in branches]
+                chunk_branches = [dataclasses.replace(b, reader=_Offset(b.reader, offset)) for b in branches]
                 out = decode_corpus(model, bpe, sentences, chunk_branches, settings, batch_tokens=batch_tokens)
                 key = (name, c)
                 if key not in best or out.seconds < best[key][0]:
@@ -128,7 +130,7 @@ class _IdBPE:
 
 
 def synthetic_systems(args):
-    from prlmfuse.evaluate.jobs import BranchFeatures
+    from prlmfuse.train_fused.branches import PrLMBranch
     from prlmfuse.train_fused.modeling import FusedTransformer, ModelConfig, PrLMSpec
 
     rng = np.random.default_rng(0)
@@ -145,13 +147,14 @@ def synthetic_systems(args):
     states = [torch.randn(1, len(s) + 2, args.prlm_width).half().float() for s in src_ids]
     pooled = [torch.randn(args.prlm_layers + 1, 2, args.prlm_width).half().float() for _ in src_ids]
     reader = InMemoryFeatures(states, pooled, layers=[args.prlm_layers - 1])
-    branch = BranchFeatures(reader, layer_rows=(0,), pooled_rows=None)
+    branch = PrLMBranch(reader, layer_rows=(0,), pooled_rows=None)
     systems = {"baseline": (baseline, _IdBPE(), []), f"fused-{args.preset}-w{args.prlm_width}": (fused, _IdBPE(), [branch])}
     return systems, src_ids, "baseline"
 
 
 def run_systems(args):
-    from prlmfuse.evaluate.jobs import encode_sources, load_model, open_run, open_test_features, select_weights
+    from prlmfuse.evaluate.corpus_decode import encode_sources
+    from prlmfuse.evaluate.runs import load_model, open_run, select_weights
     from prlmfuse.fileio import read_lines, sha256_file
 
     systems = {}
@@ -163,7 +166,8 @@ def run_systems(args):
         model, bpe = load_model(run, weights)
         src_path = run.corpus.src_path(args.split)
         lines = read_lines(src_path)
-        branches, _ = open_test_features(run, args.split, len(lines), sha256_file(src_path))
+        branches = run.open_branches(run.test_cache_paths(args.split), source=str(src_path),
+                                     source_name=f"{args.split} source", source_sha256=sha256_file(src_path), source_lines=len(lines))
         ids = encode_sources(bpe, lines, int(run.model_config.get("max_positions", 1024)))
         if args.limit:
             ids = ids[: args.limit]
@@ -180,16 +184,16 @@ def run_systems(args):
 
 
 def main(argv=None) -> None:
-    from prlmfuse.evaluate.jobs import DecodeSettings
+    from prlmfuse.evaluate.settings import AVERAGE_LAST, BATCH_TOKENS, DEFAULTS, DecodeSettings
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", nargs="*", default=[], help="trained run directories (default: synthetic models)")
     p.add_argument("--baseline", help="run name of the baseline (default: the run without PrLMs)")
     p.add_argument("--split", default="test")
     p.add_argument("--limit", type=int, default=0, help="first N sentences only (0: all)")
-    p.add_argument("--average-last", type=int, default=5)
-    p.add_argument("--beam", type=int, default=5)
-    p.add_argument("--batch-tokens", type=int, default=4096)
+    p.add_argument("--average-last", type=int, default=AVERAGE_LAST)
+    p.add_argument("--beam", type=int, default=DEFAULTS.beam)
+    p.add_argument("--batch-tokens", type=int, default=BATCH_TOKENS)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--chunk", type=int, default=16, help="sentences per interleaved chunk")
     p.add_argument("--threads", type=int, default=1)
@@ -206,7 +210,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     if args.runs:
         systems, src_ids, baseline = run_systems(args)
-        from prlmfuse.evaluate.jobs import open_run
+        from prlmfuse.evaluate.runs import open_run
 
         # As evaluate_runs decodes them (trigram blocking for summarization); the runs share one corpus.
         settings = DecodeSettings.for_run(open_run(args.runs[0]), None, beam=args.beam, bf16=args.bf16)

@@ -174,12 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     from prlmfuse.train_fused.bpe import train_bpe
     from prlmfuse.train_fused.config import PrLMUse, RunConfig
     from prlmfuse.train_fused.data import (
-        FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader,
+        PairDataset, TokenBudgetBatchSampler, make_loader,
     )
     from prlmfuse.distributed import DistContext
     from prlmfuse.train_fused.modeling import FusedTransformer, PrLMSpec
     from prlmfuse.precision import cpu_has_fast_bf16
-    from prlmfuse.train_fused.trainer import Trainer, build_model_config
+    from prlmfuse.cache_features import CacheReader
+    from prlmfuse.train_fused.branches import PrLMBranch
+    from prlmfuse.train_fused.run_setup import build_model_config
+    from prlmfuse.train_fused.trainer import Trainer
 
     home = Path(args.home) if args.home else prlmfuse_home()
     corpus = _corpus(home, args.train_pairs)
@@ -238,18 +241,19 @@ def main(argv: list[str] | None = None) -> int:
         dataset = PairDataset(src_ids, tgt_ids, sources)
         return trainer_class(run, tmp_run, model, dataset, dataset, ctx, progress=False), dataset
 
-    disk = [FeatureSource(str(caches["train"]), layer_rows=(0,))]
-    memory = [FeatureSource(str(caches["train"]), layer_rows=(0,), in_memory=True)]
+    def cached(in_memory: bool):
+        return [PrLMBranch(CacheReader(caches["train"], in_memory=in_memory), layer_rows=(0,), pooled_rows=None)]
+
     makers = {
         "a": lambda: make_trainer([], []),
-        "b": lambda: make_trainer([spec], disk),
-        "c": lambda: make_trainer([spec], memory),
+        "b": lambda: make_trainer([spec], cached(False)),
+        "c": lambda: make_trainer([spec], cached(True)),
         "d": lambda: make_trainer([spec], []),  # features come from the live PrLM, not from a cache
     }
     systems = {k: make() for k, make in makers.items() if k in args.systems}
     if "c" in systems:
         # (c) loads the whole cache into RAM before timing, as in_memory_features does at startup.
-        systems["c"][1].readers()[0].features(0)
+        systems["c"][1].branches[0].reader.features(0)
     live = _LivePrLM(info, args.layer, autocast=bf16) if "d" in systems else None
     sizes = {k: f"{t.model.num_parameters() / 1e6:.1f}M" for k, (t, _) in systems.items()}
     print(f"model {args.preset}: parameters {sizes}; bf16 autocast {bf16}; "

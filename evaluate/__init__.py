@@ -3,14 +3,17 @@
     corpus_scores(hyps, refs, *, tgt_lang, task="translation", bleu_tokenize=None) -> dict
         sacrebleu BLEU (tokenizer by target language, signature recorded), chrF, ROUGE-1/2/L F1
     paired_bootstrap(hyps_a, hyps_b, refs, *, tgt_lang, metric="bleu", n_samples=1000, seed=12345) -> p-value
-    evaluate_runs(run_dirs, *, out, test_sets=None, baseline=None, beam=5, average_last=5, lenpen=1.0,
-                  no_repeat_ngram_size=None, max_len_a=1.2, max_len_b=10, batch_tokens=4096, bf16=False,
+    evaluate_runs(run_dirs, *, out, test_sets=None, baseline=None, <decode settings>, batch_tokens,
                   progress=True) -> EvaluationResults
         results.md / results.csv / results.json, hyp.<run>.<test>.txt, scores.png, dev_loss.png in `out`
-    translate(run_dir, lines, *, beam=5, average_last=5, ...) -> list[str]   (PrLM features computed live)
+    translate(run_dir, lines, *, <decode settings>, ...) -> list[str]   (PrLM features computed live)
     beam_search(model, src_tokens, prlm, ...), greedy(model, src_tokens, prlm, ...) -> list[list[int]]
+    DecodeSettings: beam, lenpen, max_len_a/b, min_len, no_repeat_ngram_size and their defaults
 
-Modules: metrics (scores, bootstrap), jobs (batch evaluation), live (translate), decode (search).
+Modules: settings (decode settings and defaults), runs (a run directory as evaluation reads it),
+corpus_decode (decoding a whole test set), decode (beam search), metrics (scores, bootstrap
+statistics), bootstrap (comparisons between runs), results (result rows and files), plots,
+evaluation (evaluate_runs), live (translate).
 Everything is imported on first use, so `import prlmfuse.evaluate` stays cheap.
 """
 
@@ -20,9 +23,10 @@ _LAZY = {
     "corpus_scores": "prlmfuse.evaluate.metrics",
     "paired_bootstrap": "prlmfuse.evaluate.metrics",
     "bleu_tokenizer_for": "prlmfuse.evaluate.metrics",
-    "evaluate_runs": "prlmfuse.evaluate.jobs",
-    "EvaluationResults": "prlmfuse.evaluate.jobs",
-    "RunResult": "prlmfuse.evaluate.jobs",
+    "evaluate_runs": "prlmfuse.evaluate.evaluation",
+    "EvaluationResults": "prlmfuse.evaluate.results",
+    "RunResult": "prlmfuse.evaluate.results",
+    "DecodeSettings": "prlmfuse.evaluate.settings",
     "translate": "prlmfuse.evaluate.live",
     "beam_search": "prlmfuse.evaluate.decode",
     "greedy": "prlmfuse.evaluate.decode",

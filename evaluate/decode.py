@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from prlmfuse.errors import UserError
+from prlmfuse.evaluate.settings import DEFAULTS
 
 NEG_INF = float("-inf")
 
@@ -114,12 +115,12 @@ def beam_search(
     src_tokens: Tensor,
     prlm,
     *,
-    beam: int = 5,
-    lenpen: float = 1.0,
-    max_len_a: float = 1.2,
-    max_len_b: int = 10,
-    min_len: int = 1,
-    no_repeat_ngram_size: int = 0,
+    beam: int = DEFAULTS.beam,
+    lenpen: float = DEFAULTS.lenpen,
+    max_len_a: float = DEFAULTS.max_len_a,
+    max_len_b: int = DEFAULTS.max_len_b,
+    min_len: int = DEFAULTS.min_len,
+    no_repeat_ngram_size: int = DEFAULTS.no_repeat_ngram_size,
 ) -> list[list[int]]:
     """The best hypothesis for each row of src_tokens [B, S], as token ids without <s>/</s>."""
     _check_options(beam, max_len_a, max_len_b, min_len, no_repeat_ngram_size)
@@ -202,10 +203,10 @@ def greedy(
     src_tokens: Tensor,
     prlm,
     *,
-    max_len_a: float = 1.2,
-    max_len_b: int = 10,
-    min_len: int = 1,
-    no_repeat_ngram_size: int = 0,
+    max_len_a: float = DEFAULTS.max_len_a,
+    max_len_b: int = DEFAULTS.max_len_b,
+    min_len: int = DEFAULTS.min_len,
+    no_repeat_ngram_size: int = DEFAULTS.no_repeat_ngram_size,
 ) -> list[list[int]]:
     """The most probable next token at every step, for each row of src_tokens [B, S]; ids without <s>/</s>."""
     _check_options(1, max_len_a, max_len_b, min_len, no_repeat_ngram_size)
@@ -240,7 +241,7 @@ def greedy(
     return outputs
 
 
-def hypothesis_score(model, src_tokens: Tensor, prlm, hyp: list[int], *, lenpen: float = 1.0) -> float:
+def hypothesis_score(model, src_tokens: Tensor, prlm, hyp: list[int], *, lenpen: float = DEFAULTS.lenpen) -> float:
     """Length-normalised score (as beam search ranks it) of `hyp` + </s> for a single source row."""
     config = model.config
     device = src_tokens.device

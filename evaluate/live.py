@@ -16,101 +16,70 @@ from pathlib import Path
 from typing import Sequence
 
 from prlmfuse.errors import UserError
-from prlmfuse.evaluate.jobs import (
-    BranchFeatures,
-    DecodeSettings,
-    _read_manifest,
-    check_cache_key,
-    decode_corpus,
-    encode_sources,
-    load_model,
-    note_truncated,
-    open_run,
-    run_layer_rows,
-    select_weights,
-)
+from prlmfuse.evaluate.corpus_decode import decode_corpus, encode_sources, note_truncated
+from prlmfuse.evaluate.runs import RunView, load_model, open_run, select_weights
+from prlmfuse.evaluate.settings import AVERAGE_LAST, BATCH_TOKENS, DEFAULTS, DecodeSettings
 from prlmfuse.fileio import sha256_file
-
-
-def _train_key_fields(prlm: dict) -> dict | None:
-    """key_fields of the cache the run trained on, if that cache is still readable and unchanged."""
-    entry = (prlm.get("caches") or {}).get("train") or {}
-    if not entry.get("path"):
-        return None
-    manifest = _read_manifest(str(entry["path"]))
-    if manifest is None or manifest.get("key") != entry.get("key"):
-        return None
-    return manifest.get("key_fields")
+from prlmfuse.train_fused.branches import PrLMBranch
 
 
 def live_features(
-    run_dir: str | os.PathLike,
+    run: RunView,
     lines: Sequence[str],
     workdir: str | os.PathLike,
     *,
     trust_remote_code: bool = False,
     max_tokens: int = 8192,
     progress: bool = False,
-) -> list[BranchFeatures]:
-    """Run each PrLM of the run over `lines` into a cache under `workdir`; one BranchFeatures per branch."""
-    from prlmfuse.cache_features import CacheReader, build_cache
+) -> list[PrLMBranch]:
+    """Run each PrLM of the run over `lines` into a cache under `workdir` with the key fields of the
+    cache the run trained on; one PrLMBranch per branch, opened like a test cache."""
+    from prlmfuse.cache_features import build_cache
     from prlmfuse.prlms import resolve_checkpoint
 
-    run = open_run(run_dir)
     workdir = Path(workdir)
     corpus_file = workdir / "input.src"
     corpus_file.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    specs = run.model_config.get("prlms") or []
-    branches: list[BranchFeatures] = []
-    for i, (prlm, spec) in enumerate(zip(run.prlms, specs)):
-        name = str(prlm.get("checkpoint"))
+    paths = []
+    for i, prlm in enumerate(run.prlms):
+        name = str(prlm["checkpoint"])
+        trained = prlm["key_fields"]
         info = resolve_checkpoint(name, trust_remote_code=trust_remote_code)
-        if prlm.get("identity") and info.identity != prlm["identity"]:
+        if info.identity != trained["checkpoint_identity"]:
             raise UserError(
                 f"checkpoint {name} now resolves to different files (identity {info.identity[:12]}) than run "
-                f"{run.name} was trained with ({str(prlm['identity'])[:12]}); restore that checkpoint or retrain"
+                f"{run.name} was trained with ({str(trained['checkpoint_identity'])[:12]}); restore that checkpoint or retrain"
             )
-        train_fields = _train_key_fields(prlm)
-        layers = (train_fields or {}).get("layers") or prlm.get("cache_layers") or prlm.get("layers")
-        autocast = None
-        if train_fields and "autocast" in train_fields:
-            autocast = train_fields["autocast"] != "off"
         result = build_cache(
             name,
             corpus_file,
             workdir / f"prlm-{i}",
-            layers=[int(x) for x in layers],
+            layers=[int(x) for x in trained["layers"]],
             backend="zarr",
-            dtype=str(prlm.get("dtype") or "float16"),
+            dtype=str(trained["dtype"]),
             max_tokens=max_tokens,
-            autocast=autocast,
+            autocast=trained["autocast"] != "off",
             progress=progress,
             trust_remote_code=trust_remote_code,
         )
-        reader = CacheReader(result.path, in_memory=True)
-        check_cache_key(reader.manifest, train_fields, prlm, where=f"live features of {name}",
-                        src_sha256=sha256_file(corpus_file))
-        layer_rows, pooled_rows = run_layer_rows(
-            prlm, int(spec.get("num_pooled", 0)), list(reader.layers), list(reader.pooled_layers),
-            where=f"live features of {name}",
-        )
-        branches.append(BranchFeatures(reader, layer_rows, pooled_rows))
-    return branches
+        paths.append(str(result.path))
+    return run.open_branches(paths, source=str(corpus_file), source_name="input", source_sha256=sha256_file(corpus_file),
+                             source_lines=len(lines))
 
 
 def translate(
     run_dir: str | os.PathLike,
     lines: Sequence[str],
     *,
-    beam: int = 5,
-    lenpen: float = 1.0,
-    average_last: int = 5,
+    beam: int = DEFAULTS.beam,
+    lenpen: float = DEFAULTS.lenpen,
+    average_last: int = AVERAGE_LAST,
     no_repeat_ngram_size: int | None = None,
-    max_len_a: float = 1.2,
-    max_len_b: int = 10,
-    min_len: int = 1,
-    batch_tokens: int = 4096,
-    bf16: bool = False,
+    max_len_a: float = DEFAULTS.max_len_a,
+    max_len_b: int = DEFAULTS.max_len_b,
+    min_len: int = DEFAULTS.min_len,
+    batch_tokens: int = BATCH_TOKENS,
+    bf16: bool = DEFAULTS.bf16,
     trust_remote_code: bool = False,
     progress: bool = False,
 ) -> list[str]:
@@ -136,7 +105,7 @@ def translate(
     if progress:
         note_truncated(cut, f"{run.name}/translate")
     with tempfile.TemporaryDirectory(prefix="prlmfuse-live-") as workdir:
-        branches = live_features(run.run_dir, lines, workdir, trust_remote_code=trust_remote_code, progress=progress)
+        branches = live_features(run, lines, workdir, trust_remote_code=trust_remote_code, progress=progress)
         decoded = decode_corpus(model, bpe, src_ids, branches, settings, batch_tokens=batch_tokens,
                                 progress=progress, desc=f"{run.name}/translate")
     return decoded.hyps

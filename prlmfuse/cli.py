@@ -306,16 +306,20 @@ def train_average(run_dir: str, last: int, out: str | None) -> None:
 
 
 def _decode_options(command):
-    """`evaluate` and `translate` decode alike: the same options, the same defaults (evaluate/decode.py)."""
+    """`evaluate` and `translate` decode alike: the same options, with the defaults of evaluate/settings.py."""
+    from prlmfuse.evaluate.settings import AVERAGE_LAST, DEFAULTS, SUMMARIZATION_NO_REPEAT_NGRAM
+
     options = [
-        click.option("--beam", default=5, show_default=True, type=click.IntRange(min=1), help="Beam size; 1 is greedy decoding."),
-        click.option("--lenpen", default=1.0, show_default=True, help="Length penalty: a hypothesis scores log-prob / length^LENPEN."),
-        click.option("--max-len-a", default=1.2, show_default=True, type=click.FloatRange(min=0),
+        click.option("--beam", default=DEFAULTS.beam, show_default=True, type=click.IntRange(min=1), help="Beam size; 1 is greedy decoding."),
+        click.option("--lenpen", default=DEFAULTS.lenpen, show_default=True, help="Length penalty: a hypothesis scores log-prob / length^LENPEN."),
+        click.option("--max-len-a", default=DEFAULTS.max_len_a, show_default=True, type=click.FloatRange(min=0),
                      help="Output length limit: at most MAX_LEN_A * source length + MAX_LEN_B tokens."),
-        click.option("--max-len-b", default=10, show_default=True, type=click.IntRange(min=0)),
-        click.option("--min-len", default=1, show_default=True, type=click.IntRange(min=0), help="At least this many tokens before </s>."),
-        click.option("--no-repeat-ngram-size", type=click.IntRange(min=0), help="Block repeated n-grams (default: 3 for summarization runs, else 0)."),
-        click.option("--average-last", default=5, show_default=True, help="Average this many newest checkpoints (0: best)."),
+        click.option("--max-len-b", default=DEFAULTS.max_len_b, show_default=True, type=click.IntRange(min=0)),
+        click.option("--min-len", default=DEFAULTS.min_len, show_default=True, type=click.IntRange(min=0), help="At least this many tokens before </s>."),
+        click.option("--no-repeat-ngram-size", type=click.IntRange(min=0),
+                     help=f"Block repeated n-grams (default: {SUMMARIZATION_NO_REPEAT_NGRAM} for summarization runs, "
+                     f"else {DEFAULTS.no_repeat_ngram_size})."),
+        click.option("--average-last", default=AVERAGE_LAST, show_default=True, help="Average this many newest checkpoints (0: best)."),
     ]
     for option in reversed(options):
         command = option(command)
@@ -367,10 +371,15 @@ def run(pipeline, only, runs, more_runs, dry_run, parallel) -> None:
     PIPELINE defaults to ./pipeline.yaml, else the demo shipped with prlmfuse.
     """
     from prlmfuse.config import load_pipeline
-    from prlmfuse.pipeline import run_pipeline
+    from prlmfuse.pipeline import plan_lines, run_pipeline
 
     cfg = load_pipeline(_pipeline_path(pipeline))
-    run_pipeline(cfg, only=only, names=_split_names(tuple(_variadic(runs, more_runs))), dry_run=dry_run, parallel=parallel)
+    names = _split_names(tuple(_variadic(runs, more_runs)))
+    if dry_run:
+        for line in plan_lines(cfg, names):
+            click.echo(line)
+        return
+    run_pipeline(cfg, only=only, names=names, parallel=parallel)
 
 
 def main() -> None:

@@ -20,6 +20,7 @@ import yaml
 from prlmfuse.cache_features import BACKENDS, STORAGE_DTYPES
 from prlmfuse.corpora import TASKS
 from prlmfuse.errors import UserError
+from prlmfuse.evaluate.settings import AVERAGE_LAST, DEFAULTS as DECODE_DEFAULTS
 from prlmfuse.train_fused.config import RunConfig
 from prlmfuse.train_fused.modeling import LAYER_MODES, MERGES, POSITIONS, PRESETS, SIDES
 
@@ -86,14 +87,16 @@ class TrainConfig:
 
 @dataclass
 class EvaluateConfig:
+    """Decoding settings take their defaults from prlmfuse.evaluate.settings."""
+
     baseline: str | None = None
-    beam: int = 5
-    lenpen: float = 1.0
-    average_last: int = 5
+    beam: int = DECODE_DEFAULTS.beam
+    lenpen: float = DECODE_DEFAULTS.lenpen
+    average_last: int = AVERAGE_LAST
     no_repeat_ngram_size: int | None = None  # default: 3 for summarization, 0 otherwise
-    max_len_a: float = 1.2
-    max_len_b: int = 10
-    min_len: int = 1
+    max_len_a: float = DECODE_DEFAULTS.max_len_a
+    max_len_b: int = DECODE_DEFAULTS.max_len_b
+    min_len: int = DECODE_DEFAULTS.min_len
     out: str = "results"
 
 

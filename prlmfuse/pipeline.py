@@ -15,28 +15,29 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
-import click
-
 from prlmfuse import __version__
+from prlmfuse.cache_features.compat import BUILT, DAMAGED, cache_status
 from prlmfuse.config import CheckpointEntry, PipelineConfig
 from prlmfuse.distributed import barrier, is_main_process, rank_world
 from prlmfuse.errors import UserError
+from prlmfuse.train_fused import run_dir as rundir
 from prlmfuse.train_fused.config import PrLMUse, RunConfig, recipe_without_seed
+
+logger = logging.getLogger(__name__)
 
 SPLITS = ("train", "dev", "test")
 
 
-# ---------------------------------------------------------------------------- distributed
-
-
 def _say(msg: str) -> None:
+    """A progress line, once under torchrun (the CLI shows INFO records to the user)."""
     if is_main_process():
-        click.echo(msg)
+        logger.info(msg)
 
 
 # ---------------------------------------------------------------------------- data
@@ -120,32 +121,6 @@ def cache_jobs(cfg: PipelineConfig, corpus) -> list[CacheJob]:
     return jobs
 
 
-def _cache_state(path: str) -> tuple[str, str]:
-    """("complete" | "not built" | "damaged", why) of the cache at `path`, judged by its manifest.json.
-
-    No manifest (or one not marked complete) is a cache not built yet; a manifest that is there but
-    truncated or not JSON is damaged, and `why` says how.
-    """
-    from prlmfuse.cache_features.manifest import MANIFEST
-    from prlmfuse.cache_features.location import Location
-
-    try:
-        data = Location(path).read_bytes(MANIFEST)  # a local directory or an fsspec URL alike
-    except (FileNotFoundError, IsADirectoryError):
-        return "not built", ""
-    try:
-        manifest = json.loads(data)
-    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError
-        return "damaged", getattr(e, "msg", None) or str(e)
-    if not isinstance(manifest, dict):
-        return "damaged", "not a JSON object"
-    return ("complete" if manifest.get("complete", False) else "not built"), ""
-
-
-def _cache_complete(path: str) -> bool:
-    return _cache_state(path)[0] == "complete"
-
-
 def build_caches(cfg: PipelineConfig, corpus, names: list[str] | None = None) -> list[CacheJob]:
     """Build every cache of the file, or with `names` only those the selected runs read."""
     from prlmfuse.cache_features import build_cache
@@ -164,15 +139,13 @@ def build_caches(cfg: PipelineConfig, corpus, names: list[str] | None = None) ->
     return jobs
 
 
-def caches_for_run(run: RunConfig, jobs: list[CacheJob], cfg: PipelineConfig):
-    """The train/dev/test caches each PrLM branch of `run` reads."""
-    from prlmfuse.train_fused import PrLMCaches
-
+def caches_for_run(run: RunConfig, jobs: list[CacheJob], cfg: PipelineConfig) -> list[dict[str, str]]:
+    """{split: cache} of the train/dev/test caches each PrLM branch of `run` reads, in the order of run.prlms."""
     out = []
     for use in run.prlms:
         match = _find_entry(use, cfg)
-        by_split = {j.split: j.out for j in jobs if j.entry is match and j.dtype == (use.dtype or match.dtype or cfg.cache.dtype)}
-        out.append(PrLMCaches(use=use, train=by_split["train"], dev=by_split["dev"], test=by_split["test"]))
+        dtype = use.dtype or match.dtype or cfg.cache.dtype
+        out.append({j.split: j.out for j in jobs if j.entry is match and j.dtype == dtype})
     return out
 
 
@@ -197,7 +170,8 @@ def _find_entry(use: PrLMUse, cfg: PipelineConfig) -> CheckpointEntry:
 # ---------------------------------------------------------------------------- training
 
 
-def run_dir(cfg: PipelineConfig, name: str) -> Path:
+def run_path(cfg: PipelineConfig, name: str) -> Path:
+    """The run directory of the run `name` under the pipeline's workdir."""
     return cfg.workdir / "runs" / _safe(name)
 
 
@@ -226,22 +200,22 @@ def train_runs(
     corpus = ensure_data(cfg, build=False)
     if jobs is None:
         jobs = cache_jobs(cfg, corpus)
-        needed = {path for r in _selected_runs(cfg, names) for c in caches_for_run(r, jobs, cfg) for path in (c.train, c.dev)}
+        needed = {c[split] for r in _selected_runs(cfg, names) for c in caches_for_run(r, jobs, cfg) for split in ("train", "dev")}
         for out in [j.out for j in jobs if j.out in needed]:
-            state, why = _cache_state(out)
-            if state == "damaged":
+            state, why = cache_status(out)
+            if state == DAMAGED:
                 raise UserError(
                     f"cache {out} is damaged: its manifest {out}/manifest.json is truncated or unreadable ({why}); "
                     f"rerun `prlmfuse run {cfg.path} --only cache` to rebuild it (if that refuses, delete {out} first)"
                 )
-            if state != "complete":
+            if state != BUILT:
                 raise UserError(f"cache {out} is not built; run `prlmfuse run {cfg.path} --only cache` first")
     runs = _selected_runs(cfg, names)
     if parallel > 1 and len(runs) > 1:
         return _train_in_children(cfg, runs, parallel, resume=resume)
     dirs = []
     for run in runs:
-        out = run_dir(cfg, run.name)
+        out = run_path(cfg, run.name)
         _say(f"train: {run.name} -> {out}")
         train_run(run, corpus, caches_for_run(run, jobs, cfg), out, resume=resume)
         dirs.append(out)
@@ -278,9 +252,9 @@ def _train_in_children(cfg: PipelineConfig, runs: list[RunConfig], parallel: int
         while pending or active:
             while pending and len(active) < parallel:
                 run = pending.pop(0)
-                out = run_dir(cfg, run.name)
+                out = run_path(cfg, run.name)
                 out.mkdir(parents=True, exist_ok=True)
-                log = out / "train.log"
+                log = out / rundir.TRAIN_LOG
                 cmd = [sys.executable, "-m", "prlmfuse.cli", "train", "--pipeline", str(cfg.path), "--runs", run.name]
                 if not resume:
                     cmd.append("--fresh")
@@ -304,7 +278,7 @@ def _train_in_children(cfg: PipelineConfig, runs: list[RunConfig], parallel: int
             proc.wait()
     if failed:
         raise UserError(f"{len(failed)} of {len(runs)} runs failed: " + "; ".join(failed))
-    return [run_dir(cfg, r.name) for r in runs]
+    return [run_path(cfg, r.name) for r in runs]
 
 
 # ---------------------------------------------------------------------------- evaluation
@@ -312,7 +286,6 @@ def _train_in_children(cfg: PipelineConfig, runs: list[RunConfig], parallel: int
 
 def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None, jobs=None):
     from prlmfuse.evaluate import evaluate_runs
-    from prlmfuse.evaluate.jobs import list_checkpoints
 
     corpus = ensure_data(cfg, build=False)
     if jobs is None:
@@ -328,10 +301,10 @@ def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None, jobs=
         base_recipe = recipe_without_seed(base.to_dict())
         family = [r for r in cfg.train.runs
                   if r is base or (not r.prlms and recipe_without_seed(r.to_dict()) == base_recipe)]
-        selected += [r for r in family if r not in selected and list_checkpoints(run_dir(cfg, r.name))]
+        selected += [r for r in family if r not in selected and rundir.list_checkpoints(run_path(cfg, r.name))]
         if base not in selected:
             baseline = None
-    dirs = [run_dir(cfg, r.name) for r in selected]
+    dirs = [run_path(cfg, r.name) for r in selected]
     if not is_main_process():
         return None
     out = cfg.workdir / e.out
@@ -347,42 +320,20 @@ def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None, jobs=
 # ---------------------------------------------------------------------------- plan
 
 
-def _run_state(run: RunConfig, path: Path) -> tuple[str, int]:
-    """What training `run` still has to do: ("new" | "resume at update N" | "done", updates done)."""
-    from prlmfuse.train_fused.checkpointing import latest_trainer_state
-
-    state = latest_trainer_state(path) if path.is_dir() else None
-    if state is None:
-        return "new", 0
-    update = int(state.get("update", 0))
-    if (run.max_updates is not None and update >= run.max_updates) or (
-        run.max_epochs is not None and int(state.get("epoch", 0)) >= run.max_epochs
-    ) or (run.patience is not None and int(state.get("bad_evals", 0)) >= run.patience):
-        return f"done at update {update}", update
-    return f"resume at update {update}", update
-
-
 def _measured_speed(cfg: PipelineConfig) -> float | None:
-    """Updates per second seen so far in this workdir's runs (from their metrics.jsonl)."""
-    speeds = []
-    for run in cfg.train.runs:
-        metrics = run_dir(cfg, run.name) / "metrics.jsonl"
-        if metrics.is_file():
-            for line in metrics.read_text().splitlines()[-20:]:
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    continue
-                if row.get("updates_per_s"):
-                    speeds.append(float(row["updates_per_s"]))
+    """Updates per second seen so far in this workdir's runs (their last logged records)."""
+    speeds = [float(r["updates_per_s"]) for run in cfg.train.runs
+              for r in rundir.read_metrics(run_path(cfg, run.name))[-20:] if r.get("updates_per_s")]
     return sum(speeds) / len(speeds) if speeds else None
 
 
-def print_plan(cfg: PipelineConfig, names: list[str] | None) -> None:
+def plan_lines(cfg: PipelineConfig, names: list[str] | None) -> list[str]:
+    """What `prlmfuse run` would do: data, caches present or to build, runs to train or resume, estimates."""
+    lines = []
     root = corpus_dir(cfg)
     has_data = (root / "corpus.json").is_file()
-    click.echo(f"pipeline {cfg.path} (workdir {cfg.workdir})")
-    click.echo(f"data:  {root} [{'present' if has_data else 'to build: ' + cfg.data.kind}]")
+    lines.append(f"pipeline {cfg.path} (workdir {cfg.workdir})")
+    lines.append(f"data:  {root} [{'present' if has_data else 'to build: ' + cfg.data.kind}]")
     jobs = None
     if has_data:
         from prlmfuse import corpora
@@ -390,42 +341,39 @@ def print_plan(cfg: PipelineConfig, names: list[str] | None) -> None:
         corpus = corpora.load_corpus(root)
         jobs = cache_jobs(cfg, corpus)
         for j in jobs:
-            click.echo(f"cache: {j.entry.name} ({j.layers_arg}, {j.dtype}) {j.split:<5} "
-                       f"[{'present' if _cache_complete(j.out) else 'to build'}] {j.out}")
+            lines.append(f"cache: {j.entry.name} ({j.layers_arg}, {j.dtype}) {j.split:<5} "
+                         f"[{'present' if cache_status(j.out)[0] == BUILT else 'to build'}] {j.out}")
     else:
         for e in cfg.cache.checkpoints:
             layers = "all" if e.layers == "all" else ",".join(str(i) for i in e.layers)
-            click.echo(f"cache: {e.name} ({layers}, {e.dtype or cfg.cache.dtype}) train/dev/test "
-                       f"[to build once the corpus exists]")
+            lines.append(f"cache: {e.name} ({layers}, {e.dtype or cfg.cache.dtype}) train/dev/test "
+                         f"[to build once the corpus exists]")
     speed = _measured_speed(cfg)
     total_updates = total_tokens = 0
     for run in _selected_runs(cfg, names):
-        state, done = _run_state(run, run_dir(cfg, run.name))
+        state, done = rundir.training_progress(run, rundir.latest_trainer_state(run_path(cfg, run.name)))
         budget = f"{run.max_updates} updates" if run.max_updates is not None else f"{run.max_epochs} epochs"
         prlms = ", ".join(f"{u.checkpoint}[{u.layer}]" for u in run.prlms) or "none (baseline)"
-        click.echo(f"train: {run.name:<28} [{state}] PrLM: {prlms}; budget {budget} of {run.max_tokens}-token batches")
+        lines.append(f"train: {run.name:<28} [{state}] PrLM: {prlms}; budget {budget} of {run.max_tokens}-token batches")
         if run.max_updates is not None and not state.startswith("done"):
             total_updates += max(0, run.max_updates - done)
             total_tokens += max(0, run.max_updates - done) * run.max_tokens
     if total_updates:
-        click.echo(f"estimate: {total_updates} updates left, at most {total_tokens / 1e6:.1f}M tokens")
+        lines.append(f"estimate: {total_updates} updates left, at most {total_tokens / 1e6:.1f}M tokens")
         if speed:
-            click.echo(f"estimate: about {total_updates / speed / 60:.0f} min at the {speed:.2f} updates/s measured so far")
+            lines.append(f"estimate: about {total_updates / speed / 60:.0f} min at the {speed:.2f} updates/s measured so far")
         else:
-            click.echo("estimate: time unknown until a run has logged its speed (metrics.jsonl)")
-    click.echo(f"evaluate: -> {cfg.workdir / cfg.evaluate.out} (beam {cfg.evaluate.beam}, average of last {cfg.evaluate.average_last})")
+            lines.append("estimate: time unknown until a run has logged its speed (metrics.jsonl)")
+    lines.append(f"evaluate: -> {cfg.workdir / cfg.evaluate.out} (beam {cfg.evaluate.beam}, average of last {cfg.evaluate.average_last})")
+    return lines
 
 
 # ---------------------------------------------------------------------------- all of it
 
 
-def run_pipeline(
-    cfg: PipelineConfig, *, only: str | None = None, names: list[str] | None = None, dry_run: bool = False,
-    parallel: int = 1,
-) -> None:
-    if dry_run:
-        print_plan(cfg, names)
-        return
+def run_pipeline(cfg: PipelineConfig, *, only: str | None = None, names: list[str] | None = None,
+                 parallel: int = 1) -> None:
+    """Every stage of the pipeline file (or `only` one), skipping what is already done."""
     if only in (None, "data"):
         corpus = ensure_data(cfg)
     else:

@@ -44,7 +44,8 @@ def test_decode_bench_readers_serve_batch_features(monkeypatch):
     """bench/decode_throughput.py's in-memory and offset readers keep CacheReader's reading interface."""
     import torch
 
-    from prlmfuse.train_fused.data import FeatureSource, batch_features
+    from prlmfuse.train_fused.branches import PrLMBranch
+    from prlmfuse.train_fused.data import batch_features
 
     spec = importlib.util.spec_from_file_location("decode_throughput", Path(__file__).parents[1] / "bench" / "decode_throughput.py")
     bench = importlib.util.module_from_spec(spec)
@@ -52,7 +53,7 @@ def test_decode_bench_readers_serve_batch_features(monkeypatch):
     spec.loader.exec_module(bench)
     states = [torch.randn(2, n, 8) for n in (3, 5, 4)]
     reader = bench._Offset(bench.InMemoryFeatures(states, [torch.randn(3, 2, 8) for _ in states], layers=[4, 5]), 1)
-    feats = batch_features(reader, FeatureSource(path="", layer_rows=(1,)), [0, 1])
+    feats = batch_features(PrLMBranch(reader, layer_rows=(1,), pooled_rows=None), [0, 1])
     assert feats.states.shape == (2, 1, 5, 8)
     assert torch.equal(feats.states[1, 0, :4], states[2][1])
     assert feats.mask.sum(dim=1).tolist() == [5, 4]

@@ -69,7 +69,7 @@ def world(tmp_path_factory):
     """A corpus, its caches and two trained runs (baseline, fused); built once for the module."""
     from prlmfuse.cache_features import build_cache
     from prlmfuse.corpora import register_text
-    from prlmfuse.train_fused import PrLMCaches, train_run
+    from prlmfuse.train_fused import train_run
     from prlmfuse.train_fused.config import PrLMUse
 
     torch.set_num_threads(1)
@@ -93,7 +93,7 @@ def world(tmp_path_factory):
     baseline = train_run(_run_config("baseline"), corpus, [], root / "runs" / "baseline", progress=False)
     fused = train_run(
         _run_config("fused", [use]), corpus,
-        [PrLMCaches(use=use, train=caches["train"], dev=caches["dev"], test=caches["test"])],
+        [{"train": caches["train"], "dev": caches["dev"], "test": caches["test"]}],
         root / "runs" / "fused", progress=False,
     )
     return {"root": root, "corpus": corpus, "checkpoint": checkpoint, "caches": caches,
@@ -164,6 +164,32 @@ def test_test_cache_built_differently_is_refused(world):
     assert f32.path in str(info.value)
 
 
+def test_test_cache_of_another_source_is_refused_and_run_json_suffices_without_the_train_cache(world):
+    from prlmfuse.cache_features import build_cache
+    from prlmfuse.evaluate import evaluate_runs
+
+    def copy_with(name: str, **caches) -> Path:
+        run = world["root"] / "runs" / name
+        shutil.copytree(world["fused"], run)
+        record = json.loads((run / "run.json").read_text())
+        record["name"] = name
+        record["prlms"][0]["caches"].update(caches)
+        (run / "run.json").write_text(json.dumps(record))
+        return run
+
+    dev = build_cache(world["checkpoint"], world["corpus"].src_path("dev"), world["root"] / "caches" / "dev-as-test",
+                      layers="-2", dtype="float16", autocast=False, progress=False)
+    stale = copy_with("fused-stale", test={"path": dev.path, "key": dev.key})
+    with pytest.raises(UserError, match="different test source") as info:
+        evaluate_runs([stale], out=world["root"] / "eval-stale", beam=1, progress=False)
+    assert dev.path in str(info.value)
+
+    # The training cache is gone: run.json's record of its key fields is what the test cache must match.
+    orphan = copy_with("fused-orphan", train={"path": str(world["root"] / "deleted"), "key": "0" * 64})
+    results = evaluate_runs([orphan], out=world["root"] / "eval-orphan", beam=1, progress=False)
+    assert results.row("fused-orphan").num_sentences == 10
+
+
 def test_evaluating_an_untrained_run_dir_is_a_user_error(world, tmp_path):
     from prlmfuse.evaluate import evaluate_runs
 
@@ -178,7 +204,7 @@ def test_translate_command_reads_stdin_and_passes_every_decoding_option(world):
 
     from prlmfuse.cli import cli
     from prlmfuse.evaluate import translate
-    from prlmfuse.evaluate.jobs import load_model, open_run, select_weights
+    from prlmfuse.evaluate.runs import load_model, open_run, select_weights
     from prlmfuse.fileio import read_lines
 
     lines = read_lines(world["corpus"].src_path("test"))[:4]

@@ -1,4 +1,4 @@
-"""Batch-evaluation pieces that need no trained model: run checks, cache-key checks, result files."""
+"""Batch-evaluation pieces that need no trained model: run checks, cache compatibility, result files."""
 
 from __future__ import annotations
 
@@ -9,19 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from prlmfuse.cache_features import check_key_fields, choose_layers, layer_rows
 from prlmfuse.errors import UserError
-from prlmfuse.evaluate.jobs import (
-    DecodeSettings,
-    EvaluationResults,
-    RunResult,
-    check_cache_key,
-    open_run,
-    plot_scores,
-    read_dev_curve,
-    results_markdown,
-    run_layer_rows,
-    write_results,
-)
+from prlmfuse.evaluate.plots import plot_scores
+from prlmfuse.evaluate.results import EvaluationResults, RunResult, results_markdown, write_results
+from prlmfuse.evaluate.runs import open_run
+from prlmfuse.evaluate.settings import DecodeSettings
+from prlmfuse.train_fused.run_dir import read_dev_curve
 
 TRAIN_FIELDS = {
     "format": 1,
@@ -38,19 +32,18 @@ TRAIN_FIELDS = {
     "corpus_sha256": "1" * 64,
     "prlmfuse_version": "0.1.0",
 }
-PRLM = {"checkpoint": "tiny-bert", "identity": "a" * 64, "layers": [1], "layer_mode": "fixed", "dtype": "float16"}
+PRLM = {"checkpoint": "tiny-bert", "layer": -1, "layers": [1], "pooled_layers": [], "layer_mode": "fixed",
+        "key_fields": TRAIN_FIELDS}
 
 
-def _manifest(**changes):
-    fields = dict(TRAIN_FIELDS, corpus_sha256="2" * 64)
-    fields.update(changes)
-    return {"key": "k", "key_fields": fields, "dtype": fields["dtype"], "complete": True}
+def _fields(**changes):
+    return dict(TRAIN_FIELDS, corpus_sha256="2" * 64, **changes)
 
 
 def test_test_cache_of_same_checkpoint_and_settings_is_accepted():
-    check_cache_key(_manifest(), TRAIN_FIELDS, PRLM, where="test-cache", src_sha256="2" * 64)
+    check_key_fields(_fields(), TRAIN_FIELDS, where="test-cache")
     # More layers than the run trained on is fine: the run's rows are picked out.
-    check_cache_key(_manifest(layers=[0, 1, 2], pooled_layers=[0, 1, 2]), TRAIN_FIELDS, PRLM, where="test-cache")
+    check_key_fields(_fields(layers=[0, 1, 2], pooled_layers=[0, 1, 2]), TRAIN_FIELDS, where="test-cache")
 
 
 @pytest.mark.parametrize(
@@ -65,31 +58,30 @@ def test_test_cache_of_same_checkpoint_and_settings_is_accepted():
 )
 def test_test_cache_with_different_key_is_refused(change, field):
     with pytest.raises(UserError, match=field) as info:
-        check_cache_key(_manifest(**change), TRAIN_FIELDS, PRLM, where="test-cache")
+        check_key_fields(_fields(**change), TRAIN_FIELDS, where="test-cache")
     assert "test-cache" in str(info.value) and "\n" not in str(info.value)
 
 
-def test_stale_test_cache_is_refused():
-    with pytest.raises(UserError, match="another version of the test source"):
-        check_cache_key(_manifest(), TRAIN_FIELDS, PRLM, where="test-cache", src_sha256="3" * 64)
-
-
-def test_without_train_manifest_the_run_record_is_checked():
-    check_cache_key(_manifest(), None, PRLM, where="test-cache")
-    with pytest.raises(UserError, match="checkpoint_identity"):
-        check_cache_key(_manifest(checkpoint_identity="c" * 64), None, PRLM, where="test-cache")
-    with pytest.raises(UserError, match="dtype"):
-        check_cache_key(_manifest(dtype="float32"), None, PRLM, where="test-cache")
-
-
 def test_layer_rows_pick_trained_layers_from_a_superset_cache():
-    rows, pooled = run_layer_rows(PRLM, 2, [0, 1, 2], [0, 1, 2], where="c")
-    assert rows == (1,) and pooled is None
-    dyn = dict(PRLM, layers=[1, 2], layer_mode="dyn_aver")
-    rows, pooled = run_layer_rows(dyn, 3, [0, 1, 2, 3], [0, 1, 2, 3], where="c")
-    assert rows == (1, 2) and pooled == (0, 1, 2)
+    cache = SimpleNamespace(layers=[0, 1, 2], pooled_layers=[0, 1, 2])
+    assert layer_rows(cache, [1], [], where="c") == ((1,), None)
+    wide = SimpleNamespace(layers=[0, 1, 2, 3], pooled_layers=[0, 1, 2, 3])
+    assert layer_rows(wide, [1, 2], [0, 1, 2], where="c") == ((1, 2), (0, 1, 2))
     with pytest.raises(UserError, match="trained on"):
-        run_layer_rows(dict(PRLM, layers=[3]), 2, [1, 2], [0, 1, 2], where="c")
+        layer_rows(SimpleNamespace(layers=[1, 2], pooled_layers=[0, 1, 2]), [3], [], where="c")
+    with pytest.raises(UserError, match="pooled layers"):
+        layer_rows(SimpleNamespace(layers=[1, 2], pooled_layers=[0, 1]), [1, 2], [0, 1, 2], where="c")
+
+
+def test_layer_choice_reads_one_layer_or_every_cached_layer():
+    fields = dict(TRAIN_FIELDS, layers=[1, 2], pooled_layers=[0, 1, 2])
+    assert choose_layers(-1, fields, checkpoint="b", where="c") == ([2], [], "fixed")
+    assert choose_layers("dwatt", fields, checkpoint="b", where="c") == ([1, 2], [], "dwatt")
+    assert choose_layers("dyn_cls", fields, checkpoint="b", where="c") == ([1, 2], [0, 1, 2], "dyn_cls")
+    with pytest.raises(UserError, match=r"layer 0 \(hidden_states index 0 of 2 layers\) is not in cache c"):
+        choose_layers(0, fields, checkpoint="b", where="c")
+    with pytest.raises(UserError, match="no pooled vectors"):
+        choose_layers("dyn_aver", dict(fields, pooled_layers=[]), checkpoint="b", where="c")
 
 
 def test_run_dir_without_checkpoints_is_a_one_line_user_error(tmp_path):
@@ -165,7 +157,8 @@ def test_summarization_table_has_rouge_columns(tmp_path):
 
 
 def test_fused_runs_are_compared_with_the_baseline_of_their_own_seed(tmp_path):
-    from prlmfuse.evaluate.jobs import RunView, matched_baselines
+    from prlmfuse.evaluate.bootstrap import matched_baselines
+    from prlmfuse.evaluate.runs import RunView
 
     recipe = {"preset": "small", "lr": 7e-4, "max_updates": 2000}
 

@@ -115,7 +115,7 @@ def test_jobs_trains_runs_in_their_own_processes_and_names_the_one_that_failed(t
     for stage in ("data", "cache"):
         built = _prlmfuse("run", str(pipe), "--only", stage, cwd=tmp_path)
         assert built.returncode == 0, built.stderr[-3000:]
-    from prlmfuse.train_fused.checkpointing import latest_trainer_state
+    from prlmfuse.train_fused.run_dir import latest_trainer_state
 
     # The fused run's cache damaged: that run fails in its own process, the baseline still trains
     # in another, and the parent's one line names the failed run with the child's own error line.
@@ -150,10 +150,11 @@ def test_dry_run_on_a_fresh_pipeline_writes_nothing(tmp_path):
     path = tmp_path / "pipeline.yaml"
     path.write_text(PIPELINE.format(raw=raw, prlm="minilm-l6", backend="hdf5"), encoding="utf-8")
     from prlmfuse.config import load_pipeline
-    from prlmfuse.pipeline import print_plan
+    from prlmfuse.pipeline import plan_lines
 
-    print_plan(load_pipeline(path), None)
+    lines = plan_lines(load_pipeline(path), None)
     assert not (tmp_path / "work").exists()
+    assert any("[to build once the corpus exists]" in line for line in lines) and any("[new]" in line for line in lines)
 
 
 def test_training_before_the_cache_exists_says_what_to_run(tiny_pipeline, tmp_path):

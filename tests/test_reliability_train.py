@@ -25,6 +25,7 @@ from safetensors.torch import load_file
 from prlmfuse.errors import UserError
 from prlmfuse.train_fused import PrLMUse, load_run, train_run
 from prlmfuse.train_fused import checkpointing
+from prlmfuse.train_fused import run_dir as rundir
 from prlmfuse.train_fused.trainer import inverse_sqrt_lr
 
 _here = Path(__file__).parent
@@ -46,7 +47,7 @@ def world(tmp_path_factory):
 
 
 def _weights(run_dir: Path, update: int) -> dict[str, torch.Tensor]:
-    return load_file(str(checkpointing.weights_path(run_dir, update)))
+    return load_file(str(rundir.weights_path(run_dir, update)))
 
 
 def _metrics(run_dir: Path) -> list[dict]:
@@ -71,7 +72,7 @@ def _assert_every_checkpoint_file_is_whole(run_dir: Path) -> None:
                     f.get_tensor(key)
         else:
             assert json.loads(path.read_text())["update"] == int(path.stem.split("-")[1])
-    state = checkpointing.latest_trainer_state(run_dir)
+    state = rundir.latest_trainer_state(run_dir)
     if state is not None:
         assert (run_dir / state["checkpoint"]).is_file() and (run_dir / state["optimizer"]).is_file()
 
@@ -100,8 +101,8 @@ def test_disk_full_while_saving_a_checkpoint_then_rerun(world, tmp_path, monkeyp
         f"disk full while writing checkpoint update-00000008 in {out}; free space and rerun to resume"
     )
     # The previous checkpoint is whole and still the one to resume from; no torn file anywhere.
-    assert checkpointing.latest_trainer_state(out)["update"] == 4
-    assert checkpointing.complete_checkpoints(out) == [4]
+    assert rundir.latest_trainer_state(out)["update"] == 4
+    assert rundir.complete_checkpoints(out) == [4]
     assert support.temp_leftovers(out) == []
     _assert_every_checkpoint_file_is_whole(out)
 
@@ -160,7 +161,7 @@ def test_a_second_trainer_on_the_same_run_directory_is_refused(world, tmp_path):
             train_run(train_support.tiny_run("base", max_updates=2), world["corpus"], [], run_dir, progress=False)
     assert not (run_dir / "checkpoints").exists()
     train_run(train_support.tiny_run("base", max_updates=2, save_every=2), world["corpus"], [], run_dir, progress=False)
-    assert checkpointing.complete_checkpoints(run_dir) == [2]
+    assert rundir.complete_checkpoints(run_dir) == [2]
 
 
 def test_temp_files_of_a_killed_save_are_removed_on_resume(world, tmp_path):
@@ -175,7 +176,7 @@ def test_temp_files_of_a_killed_save_are_removed_on_resume(world, tmp_path):
     mine.write_text("keep")
     train_run(train_support.tiny_run("base", max_updates=4, save_every=2), world["corpus"], [], run_dir, progress=False)
     assert not any(p.exists() for p in torn) and mine.read_text() == "keep"
-    assert checkpointing.latest_trainer_state(run_dir)["update"] == 4
+    assert rundir.latest_trainer_state(run_dir)["update"] == 4
 
 
 # ------------------------------------------------------------------------------------------ slow: kill -9
@@ -195,7 +196,7 @@ def test_several_kill_9_at_random_moments_then_resume(world, tmp_path):
         for _ in range(3):
             offset = rng.uniform(0.35, 0.9) * duration
             status = zygote.run_and_kill("job_train", tmp_path / "killed.log", offset, out=str(killed), **job)
-            state = checkpointing.latest_trainer_state(killed) if killed.is_dir() else None
+            state = rundir.latest_trainer_state(killed) if killed.is_dir() else None
             at_kill.append((round(offset, 2), status, state["update"] if state else 0))
             if status == -9:
                 _assert_every_checkpoint_file_is_whole(killed)

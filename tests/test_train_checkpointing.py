@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 
 from prlmfuse.errors import UserError
 from prlmfuse.train_fused import checkpointing as ck
+from prlmfuse.train_fused import run_dir as rd
 
 torch.set_num_threads(1)
 
@@ -53,7 +54,7 @@ def test_save_resume_gives_identical_continuation(tmp_path):
     torch.manual_seed(123)
     again = TiedLM()
     opt2 = torch.optim.Adam(again.parameters(), lr=1e-2, betas=(0.9, 0.98))
-    state = ck.latest_trainer_state(tmp_path)
+    state = rd.latest_trainer_state(tmp_path)
     assert state["update"] == 3 and state["checkpoint"] == "checkpoints/update-00000003.safetensors"
     ck.load_checkpoint(tmp_path, state, again, opt2)
     assert again.out.weight is again.embed.weight  # tying survives loading
@@ -67,7 +68,7 @@ def test_optimizer_tensors_have_stable_names(tmp_path):
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     _train_some(model, opt, 1)
     ck.save_checkpoint(tmp_path, model, opt, _state(1), is_best=False, keep_last=2)
-    tensors = load_file(str(ck.optimizer_path(tmp_path, 1)))
+    tensors = load_file(str(rd.optimizer_path(tmp_path, 1)))
     assert set(tensors) == {
         f"{p}.{k}" for p in ("embed.weight", "hidden.weight", "hidden.bias") for k in ("exp_avg", "exp_avg_sq", "step")
     }
@@ -80,14 +81,14 @@ def test_keep_last_prunes_and_trainer_state_is_written_last(tmp_path):
     for u in (1, 2, 3, 4):
         _train_some(model, opt, 1, seed=u)
         ck.save_checkpoint(tmp_path, model, opt, _state(u), is_best=(u == 2), keep_last=2)
-    assert ck.complete_checkpoints(tmp_path) == [3, 4]
+    assert rd.complete_checkpoints(tmp_path) == [3, 4]
     names = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert names == [
         "optimizer-00000003.safetensors", "optimizer-00000004.safetensors",
         "update-00000003.json", "update-00000003.safetensors", "update-00000004.json", "update-00000004.safetensors",
     ]
     assert json.loads((tmp_path / "trainer_state.json").read_text())["update"] == 4
-    assert load_file(str(tmp_path / "best.safetensors")).keys() == load_file(str(ck.weights_path(tmp_path, 2 + 2))).keys()
+    assert load_file(str(tmp_path / "best.safetensors")).keys() == load_file(str(rd.weights_path(tmp_path, 2 + 2))).keys()
     # No temp files left behind by the atomic writes.
     assert not [p for p in tmp_path.rglob(".*.tmp")]
 
@@ -98,12 +99,12 @@ def test_half_written_checkpoint_is_ignored(tmp_path):
     _train_some(model, opt, 1)
     ck.save_checkpoint(tmp_path, model, opt, _state(1), is_best=False, keep_last=5)
     # A kill after the weights of update 2 but before its JSON and trainer_state.json.
-    ck.save_weights(model, ck.weights_path(tmp_path, 2))
-    assert ck.complete_checkpoints(tmp_path) == [1]
-    assert ck.latest_trainer_state(tmp_path)["update"] == 1
+    ck.save_weights(model, rd.weights_path(tmp_path, 2))
+    assert rd.complete_checkpoints(tmp_path) == [1]
+    assert rd.latest_trainer_state(tmp_path)["update"] == 1
     # trainer_state.json missing entirely: fall back to the newest complete checkpoint's own JSON.
     (tmp_path / "trainer_state.json").unlink()
-    assert ck.latest_trainer_state(tmp_path)["update"] == 1
+    assert rd.latest_trainer_state(tmp_path)["update"] == 1
 
 
 def test_average_is_the_mean_and_is_reused(tmp_path):
@@ -113,26 +114,26 @@ def test_average_is_the_mean_and_is_reused(tmp_path):
     for u in (1, 2, 3):
         _train_some(model, opt, 1, seed=u)
         ck.save_checkpoint(tmp_path, model, opt, _state(u), is_best=False, keep_last=5)
-        saved.append({k: v.clone() for k, v in load_file(str(ck.weights_path(tmp_path, u))).items()})
-    out = ck.average_checkpoints(tmp_path, last=2)
+        saved.append({k: v.clone() for k, v in load_file(str(rd.weights_path(tmp_path, u))).items()})
+    out = rd.average_checkpoints(tmp_path, last=2)
     assert out == tmp_path / "average-last2.safetensors"
     averaged = load_file(str(out))
     for name in averaged:
         torch.testing.assert_close(averaged[name], (saved[1][name] + saved[2][name]) / 2)
     mtime = out.stat().st_mtime_ns
-    assert ck.average_checkpoints(tmp_path, last=2) == out and out.stat().st_mtime_ns == mtime
+    assert rd.average_checkpoints(tmp_path, last=2) == out and out.stat().st_mtime_ns == mtime
     fresh = TiedLM()
-    ck.load_weights(fresh, out)
+    rd.load_weights(fresh, out)
     torch.testing.assert_close(fresh.embed.weight, averaged["embed.weight"])
 
 
 def test_errors_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="no complete checkpoints"):
-        ck.average_checkpoints(tmp_path)
+        rd.average_checkpoints(tmp_path)
     (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(UserError, match="corrupt"):
-        ck.load_weights(TiedLM(), tmp_path / "bad.safetensors")
+        rd.load_weights(TiedLM(), tmp_path / "bad.safetensors")
     other = torch.nn.Linear(3, 3)
     ck.save_weights(other, tmp_path / "other.safetensors")
     with pytest.raises(UserError, match="do not fit"):
-        ck.load_weights(TiedLM(), tmp_path / "other.safetensors")
+        rd.load_weights(TiedLM(), tmp_path / "other.safetensors")

@@ -13,8 +13,9 @@ import torch
 from prlmfuse.cache_features import CacheReader
 from prlmfuse.train_fused.bpe import BOS_ID, EOS_ID, PAD_ID
 from prlmfuse.train_fused.data import (
-    FeatureSource, PairDataset, TokenBudgetBatchSampler, make_loader,
+    PairDataset, TokenBudgetBatchSampler, make_loader,
 )
+from prlmfuse.train_fused.branches import PrLMBranch
 from prlmfuse.train_fused.trainer import inverse_sqrt_lr
 
 _spec = importlib.util.spec_from_file_location("test_train_support", Path(__file__).with_name("test_train_support.py"))
@@ -136,7 +137,7 @@ def test_collate_pads_tokens_and_features_from_the_cache(cache):
     assert reader.layers == [1, 3]
     src, tgt = _pairs(40)
     # Row 1 of the cached layers = hidden_states index 3 (the last of 3 layers).
-    dataset = PairDataset(src, tgt, [FeatureSource(paths["train"], layer_rows=(1,), with_pooled=True)])
+    dataset = PairDataset(src, tgt, [PrLMBranch(reader, layer_rows=(1,), pooled_rows=(0, 1, 2, 3))])
     indices = [5, 0, 17]
     batch = dataset.__getitems__(indices)
     assert batch.ids.tolist() == indices
@@ -165,12 +166,12 @@ def test_collate_pads_tokens_and_features_from_the_cache(cache):
 def test_workers_deliver_the_same_batches_as_in_process(cache):
     corpus, paths = cache
     src, tgt = _pairs(40, seed=1)
-    sources = [FeatureSource(paths["train"], layer_rows=(0, 1))]
+    sources = [PrLMBranch(CacheReader(paths["train"]), layer_rows=(0, 1), pooled_rows=None)]
     dataset = PairDataset(src, tgt, sources)
     sampler = TokenBudgetBatchSampler(dataset.src_lens, dataset.tgt_lens, 60, seed=4)
     sampler.set_epoch(2, start=1)
     expected = [dataset.__getitems__(b) for b in sampler]
-    memory = PairDataset(src, tgt, [FeatureSource(paths["train"], layer_rows=(0, 1), in_memory=True)])
+    memory = PairDataset(src, tgt, [PrLMBranch(CacheReader(paths["train"], in_memory=True), layer_rows=(0, 1), pooled_rows=None)])
     got_workers = list(make_loader(dataset, sampler, num_workers=2))
     got_memory = list(make_loader(memory, sampler, num_workers=0))
     assert len(got_workers) == len(expected) == len(got_memory) > 1
@@ -183,5 +184,5 @@ def test_workers_deliver_the_same_batches_as_in_process(cache):
 def test_empty_slice_is_an_empty_batch(cache):
     corpus, paths = cache
     src, tgt = _pairs(4)
-    batch = PairDataset(src, tgt, [FeatureSource(paths["train"], layer_rows=(0,))]).__getitems__([])
+    batch = PairDataset(src, tgt, [PrLMBranch(CacheReader(paths["train"]), layer_rows=(0,), pooled_rows=None)]).__getitems__([])
     assert batch.nsentences == 0 and batch.ntokens == 0 and batch.prlm[0].states.shape[0] == 0

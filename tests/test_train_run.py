@@ -19,7 +19,9 @@ from safetensors.torch import load_file
 import prlmfuse
 from prlmfuse.errors import UserError
 from prlmfuse.train_fused import PrLMUse, average_checkpoints, load_run, train_run
-from prlmfuse.train_fused.data import FeatureSource, PairDataset
+from prlmfuse.train_fused.branches import PrLMBranch
+from prlmfuse.cache_features import CacheReader
+from prlmfuse.train_fused.data import PairDataset
 
 _spec = importlib.util.spec_from_file_location("test_train_support", Path(__file__).with_name("test_train_support.py"))
 support = importlib.util.module_from_spec(_spec)
@@ -67,7 +69,8 @@ def test_fused_run_layout_run_json_and_load_run(world, tmp_path):
     assert info["corpus"]["sha256"]["train"]["src"] == corpus.src_sha256("train")
     assert info["model"]["d_model"] == 64 and info["model"]["enc_layers"] == 2  # tiny preset resolved to sizes
     (prlm,) = info["prlms"]
-    assert prlm["layers"] == [2] and prlm["cache_layers"] == [2, 3] and prlm["layer_mode"] == "fixed"
+    assert prlm["layers"] == [2] and prlm["pooled_layers"] == [] and prlm["layer_mode"] == "fixed"
+    assert prlm["key_fields"]["layers"] == [2, 3]
     for split in ("train", "dev", "test"):
         manifest = json.loads((Path(paths[split]) / "manifest.json").read_text())
         assert prlm["caches"][split] == {"path": paths[split], "key": manifest["key"]}
@@ -88,7 +91,7 @@ def test_fused_run_layout_run_json_and_load_run(world, tmp_path):
     assert bpe.vocab_size == info["model"]["vocab_size"]
     # The loaded model runs on features read exactly as in training.
     dataset = PairDataset([torch.tensor(bpe.encode("God said")).numpy()], [torch.tensor(bpe.encode("神")).numpy()],
-                          [FeatureSource(paths["test"], layer_rows=(0,))])
+                          [PrLMBranch(CacheReader(paths["test"]), layer_rows=(0,), pooled_rows=None)])
     batch = dataset.__getitems__([0])
     with torch.no_grad():
         logits = model(batch.src_tokens, batch.tgt_in, batch.prlm)
@@ -126,21 +129,12 @@ def test_resume_continues_the_same_schedule(world, tmp_path):
     assert state["update"] == 12 and state["lr"] == pytest.approx(7e-4 * (4 / 12) ** 0.5)
 
 
-def test_feature_norm_trains_resumes_and_older_run_json_still_resumes(world, tmp_path):
-    """feature_norm came after runs existed: a run.json without it means False; changing it is refused."""
+def test_feature_norm_trains_resumes_and_changing_it_is_refused(world, tmp_path):
     corpus, ckpt, paths = world
     plain, normed = PrLMUse(checkpoint=str(ckpt)), PrLMUse(checkpoint=str(ckpt), feature_norm=True)
     caches = lambda use: [support.caches_for(use, paths)]  # noqa: E731
     old = train_run(support.tiny_run("o", prlms=[plain], max_updates=3, save_every=3), corpus, caches(plain),
                     tmp_path / "old", progress=False)
-    record = json.loads((old / "run.json").read_text())
-
-    def drop(value):  # run.json as prlmfuse wrote it before the setting existed
-        if isinstance(value, dict):
-            return {k: drop(v) for k, v in value.items() if k != "feature_norm"}
-        return [drop(v) for v in value] if isinstance(value, list) else value
-
-    (old / "run.json").write_text(json.dumps(drop(record)))
     train_run(support.tiny_run("o", prlms=[plain], max_updates=6, save_every=3), corpus, caches(plain), old, progress=False)
     assert json.loads((old / "trainer_state.json").read_text())["update"] == 6
     with pytest.raises(UserError, match="feature_norm"):
@@ -180,7 +174,7 @@ def test_refusals_are_one_line_user_errors(world, tmp_path):
     corpus, ckpt, paths = world
     use = PrLMUse(checkpoint=str(ckpt), layer=-2)
     wrong = support.caches_for(use, {**paths, "train": paths["dev"]})
-    with pytest.raises(UserError, match=r"different train source .*corpus_sha256 .* sha256 ") as e:
+    with pytest.raises(UserError, match=r"different train source .*corpus_sha256 .*train\.src sha256 ") as e:
         train_run(support.tiny_run(prlms=[use]), corpus, [wrong], tmp_path / "a", progress=False)
     assert "\n" not in str(e.value)
 

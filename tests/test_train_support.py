@@ -48,10 +48,9 @@ def build_caches(checkpoint: Path, corpus, out: Path, *, layers: str = "-2", bac
     return paths
 
 
-def caches_for(use: PrLMUse, paths: dict[str, str]):
-    from prlmfuse.train_fused import PrLMCaches
-
-    return PrLMCaches(use=use, train=paths["train"], dev=paths["dev"], test=paths.get("test"))
+def caches_for(use: PrLMUse, paths: dict[str, str]) -> dict[str, str]:
+    """The {split: cache} that train_run takes for one PrLM branch."""
+    return {split: paths[split] for split in ("train", "dev", "test") if split in paths}
 
 
 def tiny_run(name: str = "tiny", **overrides) -> RunConfig:

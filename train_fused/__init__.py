@@ -1,11 +1,14 @@
 """Stage two: the fused Transformer and its trainer. Never loads a PrLM: features come from the cache.
 
     train_run(run, corpus, caches, out_dir, *, resume=True, progress=True) -> run_dir
+        caches: one {split: cache path} per entry of run.prlms
     average_checkpoints(run_dir, last=5, out=None) -> path of the averaged safetensors
     load_run(run_dir, weights="average"|"best"|"last", *, last=5) -> (model in eval mode, BPE, run_info)
-    PrLMCaches(use, train, dev, test=None)
 
-The trainer is imported on first use, so `prlmfuse.train_fused.config` (read by the pipeline
+Modules: config (PrLMUse, RunConfig), run_dir (the run directory's files, run.json, trainer state,
+load_run), branches (a PrLM branch opened over its cache), data (batches), modeling (the model),
+trainer (the loop), run_setup (train_run), checkpointing (writing checkpoints), bpe.
+The rest is imported on first use, so `prlmfuse.train_fused.config` (read by the pipeline
 parser) stays cheap to import.
 """
 
@@ -14,15 +17,14 @@ from __future__ import annotations
 from prlmfuse.train_fused.config import PrLMUse, RunConfig
 
 _LAZY = {
-    "PrLMCaches": "prlmfuse.train_fused.trainer",
-    "train_run": "prlmfuse.train_fused.trainer",
-    "average_checkpoints": "prlmfuse.train_fused.trainer",
-    "load_run": "prlmfuse.train_fused.trainer",
+    "train_run": "prlmfuse.train_fused.run_setup",
+    "average_checkpoints": "prlmfuse.train_fused.run_dir",
+    "load_run": "prlmfuse.train_fused.run_dir",
     "BPE": "prlmfuse.train_fused.bpe",
     "train_bpe": "prlmfuse.train_fused.bpe",
 }
 
-__all__ = ["PrLMCaches", "PrLMUse", "RunConfig", "average_checkpoints", "load_run", "train_run", "BPE", "train_bpe"]
+__all__ = ["PrLMUse", "RunConfig", "average_checkpoints", "load_run", "train_run", "BPE", "train_bpe"]
 
 
 def __getattr__(name: str):

@@ -17,20 +17,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from prlmfuse.batching import token_budget_batches
-from prlmfuse.cache_features import CacheReader
 from prlmfuse.train_fused.bpe import BOS_ID, EOS_ID, PAD_ID
+from prlmfuse.train_fused.branches import PrLMBranch
 from prlmfuse.train_fused.modeling import PrLMFeatures
-
-
-@dataclass(frozen=True)
-class FeatureSource:
-    """Where one PrLM branch's features for one split come from, and which cached rows the run uses."""
-
-    path: str
-    # Rows of CacheReader.features(i) (positions in the cache's `layers`) fed to the model, in order.
-    layer_rows: tuple[int, ...]
-    with_pooled: bool = False  # Dyn[CLS] / Dyn[Aver] also need CacheReader.pooled(i)
-    in_memory: bool = False
 
 
 @dataclass
@@ -52,30 +41,18 @@ class Batch:
 class PairDataset(Dataset):
     """Aligned BPE pairs of one split; item i is sentence i of the corpus split and of every cache."""
 
-    def __init__(self, src_ids: list[np.ndarray], tgt_ids: list[np.ndarray], sources: list[FeatureSource]):
+    def __init__(self, src_ids: list[np.ndarray], tgt_ids: list[np.ndarray], branches: list[PrLMBranch]):
         if len(src_ids) != len(tgt_ids):
             raise ValueError(f"{len(src_ids)} source lines vs {len(tgt_ids)} target lines")
         self.src_ids = src_ids
         self.tgt_ids = tgt_ids
-        self.sources = list(sources)
-        self._readers: list[CacheReader] | None = None
+        self.branches = list(branches)  # each over this split's cache
         # +1: </s> on the source, <s> / </s> on the shifted target sides.
         self.src_lens = np.fromiter((len(s) + 1 for s in src_ids), dtype=np.int64, count=len(src_ids))
         self.tgt_lens = np.fromiter((len(t) + 1 for t in tgt_ids), dtype=np.int64, count=len(tgt_ids))
 
     def __len__(self) -> int:
         return len(self.src_ids)
-
-    def __getstate__(self) -> dict:
-        # Workers get the paths and reopen the caches themselves.
-        state = self.__dict__.copy()
-        state["_readers"] = None
-        return state
-
-    def readers(self) -> list[CacheReader]:
-        if self._readers is None:
-            self._readers = [CacheReader(s.path, in_memory=s.in_memory) for s in self.sources]
-        return self._readers
 
     def __getitem__(self, index: int) -> Batch:
         return self.__getitems__([index])
@@ -101,7 +78,7 @@ class PairDataset(Dataset):
             tgt_out[row, :m] = tgt
             tgt_out[row, m] = EOS_ID
             ntokens += m + 1
-        prlm = [batch_features(reader, source, indices) for reader, source in zip(self.readers(), self.sources)]
+        prlm = [batch_features(branch, indices) for branch in self.branches]
         return Batch(
             ids=torch.tensor(indices, dtype=torch.long),
             src_tokens=torch.from_numpy(src_tokens),
@@ -112,9 +89,10 @@ class PairDataset(Dataset):
         )
 
 
-def batch_features(reader: CacheReader, source: FeatureSource, indices: list[int]) -> PrLMFeatures:
+def batch_features(branch: PrLMBranch, indices: list[int]) -> PrLMFeatures:
     """One PrLM branch's features for a batch of sentences, padded with a mask (training and evaluation)."""
-    rows = list(source.layer_rows)
+    reader = branch.reader
+    rows = list(branch.layer_rows)
     # Stored float16 stays float16 until the model casts it (the same values): half the bytes
     # for the worker to copy and hand over, and less work beside the training step's threads.
     per_sentence = [reader.features(i, rows, widen=False) for i in indices]  # [len(rows), T_i, d] each
@@ -127,11 +105,13 @@ def batch_features(reader: CacheReader, source: FeatureSource, indices: list[int
         states[b, :, :n] = f
         mask[b, :n] = True
     pooled = None
-    if source.with_pooled:
+    if branch.pooled_rows is not None:
         # reader.pooled(i) is float32 already
         pooled = torch.stack([reader.pooled(i) for i in indices]) if indices else torch.zeros(
             0, len(reader.pooled_layers), 2, width
         )
+        if list(branch.pooled_rows) != list(range(pooled.shape[1])):
+            pooled = pooled[:, list(branch.pooled_rows)]
     return PrLMFeatures(states=states, mask=mask, pooled=pooled)
 
 

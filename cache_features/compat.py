@@ -1,0 +1,148 @@
+"""Whether a cache can feed a run: its status, open-and-validate, and which stored rows a layer choice reads.
+
+The trainer (train, dev and test caches), the evaluator (test caches) and live translation (a
+private cache built from the input) all go through these functions, so a cache is accepted or
+refused by the same rules wherever it is read:
+
+- its key fields equal the ones the run trained on (checkpoint identity, dtype, truncation,
+  autocast, ...), except the corpus, and its stored layers may be a superset;
+- it was built from the source file as it is now (corpus_sha256) and holds one entry per line;
+- it stores every layer (and pooled layer) the run reads.
+"""
+
+from __future__ import annotations
+
+import json
+
+from prlmfuse.errors import UserError
+
+from .manifest import MANIFEST, verify_cache
+from .reader import CacheReader
+from .location import Location
+
+BUILT, MISSING, DAMAGED = "built", "missing", "damaged"
+# A layer choice is a hidden_states index or one of these learned combinations of every cached layer.
+LAYER_MODES = ("dyn_cls", "dyn_aver", "dwatt", "concat")
+POOLED_MODES = ("dyn_cls", "dyn_aver")  # they also read the pooled (first token, mean) vectors
+
+# The key field that depends on which text was encoded; the stored layers may grow; all else must match.
+_CORPUS_FIELD = "corpus_sha256"
+_SUPERSET_FIELDS = frozenset({"layers", "pooled_layers"})
+
+
+def cache_status(path: str) -> tuple[str, str]:
+    """(BUILT | MISSING | DAMAGED, why) of the cache at `path` (a directory or fsspec URL), by its manifest.
+
+    No manifest, or one not marked complete, is a cache not built yet; a manifest that is there
+    but truncated or not JSON is damaged, and `why` says how.
+    """
+    try:
+        data = Location(path).read_bytes(MANIFEST)
+    except (FileNotFoundError, IsADirectoryError):
+        return MISSING, ""
+    try:
+        manifest = json.loads(data)
+    except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError
+        return DAMAGED, getattr(e, "msg", None) or str(e)
+    if not isinstance(manifest, dict):
+        return DAMAGED, "not a JSON object"
+    return (BUILT if manifest.get("complete", False) else MISSING), ""
+
+
+def check_key_fields(found: dict, expected: dict, *, where: str) -> None:
+    """Refuse a cache whose key fields differ from `expected` (the training cache's) other than in its corpus."""
+    for name in sorted((set(expected) | set(found)) - {_CORPUS_FIELD}):
+        want, have = expected.get(name), found.get(name)
+        if name in _SUPERSET_FIELDS:
+            if not set(want or []) <= set(have or []):
+                raise UserError(
+                    f"cache {where} stores {name} {have} but the run trained on {want}; "
+                    "rebuild the cache with the run's layers"
+                )
+        elif want != have:
+            raise UserError(
+                f"cache {where} does not match the run's training cache: key field {name!r} is "
+                f"{have!r}, the run trained with {want!r}; rebuild the cache to match"
+            )
+
+
+def open_cache(
+    path: str,
+    *,
+    expected_fields: dict | None,
+    source: str,
+    source_name: str,
+    source_sha256: str,
+    source_lines: int,
+    verify: bool = False,
+    in_memory: bool = False,
+) -> CacheReader:
+    """The cache at `path`, checked to hold features of the file `source` (its sha256 and line count).
+
+    source_name: what the file is, for messages ("train source").
+    expected_fields: key fields the cache must match (those of the cache the run trained on);
+    None for the training cache itself. verify: re-hash every shard first (training reads each
+    feature many times; a test set once).
+    """
+    if verify:
+        verify_cache(path)
+    reader = CacheReader(path, in_memory=in_memory)
+    fields = dict(reader.manifest["key_fields"])
+    if fields.get(_CORPUS_FIELD) != source_sha256:
+        raise UserError(
+            f"cache {path} was built from a different {source_name} (cache corpus_sha256 "
+            f"{str(fields.get(_CORPUS_FIELD))[:16]}, {source} sha256 {source_sha256[:16]}); rebuild the cache "
+            "for this corpus (prlmfuse run --only cache)"
+        )
+    if reader.num_sentences != source_lines:
+        raise UserError(
+            f"cache {path} holds {reader.num_sentences} sentences but {source} has {source_lines} lines; "
+            "rebuild the cache for this corpus"
+        )
+    if expected_fields is not None:
+        check_key_fields(fields, expected_fields, where=path)
+    return reader
+
+
+def choose_layers(layer: int | str, key_fields: dict, *, checkpoint: str, where: str) -> tuple[list[int], list[int], str]:
+    """What a run's layer choice reads from a cache with these key fields.
+
+    Returns (hidden_states indices of the token features, in the order the model reads them;
+    pooled layers it reads, empty unless Dyn[CLS]/Dyn[Aver]; layer mode: "fixed" or one of LAYER_MODES).
+    """
+    cache_layers = [int(x) for x in key_fields["layers"]]
+    pooled = [int(x) for x in key_fields["pooled_layers"]]
+    num_layers = int(key_fields["num_layers"])
+    if isinstance(layer, str):
+        if layer not in LAYER_MODES:
+            raise UserError(f"PrLM {checkpoint}: layer {layer!r} is not a layer index or one of {', '.join(LAYER_MODES)}")
+        if layer in POOLED_MODES and not pooled:
+            raise UserError(f"cache {where} has no pooled vectors, which layer {layer} needs; rebuild it")
+        return cache_layers, (pooled if layer in POOLED_MODES else []), layer
+    absolute = layer if layer >= 0 else num_layers + 1 + layer
+    if absolute not in cache_layers:
+        raise UserError(
+            f"PrLM {checkpoint}: layer {layer} (hidden_states index {absolute} of {num_layers} layers) is "
+            f"not in cache {where}, which holds layers {cache_layers}; rebuild the cache with that layer"
+        )
+    return [absolute], [], "fixed"
+
+
+def layer_rows(
+    reader: CacheReader, layers: list[int], pooled_layers: list[int], *, where: str
+) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
+    """Rows of `reader.features(i)` (and of `reader.pooled(i)`, None if no pooled layer is read) that hold
+    exactly `layers` (and `pooled_layers`), in that order: a cache may store more than the run reads."""
+    missing = [x for x in layers if x not in reader.layers]
+    if missing or not layers:
+        raise UserError(
+            f"cache {where} stores layers {list(reader.layers)} but the run was trained on {list(layers)}; "
+            "rebuild the cache with the run's layers"
+        )
+    rows = tuple(reader.layers.index(x) for x in layers)
+    if not pooled_layers:
+        return rows, None
+    if any(x not in reader.pooled_layers for x in pooled_layers):
+        raise UserError(f"cache {where} has pooled layers {list(reader.pooled_layers)}, the run needs "
+                        f"{list(pooled_layers)}; rebuild it")
+    return rows, tuple(reader.pooled_layers.index(x) for x in pooled_layers)

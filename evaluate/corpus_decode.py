@@ -1,0 +1,117 @@
+"""Decoding a whole corpus: BPE-encode the sources, beam-search them in token-budget batches, detokenize."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from prlmfuse.batching import token_budget_batches
+from prlmfuse.evaluate.decode import beam_search
+from prlmfuse.evaluate.settings import BATCH_TOKENS, DecodeSettings
+from prlmfuse.train_fused.bpe import EOS_ID, PAD_ID
+from prlmfuse.train_fused.branches import PrLMBranch
+from prlmfuse.train_fused.data import batch_features
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeOutput:
+    hyps: list[str]
+    hyp_tokens: int  # generated subword tokens, without </s>
+    seconds: float
+
+    @property
+    def sentences_per_s(self) -> float:
+        return len(self.hyps) / self.seconds if self.seconds > 0 else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.hyp_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+def encode_sources(bpe, lines: Sequence[str], max_positions: int, *, stats: dict | None = None) -> list[np.ndarray]:
+    """BPE ids of each source line, cut so that ids + </s> fit the model's positions.
+
+    Over-long lines are cut, not refused; `stats`, if given, receives how many were cut ("truncated").
+    """
+    limit = max(1, int(max_positions) - 1)
+    encoded = bpe.encode_batch(list(lines))
+    if stats is not None:
+        stats["truncated"] = sum(1 for ids in encoded if len(ids) > limit)
+        stats["limit"] = limit
+    return [np.asarray(ids[:limit], dtype=np.int64) for ids in encoded]
+
+
+def note_truncated(stats: dict, what: str) -> None:
+    if stats.get("truncated"):
+        logger.warning("%s: %d source line(s) longer than %d BPE tokens were cut", what, stats["truncated"], stats["limit"])
+
+
+def decode_corpus(
+    model,
+    bpe,
+    src_ids: list[np.ndarray],
+    branches: list[PrLMBranch],
+    settings: DecodeSettings,
+    *,
+    batch_tokens: int = BATCH_TOKENS,
+    progress: bool = False,
+    desc: str = "decode",
+) -> DecodeOutput:
+    """Beam-search every sentence in token-budget batches and return detokenized text in corpus order.
+
+    The clock covers feature reading, padding, search and detokenization: what a user waits for.
+    """
+    n = len(src_ids)
+    lengths = np.fromiter((len(s) + 1 for s in src_ids), dtype=np.int64, count=n)
+    # Longest first: the first batch shows the memory peak, later ones only get shorter.
+    order = np.argsort(-lengths, kind="stable")
+    batches = [b.tolist() for b in token_budget_batches(order, lengths, batch_tokens)]
+
+    hyps: list[str] = [""] * n
+    hyp_tokens = 0
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=n, desc=desc, unit="sent", leave=False)
+    start = time.perf_counter()
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):
+        for batch in batches:
+            width = int(lengths[batch[0]])
+            src_tokens = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
+            for row, i in enumerate(batch):
+                ids = torch.from_numpy(src_ids[i])
+                src_tokens[row, : len(ids)] = ids
+                src_tokens[row, len(ids)] = EOS_ID
+            # Same reading and padding as the trainer's batches.
+            prlm = [batch_features(b, batch) for b in branches]
+            out_ids = beam_search(
+                model,
+                src_tokens,
+                prlm,
+                beam=settings.beam,
+                lenpen=settings.lenpen,
+                max_len_a=settings.max_len_a,
+                max_len_b=settings.max_len_b,
+                min_len=settings.min_len,
+                no_repeat_ngram_size=settings.no_repeat_ngram_size,
+            )
+            for i, ids in zip(batch, out_ids):
+                ids = [int(t) for t in ids]
+                if EOS_ID in ids:
+                    ids = ids[: ids.index(EOS_ID)]
+                hyp_tokens += len(ids)
+                hyps[i] = bpe.decode(ids)
+            if bar is not None:
+                bar.update(len(batch))
+    seconds = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
+    return DecodeOutput(hyps=hyps, hyp_tokens=hyp_tokens, seconds=seconds)

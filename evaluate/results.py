@@ -1,0 +1,170 @@
+"""Evaluation results: one row per run and test set, written as results.md (the paper's tables), .csv and .json."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from prlmfuse.fileio import atomic_write_json, atomic_write_text
+
+
+@dataclass
+class RunResult:
+    """One run on one test set: the row of results.md / results.csv."""
+
+    run: str
+    test_set: str
+    run_dir: str
+    task: str
+    prlm: str
+    layer: str
+    merge: str
+    position: str
+    side: str
+    num_sentences: int
+    bleu: float
+    chrf: float
+    rouge1: float
+    rouge2: float
+    rougeL: float
+    sentences_per_s: float
+    tokens_per_s: float
+    decode_seconds: float
+    checkpoints: list[str]
+    hyp_file: str
+    reused: bool  # hypotheses came from the previous evaluation (unchanged key)
+    signature: dict
+    # Bootstrap: 95% interval of the main metric, and the comparison with the baseline.
+    main_metric: str = "bleu"
+    ci_low: float = float("nan")
+    ci_high: float = float("nan")
+    delta: dict = field(default_factory=dict)  # metric -> score minus baseline
+    p_value: dict = field(default_factory=dict)  # metric -> paired bootstrap p
+    compared_with: str | None = None  # the baseline run behind delta and p_value
+    # Training budget of the decoded run (trainer_state.json).
+    updates: int = 0
+    train_tokens: int = 0
+    train_seconds: float = float("nan")
+
+    def to_dict(self) -> dict:
+        # `reused` says how this call got the hypotheses, not what they score: it stays out of the
+        # results files so that re-running a finished evaluation rewrites nothing.
+        d = asdict(self)
+        del d["reused"]
+        return d
+
+
+@dataclass
+class EvaluationResults:
+    out: Path
+    baseline: str | None
+    rows: list[RunResult]
+    settings: dict
+
+    def row(self, run: str, test_set: str = "test") -> RunResult:
+        for r in self.rows:
+            if r.run == run and r.test_set == test_set:
+                return r
+        raise KeyError((run, test_set))
+
+    @property
+    def files(self) -> dict[str, Path]:
+        return {
+            "results.md": self.out / "results.md",
+            "results.csv": self.out / "results.csv",
+            "results.json": self.out / "results.json",
+            "scores.png": self.out / "scores.png",
+            "dev_loss.png": self.out / "dev_loss.png",
+        }
+
+
+def _fmt(x: float, digits: int = 2) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def _with_delta(row: RunResult, metric: str, baseline: str | None) -> str:
+    score = _fmt(getattr(row, metric))
+    if row.run == baseline:
+        return f"{score} (-)"
+    if metric in row.delta:
+        versus = f" vs {row.compared_with}" if row.compared_with not in (None, baseline) else ""
+        return f"{score} ({row.delta[metric]:+.2f}, p={row.p_value[metric]:.3f}{versus})"
+    return score
+
+
+def results_markdown(results: EvaluationResults) -> str:
+    """Tables in the style of the paper's Tables 1-5, one per test set, plus metric signatures."""
+    lines = ["# prlmfuse evaluation", ""]
+    s = results.settings
+    lines.append(
+        f"beam {s['beam']}, length penalty {s['lenpen']}, average of the last {s['average_last']} checkpoints "
+        f"(0 = best), paired bootstrap {s['bootstrap_samples']} samples (seed {s['seed']}); "
+        f"baseline: {results.baseline or 'none'}. Δ and p are against the baseline (two-sided paired bootstrap), "
+        f"or against the baseline run of the same seed where it names one."
+    )
+    for split in dict.fromkeys(r.test_set for r in results.rows):
+        rows = [r for r in results.rows if r.test_set == split]
+        summarization = any(r.task == "summarization" for r in rows)
+        lines += ["", f"## {split} ({rows[0].num_sentences} sentences)", ""]
+        header = ["run", "PrLM", "layer", "merge", "position", "side", "BLEU (Δ, p)", "chrF"]
+        if summarization:
+            header += ["R-1", "R-2", "R-L (Δ, p)"]
+        header += ["sentences/s", "tokens/s", "95% CI", "updates", "train tokens", "train min"]
+        lines.append("| " + " | ".join(header) + " |")
+        lines.append("|" + "|".join("---" for _ in header) + "|")
+        for r in rows:
+            cells = [r.run, r.prlm, r.layer, r.merge, r.position, r.side, _with_delta(r, "bleu", results.baseline), _fmt(r.chrf)]
+            if summarization:
+                cells += [_fmt(r.rouge1), _fmt(r.rouge2), _with_delta(r, "rougeL", results.baseline)]
+            ci = f"{r.main_metric} [{_fmt(r.ci_low)}, {_fmt(r.ci_high)}]"
+            cells += [_fmt(r.sentences_per_s, 1), _fmt(r.tokens_per_s, 0), ci, str(r.updates),
+                      f"{r.train_tokens / 1e6:.2f}M", _fmt(r.train_seconds / 60, 1)]
+            lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+        signatures = dict.fromkeys(f"{k}: {v}" for r in rows for k, v in sorted(r.signature.items()))
+        lines += ["", "Signatures:", ""] + [f"- `{sig}`" for sig in signatures]
+    return "\n".join(lines) + "\n"
+
+
+_CSV_COLUMNS = [
+    "test_set", "run", "prlm", "layer", "merge", "position", "side", "num_sentences", "bleu", "bleu_delta",
+    "bleu_p", "chrf", "rouge1", "rouge2", "rougeL", "rougeL_delta", "rougeL_p", "compared_with", "main_metric", "ci_low",
+    "ci_high", "sentences_per_s", "tokens_per_s", "decode_seconds", "updates", "train_tokens", "train_seconds", "checkpoints", "hyp_file", "run_dir",
+]
+
+
+def results_csv(results: EvaluationResults) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=_CSV_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    for r in results.rows:
+        d = r.to_dict()
+        row = {k: d.get(k) for k in _CSV_COLUMNS}
+        for metric in ("bleu", "rougeL"):
+            row[f"{metric}_delta"] = r.delta.get(metric, "")
+            row[f"{metric}_p"] = r.p_value.get(metric, "")
+        row["checkpoints"] = " ".join(r.checkpoints)
+        writer.writerow(row)
+    return buf.getvalue()
+
+
+def _json_safe(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def write_results(results: EvaluationResults) -> None:
+    out = results.out
+    atomic_write_text(out / "results.md", results_markdown(results))
+    atomic_write_text(out / "results.csv", results_csv(results))
+    atomic_write_json(
+        out / "results.json",
+        _json_safe({"baseline": results.baseline, "settings": results.settings, "rows": [r.to_dict() for r in results.rows]}),
+    )

@@ -1,0 +1,160 @@
+"""A trained run as evaluation sees it: run.json, its corpus, its checkpoints, its weights and its PrLM branches.
+
+File names and run.json's schema belong to train_fused.run_dir; this module reads through it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from prlmfuse.corpora import Corpus, load_corpus
+from prlmfuse.errors import UserError
+from prlmfuse.train_fused import run_dir as rundir
+from prlmfuse.train_fused.branches import PrLMBranch, open_branch
+from prlmfuse.train_fused.config import RunConfig
+
+
+@dataclass(frozen=True)
+class RunView:
+    """The parts of a run directory evaluation needs: run.json, its corpus, its checkpoints."""
+
+    run_dir: Path
+    name: str
+    record: dict  # run.json as the trainer wrote it
+    corpus: Corpus
+    checkpoints: tuple[Path, ...]  # complete checkpoints/update-*.safetensors, oldest first
+
+    @property
+    def task(self) -> str:
+        return self.corpus.task
+
+    @property
+    def tgt_lang(self) -> str:
+        return self.corpus.tgt_lang
+
+    @property
+    def prlms(self) -> list[dict]:
+        return list(self.record.get("prlms") or [])
+
+    @property
+    def model_config(self) -> dict:
+        return dict(self.record.get("model") or {})
+
+    def budget(self) -> dict:
+        """What training cost: updates, target tokens seen and wall seconds (the trainer state)."""
+        try:
+            state = rundir.latest_trainer_state(self.run_dir) or {}
+        except UserError:
+            state = {}
+        return {
+            "updates": int(state.get("update", 0)),
+            "train_tokens": int(state.get("tokens_seen", 0)),
+            "train_seconds": float(state.get("wall_time", float("nan"))),
+        }
+
+    def describe(self) -> dict:
+        """The columns of the paper's tables: PrLM, layer, merge, position, side."""
+        if not self.prlms:
+            return {"prlm": "-", "layer": "-", "merge": "-", "position": "-", "side": "-"}
+        model = self.model_config
+        # A local checkpoint directory is shown by its folder name; aliases and hub ids as written.
+        names = [_short_checkpoint(str(p["checkpoint"])) for p in self.prlms]
+        layers = [str(p["layer"]) for p in self.prlms]
+        return {
+            "prlm": " + ".join(names),
+            "layer": " + ".join(layers),
+            "merge": str(model.get("merge", "?")),
+            "position": str(model.get("position", "?")),
+            "side": str(model.get("side", "?")),
+        }
+
+    def open_branches(self, paths: Sequence[str], *, source: str, source_name: str, source_sha256: str,
+                      source_lines: int, in_memory: bool = True) -> list[PrLMBranch]:
+        """One PrLMBranch per PrLM of the run, over the caches at `paths` (one each, in order), each checked
+        against the run's training cache and against `source`, the text it must encode."""
+        uses = RunConfig.from_dict(self.record.get("train") or {"name": self.name}).prlms
+        if len(uses) != len(self.prlms) or len(paths) != len(self.prlms):
+            raise UserError(f"{self.run_dir / rundir.RUN_JSON} lists {len(self.prlms)} PrLM records for "
+                            f"{len(uses)} configured PrLMs; the file is inconsistent")
+        # Test sets are small and read once: one bulk read per cache (in_memory) rather than a read
+        # per sentence from zarr/HDF5, which would count against the fused model's sentences/s.
+        return [open_branch(use, str(path), trained=record, source=source, source_name=source_name,
+                            source_sha256=source_sha256, source_lines=source_lines, in_memory=in_memory)
+                for use, record, path in zip(uses, self.prlms, paths)]
+
+    def test_cache_paths(self, split: str) -> list[str]:
+        """The cache of `split` that run.json records for each PrLM branch."""
+        paths = []
+        for prlm in self.prlms:
+            entry = (prlm.get("caches") or {}).get(split) or {}
+            if not entry.get("path"):
+                raise UserError(
+                    f"run {self.name} records no {split!r} cache for PrLM {prlm.get('checkpoint', '?')}; build it "
+                    "(prlmfuse run --only cache) and retrain or pass a run whose run.json lists it"
+                )
+            paths.append(str(entry["path"]))
+        return paths
+
+
+def _short_checkpoint(name: str) -> str:
+    if os.path.isabs(name) or name.startswith((".", "~")):
+        return Path(name).name or name
+    return name
+
+
+def open_run(run_dir: str | os.PathLike) -> RunView:
+    """Read run.json and the corpus it trained on; refuse a directory that has nothing to decode with."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"run directory not found: {run_dir}; pass a directory written by `prlmfuse train`")
+    checkpoints = tuple(rundir.list_checkpoints(run_dir))
+    if not checkpoints and not (run_dir / rundir.BEST).is_file():
+        raise UserError(
+            f"run directory {run_dir} has no checkpoints (no complete {rundir.CHECKPOINT_DIR}/update-*.safetensors, "
+            f"no {rundir.BEST}); train it first (prlmfuse train, or prlmfuse run --only train)"
+        )
+    record = rundir.read_run_info(run_dir)
+    corpus = load_corpus(record["corpus"]["root"])
+    return RunView(run_dir, str(record.get("name") or run_dir.name), record, corpus, checkpoints)
+
+
+def select_weights(run: RunView, average_last: int) -> list[Path]:
+    """The weight files a decode uses: the newest `average_last` complete checkpoints (fewer if
+    fewer exist), or best.safetensors for average_last=0 (and when no checkpoint is complete)."""
+    if average_last < 0:
+        raise UserError(f"average_last must be >= 0 (0 = best checkpoint), got {average_last}")
+    best = run.run_dir / rundir.BEST
+    if average_last == 0 or not run.checkpoints:
+        if not best.is_file():
+            raise UserError(f"{best} not found; train the run first or choose average_last >= 1")
+        return [best]
+    return list(run.checkpoints[-average_last:])
+
+
+def load_model(run: RunView, weights: Sequence[Path]):
+    """(model in eval mode, BPE) with exactly the weights `select_weights` chose.
+
+    Several checkpoints go through the run's average (kept as run_dir/average-last{K}.safetensors
+    and rewritten only when the set changes).
+    """
+    if len(weights) == 1 and Path(weights[0]).name == rundir.BEST:
+        model, bpe, _ = rundir.load_run(run.run_dir, "best")
+    elif len(weights) == 1:
+        model, bpe, info = rundir.load_run(run.run_dir, "last")
+        if Path(info["weights"]).resolve() != Path(weights[0]).resolve():
+            rundir.load_weights(model, weights[0])
+    else:
+        model, bpe, _ = rundir.load_run(run.run_dir, "average", last=len(weights))
+    return model.eval(), bpe
+
+
+def weights_fingerprint(paths: Sequence[Path]) -> list[list]:
+    """Identity of a checkpoint set without hashing gigabytes: name, size, mtime (ns)."""
+    out = []
+    for p in paths:
+        st = p.stat()
+        out.append([p.name, st.st_size, st.st_mtime_ns])
+    return out

@@ -1,0 +1,393 @@
+"""The run directory: the one place that knows its file names, run.json's schema and how to read it.
+
+    run.json                                  what the run is (model, recipe, corpus, PrLM branches)
+    bpe.json                                  the run's joint BPE
+    metrics.jsonl                             one JSON record per log line (train) or evaluation (dev)
+    checkpoints/update-00000500.safetensors   model weights
+    checkpoints/optimizer-00000500.safetensors   Adam state, one tensor per (parameter, state key)
+    checkpoints/update-00000500.json          trainer state of that checkpoint (written last of the three)
+    trainer_state.json                        names the newest complete checkpoint; written after it
+    best.safetensors                          weights with the lowest dev loss so far
+    average-last{K}.safetensors               average of the newest K checkpoints (evaluation)
+
+The trainer writes these (train_fused.checkpointing for the checkpoint files); the evaluator and
+the pipeline only read them, through the functions here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, load_model, save_file
+
+import prlmfuse
+from prlmfuse.errors import UserError
+from prlmfuse.fileio import atomic_path, atomic_write_json, atomic_write_text, pid_lock, read_json
+from prlmfuse.train_fused.bpe import BPE
+from prlmfuse.train_fused.modeling import FusedTransformer, ModelConfig
+
+RUN_JSON = "run.json"
+BPE_JSON = "bpe.json"
+METRICS = "metrics.jsonl"
+CHECKPOINT_DIR = "checkpoints"
+TRAINER_STATE = "trainer_state.json"
+BEST = "best.safetensors"
+LOCK = ".lock"
+TRAIN_LOG = "train.log"  # a training child's output under `prlmfuse train --jobs N`
+TENSORBOARD_DIR = "tensorboard"
+WEIGHTS_CHOICES = ("best", "last", "average")
+
+_WEIGHTS_RE = re.compile(r"^update-(\d{8})\.safetensors$")
+_CHECKPOINT_FILE_RE = re.compile(r"^(?:update|optimizer)-(\d{8})\.(?:safetensors|json)$")
+# What a trainer state may name: files of this run's checkpoints/ folder, nothing else.
+_NAMED_FILE_RE = {
+    "checkpoint": re.compile(rf"^{CHECKPOINT_DIR}/update-\d{{8}}\.safetensors$"),
+    "optimizer": re.compile(rf"^{CHECKPOINT_DIR}/optimizer-\d{{8}}\.safetensors$"),
+}
+# atomic_path's temp names (".<final name>.<random>.tmp") of the files training writes: what a kill -9
+# mid-save leaves behind. (average-last*.safetensors temps are not among them: evaluate may be
+# writing one right now, without the training lock.)
+_STALE_TEMP_RE = re.compile(r"^\.(update-\d{8}\.(safetensors|json)|optimizer-\d{8}\.safetensors|"
+                            r"trainer_state\.json|best\.safetensors|run\.json|bpe\.json|metrics\.jsonl)\..+\.tmp$")
+# RunConfig fields that only steer when to stop, how often to log, or how to feed data: a resumed
+# run may change them. Every other field defines the run and must match the run directory.
+RESUMABLE_FIELDS = frozenset({
+    "max_updates", "max_epochs", "patience", "save_every", "keep_last", "log_every",
+    "tensorboard", "num_workers", "in_memory_features",
+})
+
+
+# ------------------------------------------------------------------------------------ file names
+
+
+def weights_path(run_dir: str | os.PathLike, update: int) -> Path:
+    return Path(run_dir) / CHECKPOINT_DIR / f"update-{update:08d}.safetensors"
+
+
+def optimizer_path(run_dir: str | os.PathLike, update: int) -> Path:
+    return Path(run_dir) / CHECKPOINT_DIR / f"optimizer-{update:08d}.safetensors"
+
+
+def state_path(run_dir: str | os.PathLike, update: int) -> Path:
+    return Path(run_dir) / CHECKPOINT_DIR / f"update-{update:08d}.json"
+
+
+def relative_name(path: Path) -> str:
+    """How a trainer state names a checkpoint file: relative to the run directory."""
+    return f"{CHECKPOINT_DIR}/{path.name}"
+
+
+def checkpoint_file_update(name: str) -> int | None:
+    """The update count in the name of a checkpoints/ file (weights, optimizer or state), else None."""
+    m = _CHECKPOINT_FILE_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+# ------------------------------------------------------------------------------------ run.json
+
+
+def run_info(run, corpus, model_config: dict, prlms: list[dict], extra: dict) -> dict:
+    """run.json's content. `prlms`: one record per branch (train_fused.branches.PrLMBranch.record
+    plus its "caches": {split: {"path", "key"}})."""
+    return {
+        "name": run.name,
+        "prlmfuse_version": prlmfuse.__version__,
+        "model": model_config,
+        "train": run.to_dict(),
+        "corpus": {
+            "root": str(Path(corpus.root).resolve()),
+            "name": corpus.name,
+            "task": corpus.task,
+            "src_lang": corpus.src_lang,
+            "tgt_lang": corpus.tgt_lang,
+            "sha256": {
+                split: {"src": entry["src"]["sha256"], "tgt": entry["tgt"]["sha256"]} for split, entry in corpus.splits.items()
+            },
+        },
+        "prlms": prlms,
+        "bpe": BPE_JSON,
+        **extra,
+    }
+
+
+def write_run_info(run_dir: str | os.PathLike, info: dict) -> None:
+    atomic_write_json(Path(run_dir) / RUN_JSON, info)
+
+
+def read_run_info(run_dir: str | os.PathLike) -> dict:
+    """run.json, checked to have the sections every reader uses (model, train, corpus with its root, prlms)."""
+    path = Path(run_dir) / RUN_JSON
+    info = read_json(path, what="run description")
+    if not isinstance(info.get("model"), dict) or not isinstance(info.get("corpus"), dict):
+        raise UserError(f"{path} lacks its model or corpus section; it was not written by prlmfuse train")
+    if not info["corpus"].get("root"):
+        raise UserError(f"{path} records no corpus root; it was not written by prlmfuse train")
+    return info
+
+
+def check_same_run(run_dir: Path, before: dict, now: dict) -> None:
+    """Refuse to resume a run directory with a configuration that defines a different run."""
+    a, b = _defining(before), _defining(now)
+    if a != b:
+        raise UserError(
+            f"{run_dir} was trained with a different configuration ({_first_difference(a, b)}); "
+            "use a new output directory or resume=False after removing it"
+        )
+
+
+def _defining(info: dict) -> dict:
+    """The parts of run.json that must not change when a run is resumed."""
+    train = {k: v for k, v in info["train"].items() if k not in RESUMABLE_FIELDS}
+    prlms = [{k: v for k, v in p.items() if k != "caches"}
+             | {"keys": {s: c["key"] for s, c in p["caches"].items() if s != "test"}} for p in info["prlms"]]
+    return {"model": info["model"], "train": train, "corpus": info["corpus"]["sha256"], "prlms": prlms}
+
+
+def _first_difference(a, b, prefix: str = "") -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if a.get(k) != b.get(k):
+                return _first_difference(a.get(k), b.get(k), f"{prefix}{k}.")
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return _first_difference(x, y, f"{prefix}{i}.")
+    return f"{prefix.rstrip('.')} ({a!r} in the run directory, {b!r} now)"
+
+
+# ------------------------------------------------------------------------------------ trainer state
+
+
+def complete_checkpoints(run_dir: str | os.PathLike) -> list[int]:
+    """Update counts of checkpoints whose weights, optimizer state and JSON all exist, ascending."""
+    directory = Path(run_dir) / CHECKPOINT_DIR
+    if not directory.is_dir():
+        return []
+    updates = []
+    for entry in directory.iterdir():
+        m = _WEIGHTS_RE.match(entry.name)
+        if m:
+            u = int(m.group(1))
+            if state_path(run_dir, u).is_file() and optimizer_path(run_dir, u).is_file():
+                updates.append(u)
+    return sorted(updates)
+
+
+def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
+    """Weight files of the complete checkpoints of a run, oldest first."""
+    return [weights_path(run_dir, u) for u in complete_checkpoints(run_dir)]
+
+
+def latest_trainer_state(run_dir: str | os.PathLike) -> dict | None:
+    """The trainer state to resume from, or None for a fresh run.
+
+    trainer_state.json is authoritative. If it is missing (a kill between the first checkpoint's
+    files and its first write), the newest complete checkpoint's own JSON is used instead.
+    """
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return None
+    path = run_dir / TRAINER_STATE
+    if path.is_file():
+        state = _checked_state(read_json(path, "trainer state"), path)
+        if not (run_dir / state.get("checkpoint", "")).is_file():
+            raise UserError(
+                f"{path} names {state.get('checkpoint')!r}, which is missing; "
+                "restore it or start the run afresh in a new directory"
+            )
+        return state
+    updates = complete_checkpoints(run_dir)
+    if not updates:
+        return None
+    newest = state_path(run_dir, updates[-1])
+    return _checked_state(read_json(newest, "checkpoint state"), newest)
+
+
+def _checked_state(state: dict, path: Path) -> dict:
+    """File names read from a trainer state must stay inside the run's checkpoints/ folder."""
+    if not isinstance(state, dict) or not isinstance(state.get("update"), int):
+        raise UserError(f"{path} is not a trainer state written by prlmfuse (no integer 'update'); "
+                        "restore it or start the run afresh in a new directory")
+    for key, pattern in _NAMED_FILE_RE.items():
+        name = state.get(key)
+        if not isinstance(name, str) or not pattern.match(name):
+            raise UserError(f"{path}: {key} {name!r} is not a file of this run's {CHECKPOINT_DIR}/ folder; "
+                            "the trainer state is corrupt, restore it or start the run afresh in a new directory")
+    return state
+
+
+def training_progress(run, state: dict | None) -> tuple[str, int]:
+    """What training `run` still has to do: ("new" | "resume at update N" | "done at update N", updates done)."""
+    if state is None:
+        return "new", 0
+    update = int(state.get("update", 0))
+    if (run.max_updates is not None and update >= run.max_updates) or (
+        run.max_epochs is not None and int(state.get("epoch", 0)) >= run.max_epochs
+    ) or (run.patience is not None and int(state.get("bad_evals", 0)) >= run.patience):
+        return f"done at update {update}", update
+    return f"resume at update {update}", update
+
+
+@contextlib.contextmanager
+def training_lock(run_dir: Path) -> Iterator[None]:
+    """One training process per run directory: a second one would interleave checkpoints."""
+
+    def refuse(pid: str) -> None:
+        raise UserError(
+            f"{run_dir} is being trained by another process (pid {pid}); wait for it to finish "
+            "(a rerun then resumes or finds the run done) or choose another directory"
+        )
+
+    with pid_lock(Path(run_dir) / LOCK, when_held=refuse):
+        yield
+
+
+def remove_stale_temps(run_dir: str | os.PathLike) -> list[str]:
+    """Delete temp files a killed save left beside the run's files; returns their names.
+
+    Only for the process that owns the run directory (it holds `training_lock`): another
+    writer's temp file would otherwise vanish under it.
+    """
+    run_dir = Path(run_dir)
+    removed = []
+    for directory in (run_dir, run_dir / CHECKPOINT_DIR):
+        if directory.is_dir():
+            for entry in directory.iterdir():
+                if _STALE_TEMP_RE.match(entry.name) and entry.is_file():
+                    entry.unlink(missing_ok=True)
+                    removed.append(entry.name)
+    return removed
+
+
+# ------------------------------------------------------------------------------------ metrics.jsonl
+
+
+def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
+    """The records of a run's metrics.jsonl; a line cut short by a crash mid-write is skipped."""
+    path = Path(run_dir) / METRICS
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("update"), int):
+            records.append(record)
+    return records
+
+
+def read_dev_curve(run_dir: str | os.PathLike) -> list[tuple[int, float]]:
+    """(update, dev loss) of every dev evaluation in a run's metrics.jsonl."""
+    points = {r["update"]: float(r["dev_loss"]) for r in read_metrics(run_dir) if isinstance(r.get("dev_loss"), (int, float))}
+    return sorted(points.items())
+
+
+def truncate_metrics(run_dir: str | os.PathLike, update: int) -> None:
+    """Drop metric records past the checkpoint being resumed from (and a line cut by a kill)."""
+    path = Path(run_dir) / METRICS
+    if path.is_file():
+        kept = [r for r in read_metrics(run_dir) if r["update"] <= update]
+        atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
+
+
+# ------------------------------------------------------------------------------------ weights
+
+
+def load_weights(model: torch.nn.Module, path: str | os.PathLike) -> None:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"weights not found: {path}; train the run first or pick another checkpoint")
+    try:
+        missing, unexpected = load_model(model, str(path), strict=False)
+    except SafetensorError as e:
+        raise UserError(f"weights file {path} is corrupt ({e}); delete it and use another checkpoint") from None
+    if missing or unexpected:
+        raise UserError(
+            f"weights {path} do not fit this model (missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}); "
+            "it belongs to a different run configuration"
+        )
+
+
+def average_checkpoints(run_dir: str | os.PathLike, last: int = 5, out: str | os.PathLike | None = None) -> Path:
+    """Average the weights of the newest `last` saved checkpoints into one safetensors file.
+
+    Default output: run_dir/average-last{K}.safetensors. Its metadata lists the averaged
+    checkpoints, and an existing file over the same checkpoints is reused as is.
+    """
+    run_dir = Path(run_dir)
+    if last < 1:
+        raise UserError(f"average_checkpoints: last={last}; average at least 1 checkpoint")
+    updates = complete_checkpoints(run_dir)
+    if not updates:
+        raise UserError(f"no complete checkpoints under {run_dir / CHECKPOINT_DIR}; train the run first")
+    chosen = updates[-last:]
+    out = Path(out) if out is not None else run_dir / f"average-last{last}.safetensors"
+    sources = json.dumps([weights_path(run_dir, u).name for u in chosen])
+    if out.is_file():
+        try:
+            with safe_open(str(out), framework="pt") as f:
+                if (f.metadata() or {}).get("averaged") == sources:
+                    return out
+        except SafetensorError:
+            pass  # corrupt: rebuild below
+    total: dict[str, torch.Tensor] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    for u in chosen:
+        try:
+            tensors = load_file(str(weights_path(run_dir, u)))
+        except SafetensorError as e:
+            raise UserError(f"weights file {weights_path(run_dir, u)} is corrupt ({e}); delete that checkpoint "
+                            "(its update-*.safetensors, optimizer-*.safetensors and .json) and average again") from None
+        if total and set(tensors) != set(total):
+            raise UserError(
+                f"checkpoint {weights_path(run_dir, u)} has different tensors from the others; "
+                "the run directory mixes two configurations"
+            )
+        for name, t in tensors.items():
+            dtypes.setdefault(name, t.dtype)
+            if name in total:
+                total[name] += t.to(torch.float64)
+            else:
+                total[name] = t.to(torch.float64)
+    averaged = {name: (t / len(chosen)).to(dtypes[name]).contiguous() for name, t in total.items()}
+    with atomic_path(out) as tmp:
+        save_file(averaged, str(tmp), metadata={"averaged": sources, "update": str(chosen[-1])})
+    return out
+
+
+def load_run(
+    run_dir: str | os.PathLike, weights: str = "average", *, last: int = 5
+) -> tuple[FusedTransformer, BPE, dict]:
+    """(model in eval mode with the chosen weights, the run's BPE, run.json + "weights" path).
+
+    weights: "best" (lowest dev loss), "last" (newest checkpoint) or "average" (of the last `last`).
+    """
+    run_dir = Path(run_dir)
+    if weights not in WEIGHTS_CHOICES:
+        raise UserError(f"weights={weights!r}: choose best, last or average")
+    info = read_json(run_dir / RUN_JSON, "run.json")
+    bpe = BPE.load(run_dir / BPE_JSON)
+    model = FusedTransformer(ModelConfig.from_dict(info["model"]))
+    if weights == "best":
+        path = run_dir / BEST
+    elif weights == "last":
+        state = latest_trainer_state(run_dir)
+        if state is None:
+            raise UserError(f"{run_dir} has no checkpoint yet; train the run first")
+        path = run_dir / state["checkpoint"]
+    else:
+        path = average_checkpoints(run_dir, last=last)
+    load_weights(model, path)
+    model.eval()
+    info = dict(info)
+    info["weights"] = str(path)
+    return model, bpe, info

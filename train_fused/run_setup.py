@@ -1,0 +1,184 @@
+"""Stage two's entry point: train_run() checks a run against its caches and directory, then trains it.
+
+It opens every PrLM branch's caches (train_fused.branches), trains the joint BPE, builds the
+model, writes run.json (train_fused.run_dir) and hands over to the Trainer loop. No PrLM is ever
+loaded here: features come from the caches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from prlmfuse.distributed import DistContext, barrier, broadcast_parameters, init_distributed
+from prlmfuse.errors import UserError
+from prlmfuse.fileio import read_lines
+from prlmfuse.train_fused import run_dir as rundir
+from prlmfuse.train_fused.bpe import BPE, train_bpe
+from prlmfuse.train_fused.branches import PrLMBranch, open_branch
+from prlmfuse.train_fused.config import RunConfig
+from prlmfuse.train_fused.data import PairDataset
+from prlmfuse.train_fused.modeling import FusedTransformer, ModelConfig, PrLMSpec
+from prlmfuse.train_fused.trainer import Trainer
+
+logger = logging.getLogger(__name__)
+
+# The splits whose caches a training run checks and records; test is optional (evaluation reads it).
+TRAIN_SPLITS = ("train", "dev", "test")
+
+
+def build_model_config(run: RunConfig, vocab_size: int, specs: list[PrLMSpec]) -> ModelConfig:
+    """The run's preset resolved to sizes, with its explicit overrides and the BPE vocabulary."""
+    return ModelConfig.from_preset(
+        run.preset,
+        vocab_size=vocab_size,
+        d_model=run.d_model,
+        enc_layers=run.enc_layers,
+        dec_layers=run.dec_layers,
+        heads=run.heads,
+        ffn=run.ffn,
+        dropout=run.dropout,
+        pre_ln=run.pre_ln,
+        prlms=list(specs),
+        merge=run.merge,
+        position=run.position,
+        side=run.side,
+    )
+
+
+def _check_run(run: RunConfig, caches: list[dict[str, str]]) -> None:
+    if run.max_updates is None and run.max_epochs is None:
+        raise UserError(f"run {run.name}: set max_updates or max_epochs, or training never stops")
+    if len(caches) != len(run.prlms):
+        raise UserError(
+            f"run {run.name} fuses {len(run.prlms)} PrLM(s) but {len(caches)} cache set(s) were given; "
+            "pass one {split: cache path} mapping per entry of the run's prlms, in their order"
+        )
+    for use, paths in zip(run.prlms, caches):
+        missing = [split for split in ("train", "dev") if not paths.get(split)]
+        if missing:
+            raise UserError(f"run {run.name}: no {' or '.join(missing)} cache given for PrLM {use.checkpoint}")
+    if run.max_tokens < 16:
+        raise UserError(f"run {run.name}: max_tokens={run.max_tokens} is too small; use a few thousand (3500)")
+
+
+def open_run_branches(run: RunConfig, corpus, caches: list[dict[str, str]]) -> dict[str, list[PrLMBranch]]:
+    """Split -> one PrLMBranch per PrLM of the run. The train cache decides the layers read and the key
+    fields the other splits' caches must match; every cache is re-hashed before training reads it."""
+    by_split: dict[str, list[PrLMBranch]] = {split: [] for split in TRAIN_SPLITS}
+    for use, paths in zip(run.prlms, caches):
+        trained = None
+        for split in TRAIN_SPLITS:
+            if not paths.get(split):
+                continue
+            branch = open_branch(
+                use, str(paths[split]), trained=trained, source=str(corpus.src_path(split)),
+                source_name=f"{split} source", source_sha256=corpus.src_sha256(split), source_lines=int(corpus.splits[split]["src"]["lines"]),
+                verify=True, in_memory=run.in_memory_features and split != "test",
+            )
+            trained = branch.record
+            by_split[split].append(branch)
+    return by_split
+
+
+def _branch_records(branches: dict[str, list[PrLMBranch]]) -> list[dict]:
+    """run.json's prlms: each branch's record plus the path and key of every split's cache."""
+    records = []
+    for i, train in enumerate(branches["train"]):
+        caches = {split: {"path": b[i].reader.path, "key": b[i].reader.key} for split, b in branches.items() if len(b) > i}
+        records.append({**train.record, "caches": caches})
+    return records
+
+
+def _encode_split(bpe: BPE, corpus, split: str, limit: int | None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    src = read_lines(corpus.src_path(split))
+    tgt = read_lines(corpus.tgt_path(split))
+    if limit is not None:
+        src, tgt = src[:limit], tgt[:limit]
+    return (
+        [np.asarray(ids, dtype=np.int32) for ids in bpe.encode_batch(src)],
+        [np.asarray(ids, dtype=np.int32) for ids in bpe.encode_batch(tgt)],
+    )
+
+
+def train_run(
+    run: RunConfig,
+    corpus,
+    caches: list[dict[str, str]],
+    out_dir: str | os.PathLike,
+    *,
+    resume: bool = True,
+    progress: bool = True,
+) -> Path:
+    """Train one run into `out_dir` (the run directory); resume=True continues a run already there.
+
+    caches: for each entry of run.prlms, in order, {split: cache directory or fsspec URL} for
+    "train" and "dev" (and "test", recorded in run.json for evaluation).
+    """
+    run_dir = Path(out_dir)
+    _check_run(run, caches)
+    ctx = init_distributed()
+    branches = open_run_branches(run, corpus, caches)
+    with contextlib.ExitStack() as stack:
+        if ctx.is_main:
+            stack.enter_context(rundir.training_lock(run_dir))
+            # Safe only under the lock: a killed save's temp file is nobody's now.
+            rundir.remove_stale_temps(run_dir)
+        return _train_locked(run, corpus, branches, run_dir, ctx, resume=resume, progress=progress)
+
+
+def _train_locked(run: RunConfig, corpus, branches: dict[str, list[PrLMBranch]], run_dir: Path, ctx: DistContext, *,
+                  resume: bool, progress: bool) -> Path:
+    existing = rundir.latest_trainer_state(run_dir)
+    if existing is not None and not resume:
+        raise UserError(
+            f"{run_dir} already holds a trained run (update {existing['update']}); resume it or choose a new directory"
+        )
+
+    bpe_path = run_dir / rundir.BPE_JSON
+    if ctx.is_main and (existing is None or not bpe_path.is_file()):
+        if existing is not None:
+            raise UserError(f"{bpe_path} is missing from a run with checkpoints; restore it or start in a new directory")
+        src = read_lines(corpus.src_path("train"))
+        tgt = read_lines(corpus.tgt_path("train"))
+        if run.max_train_pairs is not None:
+            src, tgt = src[: run.max_train_pairs], tgt[: run.max_train_pairs]
+        train_bpe(src + tgt, run.bpe_vocab).save(bpe_path)
+    barrier(ctx)
+    bpe = BPE.load(bpe_path)
+
+    torch.manual_seed(run.seed)
+    model_config = build_model_config(run, bpe.vocab_size, [b.spec for b in branches["train"]])
+    model = FusedTransformer(model_config)
+    broadcast_parameters(ctx, model)
+
+    train_src, train_tgt = _encode_split(bpe, corpus, "train", run.max_train_pairs)
+    dev_src, dev_tgt = _encode_split(bpe, corpus, "dev", None)
+    train_set = PairDataset(train_src, train_tgt, branches["train"])
+    dev_set = PairDataset(dev_src, dev_tgt, branches["dev"])
+    trainer = Trainer(run, run_dir, model, train_set, dev_set, ctx, progress=progress)
+
+    info = rundir.run_info(run, corpus, dataclasses.asdict(model_config), _branch_records(branches), {
+        "bf16": trainer.use_bf16,
+        "world_size": ctx.world_size,
+        "train_pairs": len(train_set),
+        "train_pairs_used": int(sum(len(b) for b in trainer.train_sampler.batches)),
+    })
+    if existing is not None and (run_dir / rundir.RUN_JSON).is_file():
+        rundir.check_same_run(run_dir, rundir.read_run_info(run_dir), info)
+    if ctx.is_main:
+        rundir.write_run_info(run_dir, info)
+
+    if existing is not None:
+        trainer.restore(existing)
+    if ctx.is_main:
+        rundir.truncate_metrics(run_dir, int(existing["update"]) if existing is not None else 0)
+    barrier(ctx)
+    trainer.fit()
+    return run_dir
