@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,11 +30,7 @@ from prlmfuse.cache_features.extract import (
 )
 from prlmfuse.errors import UserError
 
-_support_spec = importlib.util.spec_from_file_location(
-    "test_cache_support", Path(__file__).with_name("test_cache_support.py")
-)
-support = importlib.util.module_from_spec(_support_spec)
-_support_spec.loader.exec_module(support)
+from helpers import tiny_prlms
 
 torch.set_num_threads(1)
 
@@ -45,12 +39,12 @@ torch.set_num_threads(1)
 def tiny(tmp_path_factory):
     """family -> directory of a saved tiny random-weight checkpoint (built once per module)."""
     root = tmp_path_factory.mktemp("tiny")
-    return {family: support.build_tiny(family, root / family) for family in support.FAMILIES}
+    return {family: tiny_prlms.build_tiny(family, root / family) for family in tiny_prlms.FAMILIES}
 
 
 @pytest.fixture
 def corpus(tmp_path):
-    return support.write_corpus(tmp_path / "train.src", support.SENTENCES * 3)
+    return tiny_prlms.write_corpus(tmp_path / "train.src", tiny_prlms.SENTENCES * 3)
 
 
 def _load(path):
@@ -118,12 +112,12 @@ def test_empty_lines_and_causal_without_bos(tiny):
 # ----------------------------------------------------------------------------- model semantics
 
 
-@pytest.mark.parametrize("family", support.FAMILIES)
+@pytest.mark.parametrize("family", tiny_prlms.FAMILIES)
 def test_truncated_view_equals_full_forward_hidden_states(tiny, family):
     """Every layer k computed by the sliced view equals HF's hidden_states[k] (final norm only on the last)."""
     model, tokenizer = _load(tiny[family])
     num_layers = model.config.num_hidden_layers
-    encoded = encode_corpus(tokenizer, support.SENTENCES, max_length=48)
+    encoded = encode_corpus(tokenizer, tiny_prlms.SENTENCES, max_length=48)
     ids, mask = collate(encoded, np.arange(encoded.num_sentences), pad_token_id(tokenizer))
     with torch.inference_mode():
         full = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
@@ -151,7 +145,7 @@ def test_features_do_not_depend_on_batch_composition(tiny, corpus, tmp_path):
     assert len(small.manifest["shards"]) >= 1
     a, b = CacheReader(small.path), CacheReader(large.path)
     assert a.key == b.key  # the budget is not part of what is cached
-    reference = _reference(tiny["bert"], support.SENTENCES * 3, 2, max_length=64)
+    reference = _reference(tiny["bert"], tiny_prlms.SENTENCES * 3, 2, max_length=64)
     for i in range(len(a)):
         torch.testing.assert_close(a.features(i), b.features(i), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(a.pooled(i), b.pooled(i), rtol=1e-5, atol=1e-5)
@@ -174,7 +168,7 @@ def test_roundtrip_every_backend_and_dtype(tiny, corpus, tmp_path, backend, dtyp
     verify_cache(out)
     reader = CacheReader(out)
     assert reader.layers == [2, 3] and reader.pooled_layers == [0, 1, 2, 3] and reader.hidden_size == 32
-    lines = support.SENTENCES * 3
+    lines = tiny_prlms.SENTENCES * 3
     ref2 = _reference(tiny["gpt2"], lines, 2, max_length=64)
     ref3 = _reference(tiny["gpt2"], lines, 3, max_length=64)
     for i in range(len(lines)):
@@ -415,13 +409,13 @@ def test_real_minilm_penultimate_layer(tmp_path):
         "Jesus wept.",
         "And God said, Let there be light: and there was light. " * 80,  # > 512 tokens: middle cut
     ]
-    corpus = support.write_corpus(tmp_path / "c.txt", lines)
-    checkpoint = str(support.minilm_dir())
+    corpus = tiny_prlms.write_corpus(tmp_path / "c.txt", lines)
+    checkpoint = str(tiny_prlms.minilm_dir())
     result = build_cache(checkpoint, corpus, tmp_path / "c", autocast=False, dtype="float32", progress=False)
     assert result.manifest["truncated_sentences"] == 1 and result.manifest["max_length"] == 512
     reader = CacheReader(result.path)
     assert reader.hidden_size == 384 and reader.layers == [5] and reader.pooled_layers == list(range(6))
-    reference = _reference(support.minilm_dir(), lines, 5, max_length=512)
+    reference = _reference(tiny_prlms.minilm_dir(), lines, 5, max_length=512)
     for i in range(len(lines)):
         torch.testing.assert_close(reader.features(i)[0], reference[i], rtol=1e-4, atol=1e-4)
     assert reader.lengths[1] == 2 and reader.lengths[3] == 512

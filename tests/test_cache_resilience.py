@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 
 from prlmfuse.cache_features import CacheReader, build_cache, verify_cache
 
-_spec = importlib.util.spec_from_file_location("test_cache_support", Path(__file__).with_name("test_cache_support.py"))
-support = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(support)
+from helpers import tiny_prlms
 
 torch.set_num_threads(1)
 BUILD_ARGS = dict(layers="-2,-1", dtype="float16", max_tokens=96, shard_bytes=3000, progress=False)
@@ -27,8 +23,8 @@ BUILD_ARGS = dict(layers="-2,-1", dtype="float16", max_tokens=96, shard_bytes=30
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("resilience")
-    checkpoint = support.build_tiny("bert", root / "bert")
-    corpus = support.write_corpus(root / "train.src", support.SENTENCES * 8)
+    checkpoint = tiny_prlms.build_tiny("bert", root / "bert")
+    corpus = tiny_prlms.write_corpus(root / "train.src", tiny_prlms.SENTENCES * 8)
     reference = build_cache(str(checkpoint), corpus, root / "reference", **BUILD_ARGS)
     assert len(reference.manifest["shards"]) >= 6
     return root, checkpoint, corpus, reference

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 from pathlib import Path
@@ -15,10 +14,7 @@ from click.testing import CliRunner
 
 from prlmfuse import cli
 
-_spec = importlib.util.spec_from_file_location("test_reliability_support", Path(__file__).parent / "test_reliability_support.py")
-support = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(support)
-run_cli, assert_one_line_error = support.run_cli, support.assert_one_line_error
+from helpers.reliability import assert_one_line_error, run_cli
 
 ALIASES = ("minilm-l6", "e5-small-multilingual", "smollm2-135m")
 

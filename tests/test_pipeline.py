@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -12,14 +11,7 @@ from pathlib import Path
 
 import pytest
 
-_spec = importlib.util.spec_from_file_location("test_train_support", Path(__file__).with_name("test_train_support.py"))
-support = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(support)
-_spec = importlib.util.spec_from_file_location(
-    "test_reliability_support", Path(__file__).with_name("test_reliability_support.py")
-)
-support_reliability = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(support_reliability)
+from helpers import reliability, small_runs
 
 PIPELINE = """\
 workdir: work
@@ -66,8 +58,8 @@ def _prlmfuse(*args, cwd):
 @pytest.fixture(scope="module")
 def tiny_pipeline(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
-    corpus = support.small_bible(root / "corpus", train=200, dev=16, test=16)
-    prlm = support.tiny_prlm(root / "prlm", layers=3, width=32)
+    corpus = small_runs.small_bible(root / "corpus", train=200, dev=16, test=16)
+    prlm = small_runs.tiny_prlm(root / "prlm", layers=3, width=32)
     path = root / "pipeline.yaml"
     path.write_text(PIPELINE.format(raw=root / "corpus" / "raw", prlm=prlm, backend="zarr"), encoding="utf-8")
     return root, path, corpus
@@ -122,7 +114,7 @@ def test_jobs_trains_runs_in_their_own_processes_and_names_the_one_that_failed(t
     train_cache = next(p.parent for p in (tmp_path / "work" / "cache").rglob("manifest.json")
                        if p.parent.name.startswith("train-"))
     shutil.copytree(train_cache, tmp_path / "intact")
-    needle = support_reliability.damage_cache("flipped byte", train_cache)
+    needle = reliability.damage_cache("flipped byte", train_cache)
     failed = _prlmfuse("run", str(pipe), "--only", "train", "--jobs", "2", cwd=tmp_path)
     assert failed.returncode == 2, failed.stderr[-3000:]
     line = failed.stderr.strip()
@@ -194,7 +186,7 @@ def test_selected_runs_build_only_the_caches_they_read(tiny_pipeline, tmp_path):
     from prlmfuse.config import load_pipeline
     from prlmfuse.pipeline import build_caches, ensure_data
 
-    second_prlm = support.tiny_prlm(tmp_path / "other", layers=2, width=16)
+    second_prlm = small_runs.tiny_prlm(tmp_path / "other", layers=2, width=16)
     text = path.read_text(encoding="utf-8").replace(
         "      layers: [-2]\n", f"      layers: [-2]\n    - name: {second_prlm}\n      layers: [-1]\n", 1)
     other = tmp_path / "pipeline.yaml"

@@ -9,7 +9,6 @@ directory; a real full disk (a small tmpfs in a private mount namespace, when th
 from __future__ import annotations
 
 import errno
-import importlib.util
 import json
 import os
 import random
@@ -24,9 +23,7 @@ import torch
 from prlmfuse.cache_features import build_cache, verify_cache
 from prlmfuse.errors import UserError
 
-_spec = importlib.util.spec_from_file_location("test_reliability_support", Path(__file__).with_name("test_reliability_support.py"))
-support = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(support)
+from helpers import reliability, tiny_prlms
 
 torch.set_num_threads(1)
 # 300 distinct sentences, 28 shards of one 256-token batch each: a build takes a second or two.
@@ -36,8 +33,8 @@ BUILD_ARGS = dict(layers="-2,-1", dtype="float16", max_tokens=256, shard_bytes=3
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("reliability-cache")
-    checkpoint = support.cache_support.build_tiny("bert", root / "bert")
-    corpus = support.cache_support.write_corpus(root / "train.src", support.distinct_sentences(300))
+    checkpoint = tiny_prlms.build_tiny("bert", root / "bert")
+    corpus = tiny_prlms.write_corpus(root / "train.src", reliability.distinct_sentences(300))
     references = {
         backend: build_cache(str(checkpoint), corpus, root / f"reference-{backend}", backend=backend, progress=False,
                              **BUILD_ARGS)
@@ -111,7 +108,7 @@ def test_disk_full_is_one_line_keeps_finished_shards_and_the_rerun_completes(wor
     # The earlier shards were reused as they were, not rewritten, and they check out.
     after = {n: ((out / "shards" / n).stat().st_ino, (out / "shards" / n).stat().st_mtime_ns) for n in before}
     assert after == before
-    support.assert_same_cache(out, Path(reference.path))
+    reliability.assert_same_cache(out, Path(reference.path))
 
 
 def test_disk_full_while_writing_the_manifest_is_named_too(world, tmp_path, monkeypatch):
@@ -131,7 +128,7 @@ def test_disk_full_while_writing_the_manifest_is_named_too(world, tmp_path, monk
     monkeypatch.setattr(builder, "write_json_at", original)
     resumed = build_cache(world["checkpoint"], world["corpus"], out, backend="hdf5", progress=False, **BUILD_ARGS)
     assert not resumed.reused
-    support.assert_same_cache(out, Path(world["references"]["hdf5"].path))
+    reliability.assert_same_cache(out, Path(world["references"]["hdf5"].path))
 
 
 def test_temp_files_of_a_killed_build_neither_block_nor_survive_the_rerun(world, tmp_path):
@@ -141,7 +138,7 @@ def test_temp_files_of_a_killed_build_neither_block_nor_survive_the_rerun(world,
     (out / ".lock").write_text("12345")
     (out / ".build.json.k3j2h1.tmp").write_text('{"key": "ab')
     first = build_cache(world["checkpoint"], world["corpus"], out, backend="hdf5", progress=False, **BUILD_ARGS)
-    assert not first.reused and support.temp_leftovers(out) == []
+    assert not first.reused and reliability.temp_leftovers(out) == []
 
     # Kill leftovers at every level of a half-built cache: manifest, progress record and shard temps.
     (out / "manifest.json").unlink()
@@ -151,7 +148,7 @@ def test_temp_files_of_a_killed_build_neither_block_nor_survive_the_rerun(world,
     (out / "shards" / ".shard-00004.h5.tmp-999999").write_bytes(b"\x89HDF")
     second = build_cache(world["checkpoint"], world["corpus"], out, backend="hdf5", progress=False, **BUILD_ARGS)
     assert not second.reused
-    support.assert_same_cache(out, Path(world["references"]["hdf5"].path))
+    reliability.assert_same_cache(out, Path(world["references"]["hdf5"].path))
 
 
 # ------------------------------------------------------------------------------------ slow: real processes
@@ -159,7 +156,7 @@ def test_temp_files_of_a_killed_build_neither_block_nor_survive_the_rerun(world,
 
 @pytest.fixture(scope="module")
 def zygote(world):
-    z = support.Zygote(env={"PRLMFUSE_HOME": str(world["root"] / "home")})
+    z = reliability.Zygote(env={"PRLMFUSE_HOME": str(world["root"] / "home")})
     yield z
     z.close()
 
@@ -174,7 +171,7 @@ def _partial_state(out: Path) -> dict:
     return {
         "records": len(list(progress.glob("shard-*.json"))) if progress.is_dir() else 0,
         "manifest": (out / "manifest.json").exists(),
-        "temps": support.temp_leftovers(out) if out.is_dir() else [],
+        "temps": reliability.temp_leftovers(out) if out.is_dir() else [],
     }
 
 
@@ -205,7 +202,7 @@ def test_ten_kill_9_trials_at_random_moments_then_rerun_equal_an_uninterrupted_b
                 verify_cache(out)
         status, _ = zygote.run("job_build_cache", log, **_build_kwargs(world, out, backend, tmp_path / "r.json"))
         assert status == 0, log.read_text()[-3000:]
-        support.assert_same_cache(out, Path(world["references"][backend].path))
+        reliability.assert_same_cache(out, Path(world["references"][backend].path))
 
     killed_mid_build = [o for o in observed if o[4] == -9 and not o[6]]
     print("\n".join(map(str, observed)))
@@ -227,7 +224,7 @@ def test_two_concurrent_builds_of_one_directory(world, zygote, tmp_path):
     assert reused == [False, True]  # one built it, the other waited and then found it finished
     text = "".join(log.read_text() for log in logs)
     assert "waiting: another build (pid" in text and f"holds {out / '.lock'}" in text
-    support.assert_same_cache(out, reference)
+    reliability.assert_same_cache(out, reference)
 
     # Same directory, different key: whichever takes the lock first builds; the other waits, then
     # refuses with one clear line. Which one wins is up to the scheduler, so the test accepts either.
@@ -244,7 +241,7 @@ def test_two_concurrent_builds_of_one_directory(world, zygote, tmp_path):
     refusal = [line for line in logs[loser].splitlines() if line.startswith("error: ")]
     assert len(refusal) == 1 and "holds a different cache" in refusal[0] and "--force" in refusal[0]
     if winner == "c":
-        support.assert_same_cache(fresh, reference)
+        reliability.assert_same_cache(fresh, reference)
     else:
         assert json.loads((tmp_path / "d.json").read_text())["reused"] is False
 
@@ -297,4 +294,4 @@ def test_real_full_disk_on_a_small_tmpfs(world, tmp_path):
         assert message.startswith("disk full while writing ") and message.endswith("; free space and rerun to resume")
         assert f" in {tmp_path / 'mnt'}-{backend};" in message and "\n" not in message
         assert 0 < len(entry["progress_after_failure"]) < len(world["references"][backend].manifest["shards"])
-        support.assert_same_cache(tmp_path / f"copy-{backend}", Path(world["references"][backend].path))
+        reliability.assert_same_cache(tmp_path / f"copy-{backend}", Path(world["references"][backend].path))

@@ -8,7 +8,6 @@ pipeline.yaml syntax errors and unknown keys are covered by tests/test_config.py
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -22,25 +21,19 @@ import torch
 
 from prlmfuse import cli
 
-_here = Path(__file__).parent
-_spec = importlib.util.spec_from_file_location("test_reliability_support", _here / "test_reliability_support.py")
-support = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(support)
-train_support = support.load_module("test_train_support")
+from helpers import reliability, small_runs, tiny_prlms
+from helpers.reliability import assert_one_line_error, run_cli
 
 torch.set_num_threads(1)
 
-
-run_cli = support.run_cli
-assert_one_line_error = support.assert_one_line_error
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A text-corpus pipeline over a tiny BERT: data and caches built through `prlmfuse run --only ...`."""
     root = tmp_path_factory.mktemp("reliability-cli")
-    train_support.small_bible(root, train=120, dev=12, test=12)
-    ckpt = train_support.tiny_prlm(root / "bert")
+    small_runs.small_bible(root, train=120, dev=12, test=12)
+    ckpt = small_runs.tiny_prlm(root / "bert")
     raw = root / "raw"
     pipeline = root / "pipeline.yaml"
     pipeline.write_text(textwrap.dedent(f"""\
@@ -122,7 +115,7 @@ def test_unknown_checkpoint(tmp_path, capsys, monkeypatch, world):
     from huggingface_hub import constants
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # no network here; fail at once
-    corpus = support.cache_support.write_corpus(tmp_path / "c.txt", ["a sentence"])
+    corpus = tiny_prlms.write_corpus(tmp_path / "c.txt", ["a sentence"])
     result = run_cli(["cache", "build", "--checkpoint", "no-such-org/no-such-model", "--corpus", corpus,
                       "--out", tmp_path / "c"], capsys, monkeypatch)
     assert_one_line_error(result, "unknown checkpoint 'no-such-org/no-such-model'", "minilm-l6")
@@ -135,7 +128,7 @@ def test_unknown_checkpoint(tmp_path, capsys, monkeypatch, world):
     ("--backend", "lmdb", "unknown backend 'lmdb'; valid: zarr, hdf5"),
 ])
 def test_bad_cache_options(tmp_path, capsys, monkeypatch, world, option, value, needle):
-    corpus = support.cache_support.write_corpus(tmp_path / "c.txt", ["a sentence"])
+    corpus = tiny_prlms.write_corpus(tmp_path / "c.txt", ["a sentence"])
     result = run_cli(["cache", "build", "--checkpoint", world["ckpt"], "--corpus", corpus, "--out", tmp_path / "c",
                       option, value], capsys, monkeypatch)
     assert_one_line_error(result, needle)
@@ -144,7 +137,7 @@ def test_bad_cache_options(tmp_path, capsys, monkeypatch, world, option, value, 
 
 def test_over_long_inputs_are_cut_and_counted_not_errors(tmp_path, capsys, monkeypatch, world):
     long_line = " ".join(["the light and the darkness"] * 60)  # far past the tiny BERT's 128 positions
-    corpus = support.cache_support.write_corpus(tmp_path / "c.txt", ["short", long_line, "also short"])
+    corpus = tiny_prlms.write_corpus(tmp_path / "c.txt", ["short", long_line, "also short"])
     code, _, err = run_cli(["cache", "build", "--checkpoint", world["ckpt"], "--corpus", corpus,
                             "--out", tmp_path / "c"], capsys, monkeypatch)
     assert code == 0, err
@@ -183,7 +176,7 @@ def test_cache_verify_names_the_problem(tmp_path, capsys, monkeypatch, world, re
     shutil.copytree(source, cache)
     assert json.loads((cache / "manifest.json").read_text())["backend"] == backend
     assert run_cli(["cache", "verify", cache], capsys, monkeypatch)[0] == 0
-    needle = support.damage_cache(kind, cache)
+    needle = reliability.damage_cache(kind, cache)
     assert_one_line_error(run_cli(["cache", "verify", cache], capsys, monkeypatch), needle, str(cache))
 
 
@@ -200,7 +193,7 @@ def damaged_train_cache(world):
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_train_refuses_a_damaged_cache(world, damaged_train_cache, capsys, monkeypatch, kind):
-    needle = support.damage_cache(kind, damaged_train_cache)
+    needle = reliability.damage_cache(kind, damaged_train_cache)
     if kind == "truncated manifest":
         # damaged, not "not built": the pipeline names the file and says how to rebuild it; doing so repairs it
         needle = (f"cache {damaged_train_cache} is damaged: its manifest {damaged_train_cache / 'manifest.json'} "
@@ -280,12 +273,12 @@ def test_real_processes_exit_2_with_one_line(world, damaged_train_cache, tmp_pat
     for kind in KINDS:
         caches[kind] = tmp_path / kind.replace(" ", "-")
         shutil.copytree(world["caches"]["test"], caches[kind])
-        needle = support.damage_cache(kind, caches[kind])
+        needle = reliability.damage_cache(kind, caches[kind])
         done = _prlmfuse("cache", "verify", caches[kind])
         assert done.returncode == 2 and done.stdout == "", done.stderr
         assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1 and needle in done.stderr
 
-    needle = support.damage_cache("flipped byte", damaged_train_cache)
+    needle = reliability.damage_cache("flipped byte", damaged_train_cache)
     done = _prlmfuse("train", "-p", world["pipeline"])
     assert done.returncode == 2 and done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr
     assert needle in done.stderr and "Traceback" not in done.stderr
@@ -301,7 +294,7 @@ def test_over_long_test_sentences_are_cut_and_counted_at_evaluate(world, tmp_pat
     corpus = register_text(tmp_path / "corpus", train_src=raw / "train.src", train_tgt=raw / "train.tgt",
                            dev_src=raw / "dev.src", dev_tgt=raw / "dev.tgt", test_src=tmp_path / "test.src",
                            test_tgt=tmp_path / "test.tgt", src_lang="en", tgt_lang="ja")
-    run_dir = train_run(train_support.tiny_run("base", max_updates=2, save_every=2), corpus, [], tmp_path / "base",
+    run_dir = train_run(small_runs.tiny_run("base", max_updates=2, save_every=2), corpus, [], tmp_path / "base",
                         progress=False)
     code, _, err = run_cli(["evaluate", "--runs", run_dir, "--out", tmp_path / "results", "--beam", "1",
                             "--average-last", "1"], capsys, monkeypatch)

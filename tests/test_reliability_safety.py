@@ -10,7 +10,6 @@ unpickling entry point raises, recording what each from_pretrained call received
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import os
 import pickle
@@ -24,11 +23,9 @@ import torch
 
 from prlmfuse.errors import UserError
 
+from helpers import small_runs
+
 _here = Path(__file__).parent
-_spec = importlib.util.spec_from_file_location("test_reliability_support", _here / "test_reliability_support.py")
-support = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(support)
-train_support = support.load_module("test_train_support")
 
 REPO = _here.parent
 SOURCE_DIRS = ("prlmfuse", "cache_features", "train_fused", "evaluate", "bench")
@@ -136,10 +133,10 @@ class _Payload:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("reliability-safety")
-    corpus = train_support.small_bible(root, train=80, dev=8, test=8)
+    corpus = small_runs.small_bible(root, train=80, dev=8, test=8)
     from prlmfuse.train_fused import train_run
 
-    run_dir = train_run(train_support.tiny_run("base", max_updates=4, save_every=2), corpus, [], root / "base",
+    run_dir = train_run(small_runs.tiny_run("base", max_updates=4, save_every=2), corpus, [], root / "base",
                         progress=False)
     return {"root": root, "corpus": corpus, "run_dir": run_dir}
 
@@ -189,7 +186,7 @@ def test_trust_remote_code_only_when_pipeline_yaml_sets_it(trained, tmp_path, mo
     from prlmfuse import pipeline
     from prlmfuse.config import load_pipeline
 
-    ckpt = train_support.tiny_prlm(tmp_path / "bert")
+    ckpt = small_runs.tiny_prlm(tmp_path / "bert")
     cfg = load_pipeline(_pipeline(tmp_path, ckpt, trust))
     seen = []
     real_resolve = prlmfuse.prlms.resolve_checkpoint
@@ -293,10 +290,9 @@ for cls in (transformers.AutoConfig, transformers.AutoModel, transformers.AutoTo
         return from_pretrained
     cls.from_pretrained = wrap(cls.from_pretrained)
 
-import importlib.util
 args = json.loads(sys.argv[1])
-spec = importlib.util.spec_from_file_location("s", args["support"])
-s = importlib.util.module_from_spec(spec); spec.loader.exec_module(s)
+sys.path.insert(0, args["tests"])
+from helpers import small_runs as s
 from prlmfuse.cache_features import CacheReader
 from prlmfuse.evaluate import evaluate_runs, translate
 from prlmfuse.train_fused import PrLMUse, average_checkpoints, load_run, train_run
@@ -323,7 +319,7 @@ print(json.dumps({"calls": CALLS, "hyps": hyps}))
 
 @pytest.mark.slow
 def test_cache_train_evaluate_translate_with_every_unpickler_booby_trapped(tmp_path):
-    args = {"root": str(tmp_path), "support": str(_here / "test_train_support.py")}
+    args = {"root": str(tmp_path), "tests": str(_here)}
     done = subprocess.run([sys.executable, "-c", _GUARDED, json.dumps(args)], capture_output=True, text=True,
                           timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1",
                                             "PRLMFUSE_HOME": str(tmp_path / "home")})

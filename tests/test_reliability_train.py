@@ -11,7 +11,6 @@ the inverse-sqrt learning rate.
 from __future__ import annotations
 
 import fcntl
-import importlib.util
 import json
 import random
 import shutil
@@ -28,11 +27,7 @@ from prlmfuse.train_fused import checkpointing
 from prlmfuse.train_fused import run_dir as rundir
 from prlmfuse.train_fused.trainer import inverse_sqrt_lr
 
-_here = Path(__file__).parent
-_spec = importlib.util.spec_from_file_location("test_reliability_support", _here / "test_reliability_support.py")
-support = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(support)
-train_support = support.load_module("test_train_support")
+from helpers import reliability, small_runs
 
 torch.set_num_threads(1)
 
@@ -40,9 +35,9 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("reliability-train")
-    corpus = train_support.small_bible(root)
-    ckpt = train_support.tiny_prlm(root / "bert")
-    paths = train_support.build_caches(ckpt, corpus, root / "cache", layers="-2,-1")
+    corpus = small_runs.small_bible(root)
+    ckpt = small_runs.tiny_prlm(root / "bert")
+    paths = small_runs.build_caches(ckpt, corpus, root / "cache", layers="-2,-1")
     return {"root": root, "corpus": corpus, "ckpt": ckpt, "paths": paths}
 
 
@@ -56,7 +51,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 
 def _fused(world, name: str = "r", **overrides):
     use = PrLMUse(checkpoint=str(world["ckpt"]), layer=-2)
-    return train_support.tiny_run(name, prlms=[use], **overrides), [train_support.caches_for(use, world["paths"])]
+    return small_runs.tiny_run(name, prlms=[use], **overrides), [small_runs.caches_for(use, world["paths"])]
 
 
 def _assert_every_checkpoint_file_is_whole(run_dir: Path) -> None:
@@ -103,7 +98,7 @@ def test_disk_full_while_saving_a_checkpoint_then_rerun(world, tmp_path, monkeyp
     # The previous checkpoint is whole and still the one to resume from; no torn file anywhere.
     assert rundir.latest_trainer_state(out)["update"] == 4
     assert rundir.complete_checkpoints(out) == [4]
-    assert support.temp_leftovers(out) == []
+    assert reliability.temp_leftovers(out) == []
     _assert_every_checkpoint_file_is_whole(out)
 
     monkeypatch.setattr(checkpointing, "save_model", original)  # space is back
@@ -120,10 +115,10 @@ def test_disk_full_while_saving_a_checkpoint_then_rerun(world, tmp_path, monkeyp
 def test_train_refuses_a_damaged_cache_before_writing_anything(world, tmp_path, kind):
     damaged = tmp_path / "damaged"
     shutil.copytree(world["paths"]["train"], damaged)
-    needle = support.damage_cache(kind, damaged)
+    needle = reliability.damage_cache(kind, damaged)
     use = PrLMUse(checkpoint=str(world["ckpt"]), layer=-2)
-    run = train_support.tiny_run("d", prlms=[use])
-    caches = [train_support.caches_for(use, {**world["paths"], "train": str(damaged)})]
+    run = small_runs.tiny_run("d", prlms=[use])
+    caches = [small_runs.caches_for(use, {**world["paths"], "train": str(damaged)})]
     with pytest.raises(UserError) as refused:
         train_run(run, world["corpus"], caches, tmp_path / "run", progress=False)
     assert needle in str(refused.value) and str(damaged) in str(refused.value) and "\n" not in str(refused.value)
@@ -134,7 +129,7 @@ def test_train_refuses_a_damaged_cache_before_writing_anything(world, tmp_path, 
 
 
 def test_trainer_state_cannot_name_files_outside_the_run(world, tmp_path):
-    run = train_support.tiny_run("base", max_updates=2, save_every=2)
+    run = small_runs.tiny_run("base", max_updates=2, save_every=2)
     run_dir = train_run(run, world["corpus"], [], tmp_path / "base", progress=False)
     state_file = run_dir / "trainer_state.json"
     state = json.loads(state_file.read_text())
@@ -144,7 +139,7 @@ def test_trainer_state_cannot_name_files_outside_the_run(world, tmp_path):
                        ("checkpoint", "checkpoints/../../elsewhere.safetensors")):
         state_file.write_text(json.dumps({**state, key: value}))
         with pytest.raises(UserError, match=rf"{key} '.*' is not a file of this run's checkpoints/ folder"):
-            train_run(train_support.tiny_run("base", max_updates=4, save_every=2), world["corpus"], [], run_dir,
+            train_run(small_runs.tiny_run("base", max_updates=4, save_every=2), world["corpus"], [], run_dir,
                       progress=False)
         with pytest.raises(UserError, match="is not a file of this run's checkpoints/ folder"):
             load_run(run_dir, "last")
@@ -158,14 +153,14 @@ def test_a_second_trainer_on_the_same_run_directory_is_refused(world, tmp_path):
         held.write("4242")
         held.flush()
         with pytest.raises(UserError, match=r"is being trained by another process \(pid 4242\); wait for it"):
-            train_run(train_support.tiny_run("base", max_updates=2), world["corpus"], [], run_dir, progress=False)
+            train_run(small_runs.tiny_run("base", max_updates=2), world["corpus"], [], run_dir, progress=False)
     assert not (run_dir / "checkpoints").exists()
-    train_run(train_support.tiny_run("base", max_updates=2, save_every=2), world["corpus"], [], run_dir, progress=False)
+    train_run(small_runs.tiny_run("base", max_updates=2, save_every=2), world["corpus"], [], run_dir, progress=False)
     assert rundir.complete_checkpoints(run_dir) == [2]
 
 
 def test_temp_files_of_a_killed_save_are_removed_on_resume(world, tmp_path):
-    run_dir = train_run(train_support.tiny_run("base", max_updates=2, save_every=2), world["corpus"], [],
+    run_dir = train_run(small_runs.tiny_run("base", max_updates=2, save_every=2), world["corpus"], [],
                         tmp_path / "base", progress=False)
     torn = [run_dir / "checkpoints" / ".update-00000004.safetensors.k2j3h4.tmp",
             run_dir / "checkpoints" / ".optimizer-00000004.safetensors.a1b2c3.tmp",
@@ -174,7 +169,7 @@ def test_temp_files_of_a_killed_save_are_removed_on_resume(world, tmp_path):
         path.write_bytes(b"torn")
     mine = run_dir / ".notes"  # not a name prlmfuse writes: left alone
     mine.write_text("keep")
-    train_run(train_support.tiny_run("base", max_updates=4, save_every=2), world["corpus"], [], run_dir, progress=False)
+    train_run(small_runs.tiny_run("base", max_updates=4, save_every=2), world["corpus"], [], run_dir, progress=False)
     assert not any(p.exists() for p in torn) and mine.read_text() == "keep"
     assert rundir.latest_trainer_state(run_dir)["update"] == 4
 
@@ -186,7 +181,7 @@ def test_temp_files_of_a_killed_save_are_removed_on_resume(world, tmp_path):
 def test_several_kill_9_at_random_moments_then_resume(world, tmp_path):
     overrides = dict(max_updates=40, save_every=5, dropout=0.1, num_workers=1, max_tokens=200, log_every=2)
     job = dict(corpus=str(world["corpus"].root), ckpt=str(world["ckpt"]), paths=world["paths"], run=overrides)
-    zygote = support.Zygote()
+    zygote = reliability.Zygote()
     try:
         status, duration = zygote.run("job_train", tmp_path / "straight.log", out=str(tmp_path / "straight"), **job)
         assert status == 0, (tmp_path / "straight.log").read_text()[-3000:]
@@ -212,7 +207,7 @@ def test_several_kill_9_at_random_moments_then_resume(world, tmp_path):
     a, b = _weights(straight, 40), _weights(killed, 40)
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-6)
-    assert support.temp_leftovers(killed) == []
+    assert reliability.temp_leftovers(killed) == []
     # The update count and the learning-rate schedule continue across every resume: the same
     # records as the uninterrupted run, each lr on fairseq's inverse_sqrt curve, nothing twice.
     resumed, reference = _metrics(killed), _metrics(straight)

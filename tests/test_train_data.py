@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from pathlib import Path
+import os
 
 import numpy as np
 import pytest
@@ -18,9 +18,7 @@ from prlmfuse.train_fused.data import (
 from prlmfuse.train_fused.branches import PrLMBranch
 from prlmfuse.train_fused.trainer import inverse_sqrt_lr
 
-_spec = importlib.util.spec_from_file_location("test_train_support", Path(__file__).with_name("test_train_support.py"))
-support = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(support)
+from helpers import small_runs
 
 torch.set_num_threads(1)
 
@@ -97,9 +95,9 @@ def test_inverse_sqrt_schedule_matches_fairseq():
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
     root = tmp_path_factory.mktemp("data")
-    corpus = support.small_bible(root, train=40, dev=8, test=8)
-    ckpt = support.tiny_prlm(root / "bert")
-    paths = support.build_caches(ckpt, corpus, root / "cache", layers="1,-1")
+    corpus = small_runs.small_bible(root, train=40, dev=8, test=8)
+    ckpt = small_runs.tiny_prlm(root / "bert")
+    paths = small_runs.build_caches(ckpt, corpus, root / "cache", layers="1,-1")
     return corpus, paths
 
 

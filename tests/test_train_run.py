@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -23,9 +22,7 @@ from prlmfuse.train_fused.branches import PrLMBranch
 from prlmfuse.cache_features import CacheReader
 from prlmfuse.train_fused.data import PairDataset
 
-_spec = importlib.util.spec_from_file_location("test_train_support", Path(__file__).with_name("test_train_support.py"))
-support = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(support)
+from helpers import small_runs
 
 torch.set_num_threads(1)
 
@@ -33,9 +30,9 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
-    corpus = support.small_bible(root)
-    ckpt = support.tiny_prlm(root / "bert")
-    paths = support.build_caches(ckpt, corpus, root / "cache", layers="-2,-1")
+    corpus = small_runs.small_bible(root)
+    ckpt = small_runs.tiny_prlm(root / "bert")
+    paths = small_runs.build_caches(ckpt, corpus, root / "cache", layers="-2,-1")
     return corpus, ckpt, paths
 
 
@@ -50,8 +47,8 @@ def _metrics(run_dir: Path) -> list[dict]:
 def test_fused_run_layout_run_json_and_load_run(world, tmp_path):
     corpus, ckpt, paths = world
     use = PrLMUse(checkpoint=str(ckpt), layer=-2)
-    run = support.tiny_run("fused", prlms=[use], bf16=True, max_updates=16)
-    run_dir = train_run(run, corpus, [support.caches_for(use, paths)], tmp_path / "fused", progress=False)
+    run = small_runs.tiny_run("fused", prlms=[use], bf16=True, max_updates=16)
+    run_dir = train_run(run, corpus, [small_runs.caches_for(use, paths)], tmp_path / "fused", progress=False)
     assert run_dir == tmp_path / "fused"
 
     for name in ("run.json", "bpe.json", "best.safetensors", "trainer_state.json", "metrics.jsonl"):
@@ -111,15 +108,15 @@ def test_resume_continues_the_same_schedule(world, tmp_path):
     """2N updates straight == N updates, stop, resume N more: same weights, same loss curve."""
     corpus, ckpt, paths = world
     use = PrLMUse(checkpoint=str(ckpt), layer="dwatt")
-    caches = [support.caches_for(use, paths)]
-    straight = train_run(support.tiny_run("r", prlms=[use], dropout=0.1, max_updates=12, save_every=3), corpus, caches,
+    caches = [small_runs.caches_for(use, paths)]
+    straight = train_run(small_runs.tiny_run("r", prlms=[use], dropout=0.1, max_updates=12, save_every=3), corpus, caches,
                          tmp_path / "straight", progress=False)
     split = tmp_path / "split"
-    train_run(support.tiny_run("r", prlms=[use], dropout=0.1, max_updates=6, save_every=3), corpus, caches, split, progress=False)
+    train_run(small_runs.tiny_run("r", prlms=[use], dropout=0.1, max_updates=6, save_every=3), corpus, caches, split, progress=False)
     # Lines logged after the last checkpoint of an interrupted run must not survive the resume.
     with open(split / "metrics.jsonl", "a") as f:
         f.write('{"update": 7, "loss": 99.0}\n{"update": 8, "lo')
-    train_run(support.tiny_run("r", prlms=[use], dropout=0.1, max_updates=12, save_every=3), corpus, caches, split, progress=False)
+    train_run(small_runs.tiny_run("r", prlms=[use], dropout=0.1, max_updates=12, save_every=3), corpus, caches, split, progress=False)
     a, b = _weights(straight, 12), _weights(split, 12)
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-6)
@@ -132,16 +129,16 @@ def test_resume_continues_the_same_schedule(world, tmp_path):
 def test_feature_norm_trains_resumes_and_changing_it_is_refused(world, tmp_path):
     corpus, ckpt, paths = world
     plain, normed = PrLMUse(checkpoint=str(ckpt)), PrLMUse(checkpoint=str(ckpt), feature_norm=True)
-    caches = lambda use: [support.caches_for(use, paths)]  # noqa: E731
-    old = train_run(support.tiny_run("o", prlms=[plain], max_updates=3, save_every=3), corpus, caches(plain),
+    caches = lambda use: [small_runs.caches_for(use, paths)]  # noqa: E731
+    old = train_run(small_runs.tiny_run("o", prlms=[plain], max_updates=3, save_every=3), corpus, caches(plain),
                     tmp_path / "old", progress=False)
-    train_run(support.tiny_run("o", prlms=[plain], max_updates=6, save_every=3), corpus, caches(plain), old, progress=False)
+    train_run(small_runs.tiny_run("o", prlms=[plain], max_updates=6, save_every=3), corpus, caches(plain), old, progress=False)
     assert json.loads((old / "trainer_state.json").read_text())["update"] == 6
     with pytest.raises(UserError, match="feature_norm"):
-        train_run(support.tiny_run("o", prlms=[normed], max_updates=9, save_every=3), corpus, caches(normed), old,
+        train_run(small_runs.tiny_run("o", prlms=[normed], max_updates=9, save_every=3), corpus, caches(normed), old,
                   progress=False)
 
-    run = train_run(support.tiny_run("n", prlms=[normed], max_updates=3, save_every=3), corpus, caches(normed),
+    run = train_run(small_runs.tiny_run("n", prlms=[normed], max_updates=3, save_every=3), corpus, caches(normed),
                     tmp_path / "normed", progress=False)
     assert json.loads((run / "run.json").read_text())["model"]["prlms"][0]["feature_norm"] is True
     assert "prlm_feature_norms.0.weight" in _weights(run, 3)
@@ -150,9 +147,9 @@ def test_feature_norm_trains_resumes_and_changing_it_is_refused(world, tmp_path)
 def test_in_memory_features_train_like_features_from_disk(world, tmp_path):
     corpus, ckpt, paths = world
     use = PrLMUse(checkpoint=str(ckpt), layer="concat")
-    caches = [support.caches_for(use, paths)]
-    disk = train_run(support.tiny_run("m", prlms=[use], max_updates=4, num_workers=2), corpus, caches, tmp_path / "disk", progress=False)
-    memory = train_run(support.tiny_run("m", prlms=[use], max_updates=4, in_memory_features=True), corpus, caches,
+    caches = [small_runs.caches_for(use, paths)]
+    disk = train_run(small_runs.tiny_run("m", prlms=[use], max_updates=4, num_workers=2), corpus, caches, tmp_path / "disk", progress=False)
+    memory = train_run(small_runs.tiny_run("m", prlms=[use], max_updates=4, in_memory_features=True), corpus, caches,
                        tmp_path / "memory", progress=False)
     a, b = _weights(disk, 4), _weights(memory, 4)
     for name in a:
@@ -162,7 +159,7 @@ def test_in_memory_features_train_like_features_from_disk(world, tmp_path):
 def test_baseline_and_patience(world, tmp_path):
     corpus, _, _ = world
     # lr 0: the dev loss never improves, so patience 2 stops after the third evaluation.
-    run = support.tiny_run("base", lr=0.0, max_updates=100, save_every=2, patience=2)
+    run = small_runs.tiny_run("base", lr=0.0, max_updates=100, save_every=2, patience=2)
     run_dir = train_run(run, corpus, [], tmp_path / "base", progress=False)
     state = json.loads((run_dir / "trainer_state.json").read_text())
     assert state["update"] == 6 and state["bad_evals"] == 2
@@ -173,21 +170,21 @@ def test_baseline_and_patience(world, tmp_path):
 def test_refusals_are_one_line_user_errors(world, tmp_path):
     corpus, ckpt, paths = world
     use = PrLMUse(checkpoint=str(ckpt), layer=-2)
-    wrong = support.caches_for(use, {**paths, "train": paths["dev"]})
+    wrong = small_runs.caches_for(use, {**paths, "train": paths["dev"]})
     with pytest.raises(UserError, match=r"different train source .*corpus_sha256 .*train\.src sha256 ") as e:
-        train_run(support.tiny_run(prlms=[use]), corpus, [wrong], tmp_path / "a", progress=False)
+        train_run(small_runs.tiny_run(prlms=[use]), corpus, [wrong], tmp_path / "a", progress=False)
     assert "\n" not in str(e.value)
 
     deep = PrLMUse(checkpoint=str(ckpt), layer=-3)
     with pytest.raises(UserError, match=r"layer -3 \(hidden_states index 1 of 3 layers\).*holds layers \[2, 3\]"):
-        train_run(support.tiny_run(prlms=[deep]), corpus, [support.caches_for(deep, paths)], tmp_path / "b", progress=False)
+        train_run(small_runs.tiny_run(prlms=[deep]), corpus, [small_runs.caches_for(deep, paths)], tmp_path / "b", progress=False)
 
     bad_mode = PrLMUse(checkpoint=str(ckpt), layer="average-ish")
     with pytest.raises(UserError, match="not a layer index"):
-        train_run(support.tiny_run(prlms=[bad_mode]), corpus, [support.caches_for(bad_mode, paths)], tmp_path / "c", progress=False)
+        train_run(small_runs.tiny_run(prlms=[bad_mode]), corpus, [small_runs.caches_for(bad_mode, paths)], tmp_path / "c", progress=False)
 
     with pytest.raises(UserError, match="1 PrLM.*0 cache"):
-        train_run(support.tiny_run(prlms=[use]), corpus, [], tmp_path / "d", progress=False)
+        train_run(small_runs.tiny_run(prlms=[use]), corpus, [], tmp_path / "d", progress=False)
 
     damaged = tmp_path / "damaged"
     shutil.copytree(paths["train"], damaged)
@@ -197,14 +194,14 @@ def test_refusals_are_one_line_user_errors(world, tmp_path):
     data[64] ^= 0xFF
     chunk.write_bytes(bytes(data))
     with pytest.raises(UserError, match="damaged|corrupt|unreadable"):
-        train_run(support.tiny_run(prlms=[use]), corpus, [support.caches_for(use, {**paths, "train": str(damaged)})],
+        train_run(small_runs.tiny_run(prlms=[use]), corpus, [small_runs.caches_for(use, {**paths, "train": str(damaged)})],
                   tmp_path / "e", progress=False)
 
-    done = train_run(support.tiny_run(max_updates=2, save_every=2), corpus, [], tmp_path / "f", progress=False)
+    done = train_run(small_runs.tiny_run(max_updates=2, save_every=2), corpus, [], tmp_path / "f", progress=False)
     with pytest.raises(UserError, match="already holds a trained run"):
-        train_run(support.tiny_run(max_updates=4), corpus, [], done, resume=False, progress=False)
+        train_run(small_runs.tiny_run(max_updates=4), corpus, [], done, resume=False, progress=False)
     with pytest.raises(UserError, match=r"different configuration \(train\.lr"):
-        train_run(support.tiny_run(max_updates=4, lr=1e-3), corpus, [], done, progress=False)
+        train_run(small_runs.tiny_run(max_updates=4, lr=1e-3), corpus, [], done, progress=False)
     with pytest.raises(UserError, match="best, last or average"):
         load_run(done, "median")
 
@@ -214,7 +211,7 @@ def test_no_prlm_is_loaded_during_training(world, tmp_path, monkeypatch):
     corpus, ckpt, _ = world
     gone = tmp_path / "bert-copy"
     shutil.copytree(ckpt, gone)
-    paths = support.build_caches(gone, corpus, tmp_path / "cache", layers="-1")
+    paths = small_runs.build_caches(gone, corpus, tmp_path / "cache", layers="-1")
     shutil.rmtree(gone)
 
     import transformers
@@ -235,7 +232,7 @@ def test_no_prlm_is_loaded_during_training(world, tmp_path, monkeypatch):
     monkeypatch.setattr(prlms, "resolve_checkpoint", trap)
 
     use = PrLMUse(checkpoint=str(gone), layer=-1)
-    run_dir = train_run(support.tiny_run("nolm", prlms=[use], max_updates=4), corpus, [support.caches_for(use, paths)],
+    run_dir = train_run(small_runs.tiny_run("nolm", prlms=[use], max_updates=4), corpus, [small_runs.caches_for(use, paths)],
                         tmp_path / "run", progress=False)
     assert json.loads((run_dir / "trainer_state.json").read_text())["update"] == 4
     assert instantiated == [] and not gone.exists()
@@ -244,14 +241,14 @@ def test_no_prlm_is_loaded_during_training(world, tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------- slow
 
 _DRIVER = r"""
-import importlib.util, json, sys
+import json, sys
 from pathlib import Path
 import torch
 
 def main():
     torch.set_num_threads(1)
-    spec = importlib.util.spec_from_file_location("s", {support!r})
-    s = importlib.util.module_from_spec(spec); spec.loader.exec_module(s)
+    sys.path.insert(0, {tests!r})
+    from helpers import small_runs as s
     from prlmfuse.corpora import load_corpus
     from prlmfuse.train_fused import PrLMUse, train_run
     args = json.loads(sys.argv[1])
@@ -267,7 +264,7 @@ if __name__ == "__main__":
 
 def _driver(tmp_path: Path) -> Path:
     path = tmp_path / "driver.py"
-    path.write_text(_DRIVER.format(support=str(Path(__file__).with_name("test_train_support.py"))))
+    path.write_text(_DRIVER.format(tests=str(Path(__file__).parent)))
     return path
 
 

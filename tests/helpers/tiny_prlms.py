@@ -1,11 +1,7 @@
-"""Tiny random-weight checkpoints of each family, saved like a real one (config, safetensors, tokenizer).
-
-Imported by the other tests/test_cache*.py files through `load_support()`; it holds no tests itself.
-"""
+"""Tiny random-weight checkpoints of each family, saved like a real one (config, safetensors, tokenizer)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import torch
@@ -24,13 +20,6 @@ SENTENCES = [
     "a",
     "the light and the darkness and the waters and the earth and the sky and the seeds and the grass " * 3,
 ]
-
-
-def load_support():
-    spec = importlib.util.spec_from_file_location("test_cache_support", Path(__file__))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _wordpiece_tokenizer(model_max_length: int):

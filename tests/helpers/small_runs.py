@@ -1,20 +1,11 @@
-"""Shared builders for the stage-two tests (no tests here): a small real corpus, a tiny PrLM, its caches.
-
-Loaded by the test_train_* modules through importlib, like test_cache_support.
-"""
+"""Builders for the stage-two tests: a small real corpus, a tiny PrLM, its caches, a seconds-long run."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
+from helpers import tiny_prlms
 from prlmfuse.train_fused.config import PrLMUse, RunConfig
-
-_cache_spec = importlib.util.spec_from_file_location(
-    "test_cache_support", Path(__file__).with_name("test_cache_support.py")
-)
-cache_support = importlib.util.module_from_spec(_cache_spec)
-_cache_spec.loader.exec_module(cache_support)
 
 
 def small_bible(root: Path, *, train: int = 240, dev: int = 24, test: int = 24):
@@ -35,7 +26,7 @@ def small_bible(root: Path, *, train: int = 240, dev: int = 24, test: int = 24):
 
 def tiny_prlm(root: Path, *, layers: int = 3, width: int = 32) -> Path:
     """A random-weight BERT with its WordPiece tokenizer saved in `root` (a local checkpoint dir)."""
-    return cache_support.build_tiny("bert", root, layers=layers, width=width, max_positions=128)
+    return tiny_prlms.build_tiny("bert", root, layers=layers, width=width, max_positions=128)
 
 
 def build_caches(checkpoint: Path, corpus, out: Path, *, layers: str = "-2", backend: str = "zarr") -> dict[str, str]:

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from helpers import small_runs
+
 BENCH = Path(__file__).parents[1] / "bench"
 
 
 def _module(path: Path):
-    """A script or test helper loaded as a module of its own name (bench/ is no package)."""
+    """A bench script loaded as a module of its own name (bench/ is no package)."""
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -112,7 +114,7 @@ def test_batch_padding_bench_counts_both_orders(tmp_path, capsys):
     """bench/batch_padding.py on real Bible verses: source-first batches pad the source less than target-first ones."""
     import json
 
-    corpus = _module(Path(__file__).parent / "test_train_support.py").small_bible(tmp_path)
+    corpus = small_runs.small_bible(tmp_path)
     bench = _module(BENCH / "batch_padding.py")
     assert bench.main(["--corpus", str(corpus.root), "--bpe-vocab", "600", "--max-tokens", "400"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1].removeprefix("RESULT "))

@@ -1,17 +1,14 @@
-"""Helpers for the reliability tests (no tests here): a pre-imported "zygote" that forks jobs to be
-killed, a corpus of distinct sentences, and whole-cache comparisons.
+"""Helpers for the reliability tests: a pre-imported "zygote" that forks jobs to be killed, the CLI
+run in-process, a corpus of distinct sentences, and whole-cache comparisons and damage.
 
-Loaded by tests/test_reliability*.py through importlib, like test_cache_support.
-
-Why a zygote: importing torch + transformers costs ~5-7 s on this machine, and the crash trials
-start dozens of builds and training runs. The zygote pays that once, then forks one child per
-job; each child starts its own session (so killpg also takes its DataLoader workers) and runs
-the job at once, so a kill offset measures time spent in the job, not in imports.
+Why a zygote: importing torch + transformers takes seconds, and the crash trials start dozens of
+builds and training runs. The zygote pays that once, then forks one child per job; each child
+starts its own process session (so killpg also takes its DataLoader workers) and runs the job at
+once, so a kill offset measures time spent in the job, not in imports.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import json
 import os
@@ -26,15 +23,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-HERE = Path(__file__).parent
-_cache_spec = importlib.util.spec_from_file_location("test_cache_support", HERE / "test_cache_support.py")
-cache_support = importlib.util.module_from_spec(_cache_spec)
-_cache_spec.loader.exec_module(cache_support)
+from helpers import small_runs, tiny_prlms
+
+TESTS = Path(__file__).parents[1]
 
 
 def distinct_sentences(n: int, seed: int = 0) -> list[str]:
     """n different sentences of 1..40 words from the tiny tokenizer's vocabulary (plus one empty line)."""
-    words = " ".join(cache_support.SENTENCES).replace(",", "").replace(".", "").split()
+    words = " ".join(tiny_prlms.SENTENCES).replace(",", "").replace(".", "").split()
     rng = random.Random(seed)
     seen: set[str] = set()
     lines = [""]
@@ -61,10 +57,9 @@ def job_train(corpus: str, ckpt: str, paths: dict, out: str, run: dict) -> None:
     from prlmfuse.corpora import load_corpus
     from prlmfuse.train_fused import PrLMUse, train_run
 
-    train_support = load_module("test_train_support")
     use = PrLMUse(checkpoint=ckpt, layer=-2)
-    train_run(train_support.tiny_run("killed", prlms=[use], **run), load_corpus(corpus),
-              [train_support.caches_for(use, paths)], out, progress=False)
+    train_run(small_runs.tiny_run("killed", prlms=[use], **run), load_corpus(corpus),
+              [small_runs.caches_for(use, paths)], out, progress=False)
 
 
 def run_cli(args, capsys, monkeypatch) -> tuple[int, str, str]:
@@ -92,13 +87,6 @@ def assert_one_line_error(result, *needles: str) -> str:
     return lines[0]
 
 
-def load_module(name: str):
-    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 _ZYGOTE = r"""
 import json, os, sys, traceback
 import torch
@@ -107,9 +95,8 @@ from transformers import BertModel, BertTokenizerFast, PreTrainedTokenizerFast  
 import prlmfuse.cache_features, prlmfuse.prlms, prlmfuse.corpora  # noqa: F401
 import prlmfuse.train_fused.trainer  # noqa: F401
 from prlmfuse.errors import UserError
-import importlib.util
-spec = importlib.util.spec_from_file_location("test_reliability_support", {support!r})
-support = importlib.util.module_from_spec(spec); spec.loader.exec_module(support)
+sys.path.insert(0, {tests!r})
+from helpers import reliability
 print(json.dumps({{"ready": os.getpid()}}), flush=True)
 for line in sys.stdin:
     msg = json.loads(line)
@@ -125,7 +112,7 @@ for line in sys.stdin:
             log = os.open(msg["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(log, 1); os.dup2(log, 2)
             sys.stdin.close()
-            getattr(support, msg["fn"])(**msg["kwargs"])
+            getattr(reliability, msg["fn"])(**msg["kwargs"])
             code = 0
         except UserError as e:
             print(f"error: {{e}}", file=sys.stderr)
@@ -143,7 +130,7 @@ class Zygote:
     """A Python process with torch, transformers and prlmfuse imported, forking one child per job."""
 
     def __init__(self, env: dict | None = None):
-        script = textwrap.dedent(_ZYGOTE.format(support=str(Path(__file__))))
+        script = textwrap.dedent(_ZYGOTE.format(tests=str(TESTS)))
         self.proc = subprocess.Popen(
             [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
@@ -157,7 +144,7 @@ class Zygote:
         return json.loads(line)
 
     def start(self, fn: str, log: Path, **kwargs) -> int:
-        """Fork a child running support.<fn>(**kwargs), stdout and stderr appended to `log`; its pid."""
+        """Fork a child running reliability.<fn>(**kwargs), stdout and stderr appended to `log`; its pid."""
         self.proc.stdin.write(json.dumps({"cmd": "start", "fn": fn, "log": str(log), "kwargs": kwargs}) + "\n")
         self.proc.stdin.flush()
         return self._read()["pid"]
