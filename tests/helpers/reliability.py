@@ -81,10 +81,12 @@ def assert_one_line_error(result, *needles: str) -> str:
     code, _, err = result
     lines = err.splitlines()
     assert code == 2, err
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    # Progress lines the command logged before it failed may come first; the error is one line, the last.
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0] and "Traceback" not in err, err
     for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
+        assert needle in errors[0], (needle, errors[0])
+    return errors[0]
 
 
 _ZYGOTE = r"""
