@@ -332,3 +332,11 @@ def test_two_gloo_processes_match_one_process(world, tmp_path):
     single_dev = [r["dev_loss"] for r in _metrics(single) if "dev_loss" in r]
     ddp_dev = [r["dev_loss"] for r in _metrics(ddp) if "dev_loss" in r]
     assert ddp_dev == pytest.approx(single_dev, rel=1e-4)
+
+
+def test_run_dropouts_reach_the_model():
+    from prlmfuse.train_fused.run_setup import build_model_config
+
+    run = small_runs.tiny_run("d", attention_dropout=0.1, activation_dropout=0.2, feature_dropout=0.3)
+    config = build_model_config(run, vocab_size=64, specs=[])
+    assert (config.attn_dropout, config.activation_dropout, config.feature_dropout) == (0.1, 0.2, 0.3)

@@ -39,6 +39,9 @@ class RunConfig:
     heads: int | None = None
     ffn: int | None = None
     dropout: float = 0.1
+    attention_dropout: float = 0.0  # on the attention weights
+    activation_dropout: float = 0.0  # after the FFN's activation, as fairseq's
+    feature_dropout: float = 0.0  # on the cached PrLM features as the branches read them
     pre_ln: bool = False
     prlms: list[PrLMUse] = field(default_factory=list)  # empty: the baseline
     merge: str = "sum"  # sum | average | gate | dropnet | direct
