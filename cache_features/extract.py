@@ -301,9 +301,10 @@ class FeatureExtractor:
                 **self.forward_kwargs,
             )
             hidden = out.hidden_states
-            if hidden is None and self.selection.highest == 0:
-                # hook-recorded models (Llama) record nothing when no layer runs; the embeddings are then
-                # last_hidden_state, the final norm having been dropped from the view
+            if not hidden and self.selection.highest == 0:
+                # models that record hidden states by hooks (Llama; every model in transformers 5) record
+                # nothing when no layer runs; the embeddings are then last_hidden_state, the final norm
+                # having been dropped from the view
                 hidden = (out.last_hidden_state,)
             if len(hidden) != self.selection.highest + 1:
                 raise RuntimeError(
