@@ -590,3 +590,17 @@ def test_feature_dropout_reaches_what_the_branches_read():
 def test_new_dropouts_are_validated(name):
     with pytest.raises(UserError, match=rf"{name}=1.0 must be in \[0, 1\)"):
         tiny_config([], **{name: 1.0})
+
+
+def test_cpu_training_attention_equals_sdpa():
+    """The written-out CPU training attention computes what SDPA does, masks and causality included."""
+    from prlmfuse.train_fused.modeling import cpu_training_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))
+    mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    mask[1, ..., 3:] = False
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    for m in (None, mask, mask & causal):
+        expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        torch.testing.assert_close(cpu_training_attention(q, k, v, m, 0.0), expected)

@@ -333,6 +333,19 @@ def xavier_linear(in_features: int, out_features: int, bias: bool = True) -> nn.
     return linear
 
 
+def cpu_training_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float) -> Tensor:
+    """softmax(q k^T / sqrt(head_dim) + mask) v through plain matmuls, for CPU training steps.
+
+    Why: autograd through these matmuls trains faster on CPU than SDPA's kernels, whose backward is
+    the slower part (`python bench/attention_kernel.py` times the two side by side).
+    """
+    scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = F.dropout(torch.softmax(scores, dim=-1), dropout_p, training=dropout_p > 0)
+    return torch.matmul(weights, v)
+
+
 class MultiheadAttention(nn.Module):
     """Scaled dot-product attention with separate projections; keys/values may have another width.
 
@@ -389,15 +402,19 @@ class MultiheadAttention(nn.Module):
                 empty_rows = ~has_key
                 key_mask = key_mask | empty_rows[:, None]
             attn_mask = key_mask[:, None, None, :]
+        written_out = q.device.type == "cpu" and q.requires_grad
         is_causal = False
         if causal and q_len > 1:
-            if attn_mask is None and q_len == k_len:
+            if attn_mask is None and q_len == k_len and not written_out:
                 is_causal = True
             else:
                 causal_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(diagonal=k_len - q_len)
                 attn_mask = causal_mask if attn_mask is None else attn_mask & causal_mask
         dropout_p = self.attn_dropout if self.training else 0.0
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+        if written_out:
+            out = cpu_training_attention(q, keys, values, attn_mask, dropout_p)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
         out = self.out_proj(out.transpose(1, 2).reshape(batch, q_len, d_model))
         if empty_rows is not None:
             out = out.masked_fill(empty_rows[:, None, None], 0.0)
