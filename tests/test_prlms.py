@@ -406,6 +406,9 @@ def test_smollm2_prepare(session_home, monkeypatch):
     assert (info.family, info.num_layers, info.hidden_size) == ("llama", 30, 576)
     assert info.is_causal and info.max_length == MAX_LENGTH_CAP
     assert resolve_checkpoint("smollm2-135m") == info
+    # Both transformers majors read the same RoPE base from the converted config (4.x ignores rope_parameters).
+    config = json.loads((Path(info.path) / "config.json").read_text(encoding="utf-8"))
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"] == 100000.0
 
     model, tokenizer = load_prlm(info)
     assert type(model).__name__ == "LlamaModel"

@@ -6,6 +6,7 @@ registry stays fast.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from prlmfuse.errors import UserError
@@ -37,6 +38,7 @@ def convert_gguf(source: Path, out: Path) -> None:
     model.tie_weights()
     model.config.name_or_path = source.stem
     model.save_pretrained(out, safe_serialization=True)
+    _rope_readable_by_both_majors(out / "config.json")
 
     # transformers' GGUF tokenizer conversion keeps the byte-level BPE but takes its special tokens
     # from Llama defaults (eos <|im_start|>, a prepended BOS); the GGUF metadata says otherwise.
@@ -66,3 +68,19 @@ def convert_gguf(source: Path, out: Path) -> None:
     if field("tokenizer.chat_template"):
         tokenizer.chat_template = field("tokenizer.chat_template")
     tokenizer.save_pretrained(out)
+
+
+def _rope_readable_by_both_majors(config_file: Path) -> None:
+    """Write the RoPE settings in both spellings: transformers 5 saves only `rope_parameters`, which
+    4.x ignores (it would silently fall back to rope_theta 10,000), and 4.x saves only `rope_theta`."""
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    params = config.get("rope_parameters")
+    if isinstance(params, dict):
+        if "rope_theta" in params:
+            config.setdefault("rope_theta", params["rope_theta"])
+        if params.get("rope_type", "default") != "default":
+            config.setdefault("rope_scaling", {k: v for k, v in params.items() if k != "rope_theta"})
+    elif "rope_theta" in config:
+        config["rope_parameters"] = {"rope_theta": config["rope_theta"], "rope_type": "default",
+                                     **(config.get("rope_scaling") or {})}
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")

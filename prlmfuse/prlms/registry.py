@@ -40,7 +40,7 @@ from prlmfuse.prlms.info import CheckpointInfo, describe, load_config
 logger = logging.getLogger(__name__)
 
 # Bumped whenever a converter's output could change; prepared copies from an older converter are rebuilt.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2
 
 _SOURCE_MARKER = "prlmfuse_source.json"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)?$")
