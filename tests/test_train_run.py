@@ -47,7 +47,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 def test_fused_run_layout_run_json_and_load_run(world, tmp_path):
     corpus, ckpt, paths = world
     use = PrLMUse(checkpoint=str(ckpt), layer=-2)
-    run = small_runs.tiny_run("fused", prlms=[use], bf16=True, max_updates=16)
+    run = small_runs.tiny_run("fused", prlms=[use], max_updates=16)
     run_dir = train_run(run, corpus, [small_runs.caches_for(use, paths)], tmp_path / "fused", progress=False)
     assert run_dir == tmp_path / "fused"
 
