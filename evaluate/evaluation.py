@@ -100,6 +100,7 @@ def evaluate_runs(
     every run (e.g. 'intl'); default by target language ('zh', 'ja-mecab', 'ko-mecab', '13a').
     """
     out = Path(out)
+    runtime = Runtime(resolve_runtime(device, "auto").device, torch.bfloat16 if bf16 else torch.float32)
     runs = [open_run(d) for d in run_dirs]
     if not runs:
         raise UserError("no run directories given; pass at least one trained run")
@@ -118,7 +119,6 @@ def evaluate_runs(
     if batch_tokens < 1:
         raise UserError(f"batch_tokens must be >= 1, got {batch_tokens}")
     baseline_name = _resolve_baseline(runs, baseline)
-    runtime = Runtime(resolve_runtime(device, "auto").device, torch.bfloat16 if bf16 else torch.float32)
     logger.info("evaluate: %d run(s) -> %s (%s)", len(runs), out, runtime.describe())
     splits = list(test_sets) if test_sets else ["test"]
 

@@ -101,6 +101,7 @@ def translate(
     """
     if beam < 1:
         raise UserError(f"beam must be >= 1, got {beam}")
+    runtime = Runtime(resolve_runtime(device, "auto").device, torch.bfloat16 if bf16 else torch.float32)
     run = open_run(run_dir)
     # One sentence per line: a stray newline or carriage return would shift every later line.
     lines = [" ".join(line.replace("\r", " ").replace("\n", " ").split()) if ("\n" in line or "\r" in line) else line
@@ -110,7 +111,6 @@ def translate(
     weights = select_weights(run, average_last)
     settings = DecodeSettings.for_run(run, no_repeat_ngram_size, beam=beam, lenpen=lenpen, max_len_a=max_len_a,
                                       max_len_b=max_len_b, min_len=min_len, bf16=bf16)
-    runtime = Runtime(resolve_runtime(device, "auto").device, torch.bfloat16 if bf16 else torch.float32)
     logger.info("translate: %s, %d line(s) (%s)", run.name, len(lines), runtime.describe())
     model, bpe = load_model(run, weights)
     model.to(runtime.device)

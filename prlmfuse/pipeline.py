@@ -199,6 +199,7 @@ def train_runs(
         raise UserError(f"--jobs must be a positive integer, got {parallel!r}")
     if parallel > 1 and rank_world()[1] > 1:
         raise UserError("--jobs > 1 cannot be combined with torchrun; use one or the other")
+    runtime = resolve_runtime(cfg.device, cfg.precision)  # a device this machine lacks fails before any work
     corpus = ensure_data(cfg, build=False)
     if jobs is None:
         jobs = cache_jobs(cfg, corpus)
@@ -215,7 +216,6 @@ def train_runs(
     runs = _selected_runs(cfg, names)
     if parallel > 1 and len(runs) > 1:
         return _train_in_children(cfg, runs, parallel, resume=resume)
-    runtime = resolve_runtime(cfg.device, cfg.precision)
     dirs = []
     for run in runs:
         out = run_path(cfg, run.name)
@@ -378,6 +378,9 @@ def plan_lines(cfg: PipelineConfig, names: list[str] | None) -> list[str]:
 def run_pipeline(cfg: PipelineConfig, *, only: str | None = None, names: list[str] | None = None,
                  parallel: int = 1) -> None:
     """Every stage of the pipeline file (or `only` one), skipping what is already done."""
+    from prlmfuse.precision import resolve_runtime
+
+    resolve_runtime(cfg.device, cfg.precision)  # a device this machine lacks fails before any work
     if only in (None, "data"):
         corpus = ensure_data(cfg)
     else:
