@@ -59,30 +59,35 @@ def write_corpus(lines: list[str], path: Path) -> Path:
     return path
 
 
-def naive_loop(model, tokenizer, lines: list[str], out_dir: Path) -> tuple[float, int]:
+def naive_loop(model, tokenizer, lines: list[str], out_dir: Path, device: str = "cpu") -> tuple[float, int]:
     tokens = 0
+    model.to(device)
     start = time.perf_counter()
     with torch.no_grad():
         for b, i in enumerate(range(0, len(lines), 64)):
             enc = tokenizer(lines[i : i + 64], padding=True, truncation=True, max_length=512, return_tensors="pt")
-            hidden = model(**enc, output_hidden_states=True).hidden_states
-            np.save(out_dir / f"batch-{b:05d}.npy", torch.stack(hidden).float().numpy())
+            hidden = model(**{k: v.to(device) for k, v in enc.items()}, output_hidden_states=True).hidden_states
+            np.save(out_dir / f"batch-{b:05d}.npy", torch.stack(hidden).float().cpu().numpy())
             tokens += int(enc["attention_mask"].sum())
     return time.perf_counter() - start, tokens
 
 
-def bare_forward(model, tokenizer, info, lines: list[str]) -> tuple[float, int]:
+def bare_forward(model, tokenizer, info, lines: list[str], device: str = "cpu") -> tuple[float, int]:
     from prlmfuse.cache_features.extract import (
         FeatureExtractor, collate, encode_corpus, pad_token_id, parse_layers, plan_batches,
     )
-    from prlmfuse.precision import cpu_has_fast_bf16
+    from prlmfuse.cache_features.builder import default_max_tokens
+    from prlmfuse.precision import resolve_runtime
 
+    runtime = resolve_runtime(device)
     start = time.perf_counter()
     corpus = encode_corpus(tokenizer, lines, max_length=info.max_length)
-    extractor = FeatureExtractor(model, parse_layers("-2", info.num_layers), autocast=cpu_has_fast_bf16())
+    extractor = FeatureExtractor(model, parse_layers("-2", info.num_layers), runtime=runtime)
     pad_id = pad_token_id(tokenizer)
-    for batch in plan_batches(corpus.lengths, 8192):
+    for batch in plan_batches(corpus.lengths, default_max_tokens(runtime.device)):
         extractor(*collate(corpus, batch, pad_id))
+    if runtime.device.type == "cuda":
+        torch.cuda.synchronize(runtime.device)
     return time.perf_counter() - start, int(corpus.offsets[-1])
 
 
@@ -125,6 +130,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of (b) and (c)")
     parser.add_argument("--dtype-sentences", type=int, default=1000, help="verses per small cache for bytes/token")
     parser.add_argument("--rss-sizes", default="2000,8000")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     parser.add_argument("--child-build", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--child-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -133,14 +139,14 @@ def main() -> None:
         return
 
     from prlmfuse.cache_features import build_cache, inspect_cache
-    from prlmfuse.precision import cpu_has_fast_bf16
+    from prlmfuse.precision import precision_name, resolve_runtime
     from prlmfuse.prlms import load_prlm, resolve_checkpoint
 
     lines = bible_sentences(args.sentences)
     info = resolve_checkpoint(args.checkpoint)
     model, tokenizer = load_prlm(info)
     print(f"checkpoint {info.name} ({info.family}, {info.num_layers} layers, d={info.hidden_size}); "
-          f"{len(lines)} verses; torch threads {torch.get_num_threads()}; bf16 autocast {cpu_has_fast_bf16()}")
+          f"{len(lines)} verses; torch threads {torch.get_num_threads()}; device {args.device}, cache precision {precision_name(resolve_runtime(args.device).dtype)}")
     with torch.inference_mode():  # one warm-up batch so no variant pays one-time kernel setup
         model(**tokenizer(lines[:8], padding=True, return_tensors="pt"))
 
@@ -148,18 +154,18 @@ def main() -> None:
         tmp = Path(tmp)
         corpus = write_corpus(lines, tmp / "train.src")
         (tmp / "naive").mkdir()
-        seconds_a, tokens_a = naive_loop(model, tokenizer, lines, tmp / "naive")
+        seconds_a, tokens_a = naive_loop(model, tokenizer, lines, tmp / "naive", args.device)
         del model
         seconds_b = seconds_c = float("inf")
         for r in range(args.rounds):
             fresh, fresh_tokenizer = load_prlm(info)
             with torch.inference_mode():
                 fresh(**fresh_tokenizer(lines[:8], padding=True, return_tensors="pt"))
-            seconds, tokens_b = bare_forward(fresh, fresh_tokenizer, info, lines)
+            seconds, tokens_b = bare_forward(fresh, fresh_tokenizer, info, lines, args.device)
             seconds_b = min(seconds_b, seconds)
             del fresh
             start = time.perf_counter()
-            result = build_cache(args.checkpoint, corpus, tmp / f"cache-{r}", progress=False)
+            result = build_cache(args.checkpoint, corpus, tmp / f"cache-{r}", progress=False, device=args.device)
             elapsed = time.perf_counter() - start
             seconds_c = min(seconds_c, elapsed)
             print(f"round {r + 1}: (b) {tokens_b / seconds:,.0f} tokens/s, (c) {tokens_b / elapsed:,.0f} tokens/s", file=sys.stderr)
@@ -204,7 +210,7 @@ def main() -> None:
         "bytes_per_token_total_fp16": round(per_dtype["float16"]["bytes_per_token_total"], 1),
         "rss_mib": {str(n): round(kb / 1024) for n, kb in rss.items()},
         "rss_ratio": round(rss[sizes[-1]] / rss[sizes[0]], 3),
-        "autocast": "bfloat16" if cpu_has_fast_bf16() else "off",
+        "precision": precision_name(resolve_runtime(args.device).dtype),
         "cpu_count": os.cpu_count(),
     }
     print("RESULT " + json.dumps(result_line))

@@ -71,20 +71,22 @@ def _corpus(home: Path, train_pairs: int):
 class _LivePrLM:
     """bert-nmt's way: tokenize the raw source and run the frozen PrLM inside the training step."""
 
-    def __init__(self, info, layer: int, autocast: bool):
+    def __init__(self, info, layer: int, runtime):
         from prlmfuse.prlms import load_prlm
 
         self.model, self.tokenizer = load_prlm(info)
+        self.model.to(runtime.device)
         self.layer = layer
         self.max_length = int(info.max_length)
-        self.autocast = autocast
+        self.runtime = runtime
 
     @torch.no_grad()
     def features(self, lines: list[str]):
         from prlmfuse.train_fused.modeling import PrLMFeatures
 
         enc = self.tokenizer(lines, padding=True, truncation=True, max_length=self.max_length, return_tensors="pt")
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+        enc = {k: v.to(self.runtime.device) for k, v in enc.items()}
+        with self.runtime.autocast():
             hidden = self.model(**enc, output_hidden_states=True).hidden_states[self.layer]
         return PrLMFeatures(states=hidden.float()[:, None], mask=enc["attention_mask"].bool(), pooled=None)
 
@@ -113,6 +115,8 @@ def _step(trainer, batches, live: _LivePrLM | None, src_lines) -> tuple[float, f
     if live is not None:
         batch.prlm = [live.features([src_lines[j] for j in batch.ids.tolist()])]
     trainer.train_step(batch)
+    if trainer.device.type == "cuda":  # the step's kernels run asynchronously: time them to the end
+        torch.cuda.synchronize(trainer.device)
     return t1 - t0, time.perf_counter() - t0, batch.ntokens
 
 
@@ -145,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds of --steps cycles (default 8; in --compare, child processes per variant, default 5)")
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--train-pairs", type=int, default=6000)
     parser.add_argument("--bpe-vocab", type=int, default=8000)
@@ -178,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     from prlmfuse.distributed import DistContext
     from prlmfuse.train_fused.modeling import FusedTransformer, PrLMSpec
-    from prlmfuse.precision import cpu_has_fast_bf16
+    from prlmfuse.precision import resolve_runtime
     from prlmfuse.cache_features import CacheReader
     from prlmfuse.train_fused.branches import PrLMBranch
     from prlmfuse.train_fused.run_setup import build_model_config
@@ -221,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     run = RunConfig(name="bench", preset=args.preset, prlms=[use], max_tokens=args.max_tokens, max_updates=needed,
                     num_workers=args.workers, dropout=0.1)
     spec = PrLMSpec(name=info.name, width=info.hidden_size, num_layers=1, num_pooled=absolute_layer + 1)
-    bf16 = run.bf16 and cpu_has_fast_bf16()
+    runtime = resolve_runtime(args.device)
+    bf16 = runtime.dtype == torch.bfloat16
     ctx = DistContext()
     tmp_run = Path(tempfile.mkdtemp(prefix="train-bench-run-"))
 
@@ -229,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         """Logits [B, T, V] over every padded target position, pads ignored by the loss (the "without" of --compare rows)."""
 
         def _forward_sums(self, batch):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.use_bf16):
+            batch = batch.to(self.device)
+            with self.runtime.autocast():
                 logits = self.model(batch.src_tokens, batch.tgt_in, batch.prlm)
             return trainer_module.label_smoothed_sums(logits, batch.tgt_out, self.run.label_smoothing)
 
@@ -239,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.manual_seed(1)
         model = FusedTransformer(build_model_config(run, bpe.vocab_size, prlm_specs))
         dataset = PairDataset(src_ids, tgt_ids, sources)
-        return trainer_class(run, tmp_run, model, dataset, dataset, ctx, progress=False), dataset
+        return trainer_class(run, tmp_run, model, dataset, dataset, ctx, progress=False, runtime=runtime), dataset
 
     def cached(in_memory: bool):
         return [PrLMBranch(CacheReader(caches["train"], in_memory=in_memory), layer_rows=(0,), pooled_rows=None)]
@@ -254,9 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     if "c" in systems:
         # (c) loads the whole cache into RAM before timing, as in_memory_features does at startup.
         systems["c"][1].branches[0].reader.features(0)
-    live = _LivePrLM(info, args.layer, autocast=bf16) if "d" in systems else None
+    live = _LivePrLM(info, args.layer, runtime) if "d" in systems else None
     sizes = {k: f"{t.model.num_parameters() / 1e6:.1f}M" for k, (t, _) in systems.items()}
-    print(f"model {args.preset}: parameters {sizes}; bf16 autocast {bf16}; "
+    print(f"model {args.preset}: parameters {sizes}; {runtime.describe()}; "
           f"{needed} batches of <= {args.max_tokens} tokens; PrLM {info.name} ({info.num_layers} layers, d={info.hidden_size})",
           file=sys.stderr)
 

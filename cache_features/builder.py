@@ -27,7 +27,7 @@ import torch
 
 from prlmfuse.distributed import DistContext, all_reduce_max, destroy, init_distributed, join_group
 from prlmfuse.errors import UserError
-from prlmfuse.precision import cpu_has_fast_bf16
+from prlmfuse.precision import Runtime, dtype_of, resolve_runtime
 from prlmfuse.fileio import is_disk_full, read_lines, sha256_file
 
 from .extract import (
@@ -45,12 +45,20 @@ from .background_writer import BackgroundWriter
 from .build_directory import completed_records, directory_lock, disk_full_error, prepare_directory
 from .codecs import check_dtype, encode, pooled_storage_dtype, token_bytes_per_row, token_numpy_dtype
 from .location import Location
+from .compat import precision_of, stored_fields
 from .manifest import MANIFEST, cache_key, check_shard_name, key_hash, read_json_at, write_json_at
 from .shards import ArraySpec, check_backend, shard_suffix
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SHARD_BYTES = 64 << 20
+# Token budget per forward when none is given: the CPU's keeps batches cache-friendly; the GPU's
+# keeps a 16 GB card busy with a base-size PrLM's activations of every computed layer in memory.
+DEFAULT_MAX_TOKENS = {"cpu": 8192, "cuda": 65536}
+
+
+def default_max_tokens(device: torch.device | str) -> int:
+    return DEFAULT_MAX_TOKENS[torch.device(device).type]
 
 
 @dataclass(frozen=True)
@@ -59,6 +67,44 @@ class CacheResult:
     key: str
     reused: bool
     manifest: dict
+
+
+class _HostCopies:
+    """Device-to-host copies of each batch's features, overlapped with the next forward pass.
+
+    On CUDA a batch's real-token rows are copied into pinned host memory without blocking, and handed
+    to the writer only after the NEXT batch's forward has been queued: storage never idles the GPU.
+    On the CPU the rows go straight to the writer.
+    """
+
+    def __init__(self, writer: BackgroundWriter, layers: tuple[int, ...], dtype: str, device: torch.device):
+        self.writer, self.layers, self.dtype = writer, layers, dtype
+        self.cuda = device.type == "cuda"
+        self.pending = None
+
+    def push(self, token_states: torch.Tensor, pooled: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        if not self.cuda:
+            self.writer.append(encode_batch(token_states, pooled, attention_mask, self.layers, self.dtype))
+            return
+        real = attention_mask.to(token_states.device).bool()
+        packed = token_states[:, real]  # [n_layers, n_real_tokens, d], sentence-major
+        host_states = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+        host_pooled = torch.empty(pooled.shape, dtype=pooled.dtype, pin_memory=True)
+        host_states.copy_(packed, non_blocking=True)
+        host_pooled.copy_(pooled, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        self.flush()
+        self.pending = (done, host_states, host_pooled)
+
+    def flush(self) -> None:
+        """Hand the batch still in flight to the writer (at a shard's end, before commit)."""
+        if self.pending is None:
+            return
+        done, host_states, host_pooled = self.pending
+        self.pending = None
+        done.synchronize()  # the copy has landed: the host buffers are safe to read
+        self.writer.append(encode_batch(host_states, host_pooled, None, self.layers, self.dtype))
 
 
 # ----------------------------------------------------------------------------- build
@@ -85,13 +131,16 @@ def _shard_specs(plan: ShardPlan, corpus: EncodedCorpus, layers: tuple[int, ...]
     return specs, first_rows, meta
 
 
-def encode_batch(token_states: torch.Tensor, pooled: torch.Tensor, attention_mask: torch.Tensor,
+def encode_batch(token_states: torch.Tensor, pooled: torch.Tensor, attention_mask: torch.Tensor | None,
                  layers: tuple[int, ...], dtype: str) -> dict[str, np.ndarray]:
-    """Model output of one batch -> the rows each shard array receives (padding dropped)."""
-    real = attention_mask.bool()
+    """Model output of one batch -> the rows each shard array receives (padding dropped).
+
+    attention_mask None: token_states are already packed, [n_layers, n_real_tokens, d].
+    """
     rows: dict[str, np.ndarray] = {}
     for i, layer in enumerate(layers):
-        values, scales = encode(token_states[i][real], dtype)  # [n_real_tokens, d], sentence-major
+        states = token_states[i] if attention_mask is None else token_states[i][attention_mask.bool()]
+        values, scales = encode(states, dtype)  # [n_real_tokens, d], sentence-major
         rows[f"layer_{layer:03d}"] = values
         if scales is not None:
             rows[f"scale_{layer:03d}"] = scales
@@ -107,9 +156,10 @@ def build_cache(
     layers="-2",
     backend: str = "zarr",
     dtype: str = "float16",
-    max_tokens: int = 8192,
+    max_tokens: int | None = None,
     force: bool = False,
-    autocast: bool | None = None,
+    device: str = "auto",
+    precision: str | None = None,
     progress: bool = True,
     trust_remote_code: bool = False,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
@@ -117,12 +167,19 @@ def build_cache(
     """Run `checkpoint` once over `corpus_file` and store its hidden states in `out` (dir or fsspec URL).
 
     layers: '-2' (default, penultimate), '-2,-3', 'all', or a list of hidden_states indices.
-    autocast: None = bf16 autocast where the CPU has fast bf16 (AMX / AVX512-BF16), else fp32.
+    max_tokens: token budget per forward; None is 8192 on the CPU, 65536 on a GPU (DEFAULT_MAX_TOKENS).
+    device: auto | cpu | cuda | cuda:N; under torchrun `cuda` is each rank's LOCAL_RANK GPU.
+    precision: bf16 | fp16 | fp32 autocast; None (or auto) takes the precision of a cache already in
+    `out` that matches in all else, else the device's fast one (prlmfuse.precision.compute_dtype).
     shard_bytes: target size of one shard's token features (a bound on memory is one batch, not this).
     Under torchrun each rank builds its share of the shards; rank 0 writes the manifest.
     """
     check_dtype(dtype)
     check_backend(backend)
+    explicit = precision is not None and precision != "auto"
+    runtime = resolve_runtime(device, precision if explicit else "auto")
+    if max_tokens is None:
+        max_tokens = default_max_tokens(runtime.device)
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise UserError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     location = Location(out)
@@ -136,17 +193,22 @@ def build_cache(
 
     info = resolve_checkpoint(checkpoint, trust_remote_code=trust_remote_code)
     selection = parse_layers(layers, info.num_layers)
-    if autocast is None:
-        autocast = cpu_has_fast_bf16()
-    fields = cache_key(info, sha256_file(corpus_file), selection, dtype, autocast=autocast)
+    fields = cache_key(info, sha256_file(corpus_file), selection, dtype, precision=runtime.precision)
+    if not explicit and not force:
+        stored = stored_fields(location, fields)
+        if stored is not None:
+            fields = stored
+            runtime = Runtime(runtime.device, dtype_of(precision_of(stored)))
     key = key_hash(fields)
     plan_params = {"max_tokens": int(max_tokens), "shard_bytes": int(shard_bytes)}
 
-    created_group = join_group()
-    dist = init_distributed()
+    created_group = join_group(runtime.device)
+    dist = init_distributed(runtime.device)
+    if dist.is_main:
+        logger.info("cache: %s -> %s (%s)", checkpoint, out, runtime.describe())
     try:
         return _locked_build(info, load_prlm, lines, location, out, selection, fields, key, plan_params, backend,
-                             dtype, max_tokens, shard_bytes, autocast, force, progress, dist)
+                             dtype, max_tokens, shard_bytes, runtime, force, progress, dist)
     except OSError as e:
         # anything not already named (the lock file, a directory): still one actionable line
         if is_disk_full(e):
@@ -158,7 +220,7 @@ def build_cache(
 
 
 def _locked_build(info, load_prlm, lines, location, out, selection, fields, key, plan_params, backend, dtype,
-                  max_tokens, shard_bytes, autocast, force, progress, dist: DistContext) -> CacheResult:
+                  max_tokens, shard_bytes, runtime, force, progress, dist: DistContext) -> CacheResult:
     """Reuse, resume or build `location`: rank 0 decides under the lock; the other ranks follow its verdict."""
     with directory_lock(location, enabled=dist.is_main):
         verdict, error = 0, None  # 0 build, 1 reuse, 2 failed
@@ -178,12 +240,12 @@ def _locked_build(info, load_prlm, lines, location, out, selection, fields, key,
             logger.info("cached: %s already holds this cache (key %s), nothing to do", out, key[:12])
             return CacheResult(str(out), key, True, manifest)
         manifest = _build(info, load_prlm, lines, location, selection, fields, key, backend, dtype,
-                          max_tokens, shard_bytes, autocast, progress, dist)
+                          max_tokens, shard_bytes, runtime, progress, dist)
         return CacheResult(str(out), key, False, manifest)
 
 
 def _build(info, load_prlm, lines, location, selection, fields, key, backend, dtype, max_tokens, shard_bytes,
-           autocast, progress, dist: DistContext) -> dict:
+           runtime: Runtime, progress, dist: DistContext) -> dict:
     model, tokenizer = load_prlm(info)
     corpus = encode_corpus(tokenizer, lines, max_length=info.max_length)
     del lines
@@ -203,7 +265,8 @@ def _build(info, load_prlm, lines, location, selection, fields, key, backend, dt
     if done and dist.is_main:
         logger.info("resuming %s: %d of %d shards already complete", location, len(done), len(shards))
 
-    extractor = FeatureExtractor(model, selection, autocast=autocast)
+    extractor = FeatureExtractor(model, selection, runtime=runtime)
+    on_gpu = runtime.device.type == "cuda"
     pad_id = pad_token_id(tokenizer)
     layers = selection.token_layers
     n_pooled = len(selection.pooled_layers)
@@ -213,6 +276,7 @@ def _build(info, load_prlm, lines, location, selection, fields, key, backend, dt
     failed = 0
     error: BaseException | None = None
     writer = BackgroundWriter(location, backend, key)
+    copies = _HostCopies(writer, layers, dtype, runtime.device)
     try:
         from tqdm.auto import tqdm
 
@@ -225,12 +289,15 @@ def _build(info, load_prlm, lines, location, selection, fields, key, backend, dt
                 writer.open(names[plan.index], specs, first_rows, meta)
                 for batch in plan.batches:
                     input_ids, attention_mask = collate(corpus, batch, pad_id)
+                    if on_gpu:  # page-locked, so the extractor's copy to the GPU does not block
+                        input_ids, attention_mask = input_ids.pin_memory(), attention_mask.pin_memory()
                     token_states, pooled = extractor(input_ids, attention_mask)
-                    writer.append(encode_batch(token_states, pooled, attention_mask, layers, dtype))
+                    copies.push(token_states, pooled, attention_mask)
                     tokens_done += int(attention_mask.sum())
                     bar.update(len(batch))
                     bar.set_postfix(tok_s=f"{tokens_done / max(time.perf_counter() - started, 1e-9):,.0f}",
                                     refresh=False)
+                copies.flush()
                 writer.commit()
         writer.close()
     except BaseException as e:  # noqa: BLE001 - every rank must reach the collective below

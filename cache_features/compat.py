@@ -4,8 +4,8 @@ The trainer (train, dev and test caches), the evaluator (test caches) and live t
 private cache built from the input) all go through these functions, so a cache is accepted or
 refused by the same rules wherever it is read:
 
-- its key fields equal the ones the run trained on (checkpoint identity, dtype, truncation,
-  autocast, ...), except the corpus, and its stored layers may be a superset;
+- its key fields equal the ones the run trained on (checkpoint identity, dtype, truncation, ...),
+  except the corpus and the compute precision, and its stored layers may be a superset;
 - it was built from the source file as it is now (corpus_sha256) and holds one entry per line;
 - it stores every layer (and pooled layer) the run reads.
 """
@@ -13,12 +13,15 @@ refused by the same rules wherever it is read:
 from __future__ import annotations
 
 import json
+import logging
 
 from prlmfuse.errors import UserError
 
 from .manifest import MANIFEST, verify_cache
 from .reader import CacheReader
 from .location import Location
+
+logger = logging.getLogger(__name__)
 
 BUILT, MISSING, DAMAGED = "built", "missing", "damaged"
 # A layer choice is a hidden_states index or one of these learned combinations of every cached layer.
@@ -28,6 +31,38 @@ POOLED_MODES = ("dyn_cls", "dyn_aver")  # they also read the pooled (first token
 # The key field that depends on which text was encoded; the stored layers may grow; all else must match.
 _CORPUS_FIELD = "corpus_sha256"
 _SUPERSET_FIELDS = frozenset({"layers", "pooled_layers"})
+# How the features were computed (bf16 / fp16 / fp32 autocast), not what they are: caches that differ
+# only in it are interchangeable within rounding. Caches of an earlier layout name it "autocast".
+_PRECISION_FIELDS = frozenset({"precision", "autocast"})
+
+
+def precision_of(fields: dict) -> str:
+    """The compute precision a cache's key fields record: bf16, fp16 or fp32."""
+    if "precision" in fields:
+        return str(fields["precision"])
+    return "bf16" if fields.get("autocast") == "bfloat16" else "fp32"
+
+
+def same_but_precision(a: dict, b: dict) -> bool:
+    """Key fields equal in everything but the compute precision."""
+    strip = lambda f: {k: v for k, v in f.items() if k not in _PRECISION_FIELDS}  # noqa: E731
+    return strip(a) == strip(b)
+
+
+def stored_fields(location, fields: dict) -> dict | None:
+    """The key fields of the cache (complete, or a build under way) at `location` when it differs from
+    `fields` only in its precision; None otherwise. A build that did not ask for a precision adopts it,
+    so that a workdir built on one machine is reused (or resumed) on another without --force."""
+    from .manifest import BUILD_RECORD
+
+    for name in (MANIFEST, BUILD_RECORD):
+        try:
+            found = json.loads(location.read_bytes(name)).get("key_fields")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(found, dict) and same_but_precision(found, fields):
+            return found
+    return None
 
 
 def cache_status(path: str) -> tuple[str, str]:
@@ -51,7 +86,10 @@ def cache_status(path: str) -> tuple[str, str]:
 
 def check_key_fields(found: dict, expected: dict, *, where: str) -> None:
     """Refuse a cache whose key fields differ from `expected` (the training cache's) other than in its corpus."""
-    for name in sorted((set(expected) | set(found)) - {_CORPUS_FIELD}):
+    if precision_of(found) != precision_of(expected):
+        logger.warning("cache %s was computed at %s, the run's training cache at %s: features differ by rounding",
+                       where, precision_of(found), precision_of(expected))
+    for name in sorted((set(expected) | set(found)) - {_CORPUS_FIELD} - _PRECISION_FIELDS):
         want, have = expected.get(name), found.get(name)
         if name in _SUPERSET_FIELDS:
             if not set(want or []) <= set(have or []):

@@ -286,16 +286,25 @@ def truncated_model(model: nn.Module, highest: int) -> nn.Module:
 class FeatureExtractor:
     """Frozen PrLM -> (token features of the selected layers, first-token and mean of every computed layer)."""
 
-    def __init__(self, model: nn.Module, selection: LayerSelection, *, autocast: bool):
+    def __init__(self, model: nn.Module, selection: LayerSelection, *, runtime=None):
+        """runtime: a prlmfuse.precision.Runtime (device and autocast precision); None is the CPU at fp32."""
+        from prlmfuse.precision import Runtime
+
         self.selection = selection
-        self.autocast = autocast
-        self.model = truncated_model(model.eval(), selection.highest)
+        self.runtime = runtime if runtime is not None else Runtime(torch.device("cpu"), torch.float32)
+        self.model = truncated_model(model.eval().to(self.runtime.device), selection.highest)
         # DistilBERT and other encoders take no use_cache argument; causal LMs must not build a KV cache
         self.forward_kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns token_states float32 [n_token_layers, B, T, d] and pooled float32 [B, n_pooled, 2, d]."""
-        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+        """Returns token_states float32 [n_token_layers, B, T, d] and pooled float32 [B, n_pooled, 2, d],
+        on the runtime's device (inputs may be on the host: they are moved there)."""
+        device = self.runtime.device
+        if input_ids.device != device:
+            non_blocking = input_ids.is_pinned()
+            input_ids = input_ids.to(device, non_blocking=non_blocking)
+            attention_mask = attention_mask.to(device, non_blocking=non_blocking)
+        with torch.inference_mode(), self.runtime.autocast():
             out = self.model(
                 input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, return_dict=True,
                 **self.forward_kwargs,

@@ -36,18 +36,18 @@ _SHARD_NAME = re.compile(r"^shard-\d{5}\.(zarr|h5)$")
 HEAD_FRACTION = "1/4"  # extract.middle_cut keeps max_length // 4 head tokens
 
 
-def cache_key(checkpoint_info, corpus_file, layers, dtype, *, autocast: bool | None = None) -> dict:
+def cache_key(checkpoint_info, corpus_file, layers, dtype, *, precision: str = "fp32") -> dict:
     """The fields that decide a cache's content; `key_hash(fields)` is the cache's key.
 
-    `autocast=None` means the default for this machine (bf16 where the CPU has fast bf16), so
-    a cache built by default on an AMX machine and one built on a machine without it differ.
+    `precision` is the autocast precision the features were computed at (bf16, fp16 or fp32): a
+    property of the computation, never of the machine, so a cache moves between machines and devices.
     """
-    from prlmfuse.precision import cpu_has_fast_bf16
+    from prlmfuse.precision import check_precision_text
 
     check_dtype(dtype)
+    if check_precision_text(precision) == "auto":
+        raise ValueError("cache_key needs the resolved precision (bf16, fp16 or fp32), not 'auto'")
     selection = layers if isinstance(layers, LayerSelection) else parse_layers(layers, checkpoint_info.num_layers)
-    if autocast is None:
-        autocast = cpu_has_fast_bf16()
     corpus_sha = corpus_file if _looks_like_sha(corpus_file) else sha256_file(corpus_file)
     return {
         "format": FORMAT_VERSION,
@@ -59,7 +59,7 @@ def cache_key(checkpoint_info, corpus_file, layers, dtype, *, autocast: bool | N
         "layers": list(selection.token_layers),
         "pooled_layers": list(selection.pooled_layers),
         "dtype": dtype,
-        "autocast": "bfloat16" if autocast else "off",
+        "precision": precision,
         "truncation": {"max_length": int(checkpoint_info.max_length), "mode": "middle", "head": HEAD_FRACTION},
         "corpus_sha256": corpus_sha,
         "prlmfuse_version": prlmfuse.__version__,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -13,6 +14,7 @@ import torch
 from prlmfuse.batching import token_budget_batches
 from prlmfuse.evaluate.decode import beam_search
 from prlmfuse.evaluate.settings import BATCH_TOKENS, DecodeSettings
+from prlmfuse.precision import autocast
 from prlmfuse.train_fused.bpe import EOS_ID, PAD_ID
 from prlmfuse.train_fused.branches import PrLMBranch
 from prlmfuse.train_fused.data import batch_features
@@ -82,7 +84,9 @@ def decode_corpus(
 
         bar = tqdm(total=n, desc=desc, unit="sent", leave=False)
     start = time.perf_counter()
-    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):
+    device = next(model.parameters()).device
+    on_gpu = device.type == "cuda"
+    with torch.inference_mode(), autocast(device, torch.bfloat16 if settings.bf16 else torch.float32):
         for batch in batches:
             width = int(lengths[batch[0]])
             src_tokens = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
@@ -92,6 +96,9 @@ def decode_corpus(
                 src_tokens[row, len(ids)] = EOS_ID
             # Same reading and padding as the trainer's batches.
             prlm = [batch_features(b, batch) for b in branches]
+            if on_gpu:
+                src_tokens = src_tokens.pin_memory().to(device, non_blocking=True)
+                prlm = [_features_to(f, device) for f in prlm]
             out_ids = beam_search(
                 model,
                 src_tokens,
@@ -115,3 +122,10 @@ def decode_corpus(
     if bar is not None:
         bar.close()
     return DecodeOutput(hyps=hyps, hyp_tokens=hyp_tokens, seconds=seconds)
+
+
+def _features_to(features, device: torch.device):
+    """One branch's batch features on the model's device (copied from page-locked memory without blocking)."""
+    move = lambda t: None if t is None else t.pin_memory().to(device, non_blocking=True)  # noqa: E731
+    return dataclasses.replace(features, states=move(features.states), mask=move(features.mask),
+                               pooled=move(features.pooled))

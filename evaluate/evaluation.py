@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 from pathlib import Path
 from typing import Iterable, Sequence
+
+import torch
 
 from prlmfuse.errors import UserError
 from prlmfuse.evaluate.bootstrap import BOOTSTRAP_SAMPLES, add_bootstrap, matched_baselines
@@ -27,7 +30,10 @@ from prlmfuse.evaluate.results import EvaluationResults, RunResult, write_result
 from prlmfuse.evaluate.runs import RunView, load_model, open_run, select_weights, weights_fingerprint
 from prlmfuse.evaluate.settings import AVERAGE_LAST, BATCH_TOKENS, DEFAULTS, DecodeSettings
 from prlmfuse.fileio import atomic_write_json, atomic_write_text, read_lines, sha256_file
+from prlmfuse.precision import Runtime, resolve_runtime
 from prlmfuse.train_fused import run_dir as rundir
+
+logger = logging.getLogger(__name__)
 
 
 def _safe_name(name: str) -> str:
@@ -79,6 +85,7 @@ def evaluate_runs(
     min_len: int = DEFAULTS.min_len,
     batch_tokens: int = BATCH_TOKENS,
     bf16: bool = DEFAULTS.bf16,
+    device: str = "auto",
     bleu_tokenize: str | None = None,
     bootstrap_samples: int = BOOTSTRAP_SAMPLES,
     seed: int = DEFAULT_SEED,
@@ -93,6 +100,7 @@ def evaluate_runs(
     every run (e.g. 'intl'); default by target language ('zh', 'ja-mecab', 'ko-mecab', '13a').
     """
     out = Path(out)
+    runtime = Runtime(resolve_runtime(device, "auto").device, torch.bfloat16 if bf16 else torch.float32)
     runs = [open_run(d) for d in run_dirs]
     if not runs:
         raise UserError("no run directories given; pass at least one trained run")
@@ -111,6 +119,7 @@ def evaluate_runs(
     if batch_tokens < 1:
         raise UserError(f"batch_tokens must be >= 1, got {batch_tokens}")
     baseline_name = _resolve_baseline(runs, baseline)
+    logger.info("evaluate: %d run(s) -> %s (%s)", len(runs), out, runtime.describe())
     splits = list(test_sets) if test_sets else ["test"]
 
     rows: list[RunResult] = []
@@ -145,6 +154,7 @@ def evaluate_runs(
             else:
                 if model is None:
                     model, bpe = load_model(run, weights)
+                    model.to(runtime.device)
                 cut: dict = {}
                 src_ids = encode_sources(bpe, src_lines, int(run.model_config.get("max_positions", 1024)), stats=cut)
                 if progress:

@@ -1,8 +1,8 @@
 """Translate raw text with a trained run, running its frozen PrLM on the input ("live" features).
 
 The features must be the ones the run was trained on: same checkpoint (identity checked),
-same layers, same middle-cut truncation, same dtype rounding and the same bf16-or-not forward
-pass. The surest way to guarantee that is to go through the cache stage itself: the input lines
+same layers, same middle-cut truncation, same dtype rounding and the same compute precision
+(on whichever device runs it here). The surest way to guarantee that is to go through the cache stage itself: the input lines
 are written to a temporary corpus file and `build_cache` encodes them into a temporary cache with
 the training cache's settings, which is then read exactly as the batch evaluation reads its
 test cache. The temporary directory is removed afterwards; nothing is left under a trusted name.
@@ -10,17 +10,24 @@ test cache. The temporary directory is removed afterwards; nothing is left under
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from pathlib import Path
 from typing import Sequence
 
+import torch
+
+from prlmfuse.cache_features.compat import precision_of
 from prlmfuse.errors import UserError
 from prlmfuse.evaluate.corpus_decode import decode_corpus, encode_sources, note_truncated
 from prlmfuse.evaluate.runs import RunView, load_model, open_run, select_weights
 from prlmfuse.evaluate.settings import AVERAGE_LAST, BATCH_TOKENS, DEFAULTS, DecodeSettings
 from prlmfuse.fileio import sha256_file
+from prlmfuse.precision import Runtime, resolve_runtime
 from prlmfuse.train_fused.branches import PrLMBranch
+
+logger = logging.getLogger(__name__)
 
 
 def live_features(
@@ -29,8 +36,9 @@ def live_features(
     workdir: str | os.PathLike,
     *,
     trust_remote_code: bool = False,
-    max_tokens: int = 8192,
+    max_tokens: int | None = None,
     progress: bool = False,
+    device: str = "auto",
 ) -> list[PrLMBranch]:
     """Run each PrLM of the run over `lines` into a cache under `workdir` with the key fields of the
     cache the run trained on; one PrLMBranch per branch, opened like a test cache."""
@@ -58,7 +66,9 @@ def live_features(
             backend="zarr",
             dtype=str(trained["dtype"]),
             max_tokens=max_tokens,
-            autocast=trained["autocast"] != "off",
+            # the precision the run's training features were computed at, on whichever device runs it here
+            device=device,
+            precision=precision_of(trained),
             progress=progress,
             trust_remote_code=trust_remote_code,
         )
@@ -82,6 +92,7 @@ def translate(
     bf16: bool = DEFAULTS.bf16,
     trust_remote_code: bool = False,
     progress: bool = False,
+    device: str = "auto",
 ) -> list[str]:
     """Decode raw source lines with a trained run; its PrLM(s) run live on the input.
 
@@ -90,6 +101,7 @@ def translate(
     """
     if beam < 1:
         raise UserError(f"beam must be >= 1, got {beam}")
+    runtime = Runtime(resolve_runtime(device, "auto").device, torch.bfloat16 if bf16 else torch.float32)
     run = open_run(run_dir)
     # One sentence per line: a stray newline or carriage return would shift every later line.
     lines = [" ".join(line.replace("\r", " ").replace("\n", " ").split()) if ("\n" in line or "\r" in line) else line
@@ -99,13 +111,16 @@ def translate(
     weights = select_weights(run, average_last)
     settings = DecodeSettings.for_run(run, no_repeat_ngram_size, beam=beam, lenpen=lenpen, max_len_a=max_len_a,
                                       max_len_b=max_len_b, min_len=min_len, bf16=bf16)
+    logger.info("translate: %s, %d line(s) (%s)", run.name, len(lines), runtime.describe())
     model, bpe = load_model(run, weights)
+    model.to(runtime.device)
     cut: dict = {}
     src_ids = encode_sources(bpe, lines, int(run.model_config.get("max_positions", 1024)), stats=cut)
     if progress:
         note_truncated(cut, f"{run.name}/translate")
     with tempfile.TemporaryDirectory(prefix="prlmfuse-live-") as workdir:
-        branches = live_features(run, lines, workdir, trust_remote_code=trust_remote_code, progress=progress)
+        branches = live_features(run, lines, workdir, trust_remote_code=trust_remote_code, progress=progress,
+                                 device=str(runtime.device))
         decoded = decode_corpus(model, bpe, src_ids, branches, settings, batch_tokens=batch_tokens,
                                 progress=progress, desc=f"{run.name}/translate")
     return decoded.hyps

@@ -47,6 +47,30 @@ _jobs_option = click.option(
 )
 
 
+# Every stage takes the device; the stages that choose a compute precision take that too.
+_device_option = click.option(
+    "--device", default=None, metavar="DEVICE",
+    help="auto (CUDA when torch sees one, else CPU), cpu, cuda or cuda:N; under torchrun cuda is each rank's "
+    "LOCAL_RANK GPU. Overrides the pipeline file's `device` (default: auto).",
+)
+_precision_option = click.option(
+    "--precision", default=None, type=click.Choice(["auto", "bf16", "fp16", "fp32"]),
+    help="Autocast precision; auto is bf16 where the device multiplies it fast, fp16 on GPUs without bf16, "
+    "else fp32. Overrides the pipeline file's `precision` (default: auto).",
+)
+
+
+def _runtime_overrides(cfg, device: str | None, precision: str | None):
+    """The pipeline config with the command line's --device / --precision in place of the file's."""
+    from prlmfuse.precision import check_device_text
+
+    if device is not None:
+        cfg.device = check_device_text(device)
+    if precision is not None:
+        cfg.precision = precision
+    return cfg
+
+
 def _split_names(values: tuple[str, ...]) -> list[str] | None:
     names = [n for v in values for n in v.split(",") if n]
     return names or None
@@ -209,16 +233,23 @@ def cache() -> None:
 @click.option("--layers", default="-2", show_default=True, help="Comma-separated hidden-state indices, or 'all'.")
 @click.option("--backend", default="zarr", show_default=True, help="zarr or hdf5.")
 @click.option("--dtype", default="float16", show_default=True, help="float16, bfloat16, float32 or int8.")
-@click.option("--max-tokens", default=8192, show_default=True, help="Token budget per batch.")
+@click.option("--max-tokens", default=None, type=click.IntRange(min=1),
+              help="Token budget per batch (default: 8192 on a CPU, 65536 on a GPU).")
 @click.option("--force", is_flag=True, help="Replace a cache with a different key in --out.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow code shipped with a hub checkpoint to run.")
-def cache_build(checkpoint, corpus, out, layers, backend, dtype, max_tokens, force, trust_remote_code) -> None:
+@_device_option
+@click.option("--precision", default=None, type=click.Choice(["auto", "bf16", "fp16", "fp32"]),
+              help="Autocast precision of the forward pass (default auto: the precision of a matching cache "
+              "already in --out, else the device's fast one). A different one than --out holds needs --force.")
+def cache_build(checkpoint, corpus, out, layers, backend, dtype, max_tokens, force, trust_remote_code, device,
+                precision) -> None:
     """Build (or reuse) the feature cache of one checkpoint over one corpus file."""
     from prlmfuse.cache_features import build_cache
 
     result = build_cache(
         checkpoint, corpus, out, layers=layers, backend=backend, dtype=dtype,
-        max_tokens=max_tokens, force=force, trust_remote_code=trust_remote_code,
+        max_tokens=max_tokens, force=force, trust_remote_code=trust_remote_code, device=device or "auto",
+        precision=precision,
     )
     click.echo(f"{'cached' if result.reused else 'built'}: {result.path} (key {result.key[:16]})")
 
@@ -274,8 +305,10 @@ def cache_inspect(path: str, as_json: bool, scale_sample: int) -> None:
     "data order continue), or start runs from scratch.",
 )
 @_jobs_option
+@_device_option
+@_precision_option
 @click.pass_context
-def train(ctx, pipeline, runs, resume, parallel) -> None:
+def train(ctx, pipeline, runs, resume, parallel, device, precision) -> None:
     """Stage two: train the runs of a pipeline file from its caches (no PrLM is loaded).
 
     Runs resume from their last checkpoint by default (`--resume`); `--fresh` starts them over.
@@ -287,7 +320,7 @@ def train(ctx, pipeline, runs, resume, parallel) -> None:
     from prlmfuse.config import load_pipeline
     from prlmfuse.pipeline import train_runs
 
-    cfg = load_pipeline(_pipeline_path(pipeline))
+    cfg = _runtime_overrides(load_pipeline(_pipeline_path(pipeline)), device, precision)
     train_runs(cfg, names=_split_names(runs), resume=resume, parallel=parallel)
 
 
@@ -332,11 +365,12 @@ def _decode_options(command):
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Where results.md/csv/json and plots go.")
 @click.option("--baseline", help="Run name to compare against (deltas, bootstrap p-values).")
 @_decode_options
-def evaluate(runs, more_runs, out, baseline, **decoding) -> None:
+@_device_option
+def evaluate(runs, more_runs, out, baseline, device, **decoding) -> None:
     """Stage three: decode and score every run on its test set; write results.md and plots."""
     from prlmfuse.evaluate import evaluate_runs
 
-    evaluate_runs(_variadic(runs, more_runs), out=out, baseline=baseline, **decoding)
+    evaluate_runs(_variadic(runs, more_runs), out=out, baseline=baseline, device=device or "auto", **decoding)
     click.echo(f"results: {Path(out) / 'results.md'}")
 
 
@@ -345,12 +379,13 @@ def evaluate(runs, more_runs, out, baseline, **decoding) -> None:
 @click.option("--input", "input_file", type=click.File("r", encoding="utf-8"), default="-", help="Text file (default: stdin).")
 @_decode_options
 @click.option("--trust-remote-code", is_flag=True, help="Allow code shipped with the run's hub checkpoint to run.")
-def translate(run_dir: str, input_file, trust_remote_code: bool, **decoding) -> None:
+@_device_option
+def translate(run_dir: str, input_file, trust_remote_code: bool, device: str | None, **decoding) -> None:
     """Translate raw text with a trained run, running its PrLM live on the input; one output line per input line."""
     from prlmfuse.evaluate import translate as translate_lines
 
     lines = [line.rstrip("\n") for line in input_file]
-    for hyp in translate_lines(run_dir, lines, trust_remote_code=trust_remote_code, **decoding):
+    for hyp in translate_lines(run_dir, lines, trust_remote_code=trust_remote_code, device=device or "auto", **decoding):
         click.echo(hyp)
 
 
@@ -364,7 +399,9 @@ def translate(run_dir: str, input_file, trust_remote_code: bool, **decoding) -> 
 @click.argument("more_runs", nargs=-1)
 @click.option("--dry-run", is_flag=True, help="Print the plan: caches present, runs to train or resume, estimates.")
 @_jobs_option
-def run(pipeline, only, runs, more_runs, dry_run, parallel) -> None:
+@_device_option
+@_precision_option
+def run(pipeline, only, runs, more_runs, dry_run, parallel, device, precision) -> None:
     """Run a whole pipeline file: data -> cache -> train -> evaluate -> report.
 
     Finished steps are skipped, so running it again when all is done takes seconds.
@@ -373,7 +410,7 @@ def run(pipeline, only, runs, more_runs, dry_run, parallel) -> None:
     from prlmfuse.config import load_pipeline
     from prlmfuse.pipeline import plan_lines, run_pipeline
 
-    cfg = load_pipeline(_pipeline_path(pipeline))
+    cfg = _runtime_overrides(load_pipeline(_pipeline_path(pipeline)), device, precision)
     names = _split_names(tuple(_variadic(runs, more_runs)))
     if dry_run:
         for line in plan_lines(cfg, names):

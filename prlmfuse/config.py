@@ -20,6 +20,7 @@ import yaml
 from prlmfuse.cache_features import BACKENDS, STORAGE_DTYPES
 from prlmfuse.corpora import TASKS
 from prlmfuse.errors import UserError
+from prlmfuse.precision import check_device_text, check_precision_text
 from prlmfuse.evaluate.settings import AVERAGE_LAST, DEFAULTS as DECODE_DEFAULTS
 from prlmfuse.train_fused.config import RunConfig
 from prlmfuse.train_fused.modeling import LAYER_MODES, MERGES, POSITIONS, PRESETS, SIDES
@@ -74,7 +75,7 @@ class CacheConfig:
     checkpoints: list[CheckpointEntry] = field(default_factory=list)
     backend: str = "zarr"
     dtype: str = "float16"
-    max_tokens: int = 8192
+    max_tokens: int | None = None  # per forward pass; default 8192 on a CPU, 65536 on a GPU
     # Where caches live: a directory (relative to workdir) or an fsspec URL for the zarr backend.
     root: str = "cache"
 
@@ -108,6 +109,10 @@ class PipelineConfig:
     cache: CacheConfig
     train: TrainConfig
     evaluate: EvaluateConfig
+    # Runtime, not recipe: where every stage computes (auto | cpu | cuda | cuda:N) and at which
+    # autocast precision (auto | bf16 | fp16 | fp32); the CLI's --device / --precision override them.
+    device: str = "auto"
+    precision: str = "auto"
 
     def run(self, name: str) -> RunConfig:
         for r in self.train.runs:
@@ -295,6 +300,8 @@ def _expand_runs(raw_runs: Any, defaults: dict, where: _Where, base_dir: Path) -
                     _check_choice(use.dtype, STORAGE_DTYPES, keypath + ("prlms", i, "dtype"), where)
             if run.merge == "direct" and len(run.prlms) != 1:
                 raise where.error(keypath + ("merge",), "merge 'direct' needs exactly one entry in prlms")
+            if run.update_freq < 1:
+                raise where.error(keypath + ("update_freq",), f"expected a positive integer, got {run.update_freq}")
             if run.max_updates is None and run.max_epochs is None:
                 raise where.error(keypath, "set max_updates or max_epochs (or both)")
             runs.append(run)
@@ -325,9 +332,9 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise where.error((), "expected a mapping with keys workdir, data, cache, train, evaluate")
+        raise where.error((), "expected a mapping with keys workdir, device, precision, data, cache, train, evaluate")
     base_dir = path.resolve().parent
-    top_keys = ["workdir", "data", "cache", "train", "evaluate"]
+    top_keys = ["workdir", "device", "precision", "data", "cache", "train", "evaluate"]
     for key in raw:
         if key not in top_keys:
             close = difflib.get_close_matches(str(key), top_keys, n=1, cutoff=0.5)
@@ -335,6 +342,8 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
             raise where.error((key,), f"unknown key{hint}", at_key=True)
 
     workdir = _coerce(raw.get("workdir", "work"), Path, ("workdir",), where, base_dir)
+    device = _runtime_text(raw, "device", check_device_text, where)
+    precision = _runtime_text(raw, "precision", check_precision_text, where)
     data = _build(DataConfig, raw.get("data"), ("data",), where, base_dir)
     _check_choice(data.kind, CORPUS_KINDS, ("data", "kind"), where)
     _check_choice(data.task, TASKS, ("data", "task"), where)
@@ -393,4 +402,13 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
                     ("train", "runs", run.name.split(".")[0], "prlms", i, "checkpoint"),
                     f"{use.checkpoint!r} is not in cache.checkpoints{hint}",
                 )
-    return PipelineConfig(path=path, workdir=workdir, data=data, cache=cache, train=train, evaluate=evaluate)
+    return PipelineConfig(path=path, workdir=workdir, data=data, cache=cache, train=train, evaluate=evaluate,
+                          device=device, precision=precision)
+
+
+def _runtime_text(raw: dict, key: str, check, where: _Where) -> str:
+    """A top-level runtime setting (device, precision), spell-checked here; availability is checked where it is used."""
+    try:
+        return check(raw.get(key, "auto"))
+    except UserError as e:
+        raise where.error((key,), str(e)) from None

@@ -131,10 +131,11 @@ def build_caches(cfg: PipelineConfig, corpus, names: list[str] | None = None) ->
         entries = [_find_entry(use, cfg) for run in _selected_runs(cfg, names) for use in run.prlms]
         wanted = [j for j in jobs if any(j.entry is e for e in entries)]
     for job in wanted:
-        _say(f"cache: {job.entry.name} {job.split} ({job.layers_arg}, {job.dtype}) -> {job.out}")
+        # build_cache's own first line names the job's output, device and precision
         build_cache(
             job.entry.name, job.corpus_file, job.out, layers=job.layers_arg, backend=cfg.cache.backend,
             dtype=job.dtype, max_tokens=cfg.cache.max_tokens, trust_remote_code=job.entry.trust_remote_code,
+            device=cfg.device, precision=cfg.precision,
         )
     return jobs
 
@@ -191,12 +192,14 @@ def train_runs(
     cfg: PipelineConfig, names: list[str] | None = None, *, resume: bool = True, jobs=None, parallel: int = 1
 ) -> list[Path]:
     """Train (or resume) the selected runs; `parallel` > 1 trains that many at once, each in a child process."""
+    from prlmfuse.precision import resolve_runtime
     from prlmfuse.train_fused import train_run
 
     if not isinstance(parallel, int) or parallel < 1:
         raise UserError(f"--jobs must be a positive integer, got {parallel!r}")
     if parallel > 1 and rank_world()[1] > 1:
         raise UserError("--jobs > 1 cannot be combined with torchrun; use one or the other")
+    runtime = resolve_runtime(cfg.device, cfg.precision)  # a device this machine lacks fails before any work
     corpus = ensure_data(cfg, build=False)
     if jobs is None:
         jobs = cache_jobs(cfg, corpus)
@@ -216,8 +219,8 @@ def train_runs(
     dirs = []
     for run in runs:
         out = run_path(cfg, run.name)
-        _say(f"train: {run.name} -> {out}")
-        train_run(run, corpus, caches_for_run(run, jobs, cfg), out, resume=resume)
+        # train_run's first line names the run, its directory, device and precision
+        train_run(run, corpus, caches_for_run(run, jobs, cfg), out, resume=resume, runtime=runtime)
         dirs.append(out)
     return dirs
 
@@ -255,7 +258,8 @@ def _train_in_children(cfg: PipelineConfig, runs: list[RunConfig], parallel: int
                 out = run_path(cfg, run.name)
                 out.mkdir(parents=True, exist_ok=True)
                 log = out / rundir.TRAIN_LOG
-                cmd = [sys.executable, "-m", "prlmfuse.cli", "train", "--pipeline", str(cfg.path), "--runs", run.name]
+                cmd = [sys.executable, "-m", "prlmfuse.cli", "train", "--pipeline", str(cfg.path), "--runs", run.name,
+                       "--device", cfg.device, "--precision", cfg.precision]
                 if not resume:
                     cmd.append("--fresh")
                 with open(log, "ab") as fh:
@@ -311,7 +315,7 @@ def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None, jobs=
     result = evaluate_runs(
         dirs, out=out, baseline=baseline, beam=e.beam, lenpen=e.lenpen, average_last=e.average_last,
         no_repeat_ngram_size=e.no_repeat_ngram_size, max_len_a=e.max_len_a, max_len_b=e.max_len_b,
-        min_len=e.min_len,
+        min_len=e.min_len, device=cfg.device,
     )
     _say(f"results: {out / 'results.md'}")
     return result
@@ -374,6 +378,9 @@ def plan_lines(cfg: PipelineConfig, names: list[str] | None) -> list[str]:
 def run_pipeline(cfg: PipelineConfig, *, only: str | None = None, names: list[str] | None = None,
                  parallel: int = 1) -> None:
     """Every stage of the pipeline file (or `only` one), skipping what is already done."""
+    from prlmfuse.precision import resolve_runtime
+
+    resolve_runtime(cfg.device, cfg.precision)  # a device this machine lacks fails before any work
     if only in (None, "data"):
         corpus = ensure_data(cfg)
     else:

@@ -4,17 +4,39 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
+from dataclasses import dataclass
 
 import torch
 
 from prlmfuse.errors import UserError
 
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
+PRECISION_CHOICES = ("auto", "bf16", "fp16", "fp32")
+_DEVICE_TEXT = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def check_device_text(setting) -> str:
+    """The device setting in canonical form, checked for spelling only (availability is resolve_device's)."""
+    text = str(setting).strip().lower() if isinstance(setting, str) else ""
+    if not _DEVICE_TEXT.match(text):
+        raise UserError(f"device {setting!r} unknown; use {DEVICE_CHOICES}")
+    return text
+
+
+def check_precision_text(setting) -> str:
+    text = str(setting).strip().lower() if isinstance(setting, str) else ""
+    if text not in PRECISION_CHOICES:
+        raise UserError(f"precision {setting!r} unknown; use {', '.join(PRECISION_CHOICES)}")
+    return text
 
 
 def resolve_device(setting: str | torch.device | None = "auto") -> torch.device:
     """`auto` (CUDA when torch sees one, else CPU), `cpu`, `cuda` or `cuda:N` as a torch.device."""
-    text = "auto" if setting is None else str(setting).strip().lower()
+    if isinstance(setting, torch.device):
+        setting = str(setting)
+    text = "auto" if setting is None else check_device_text(setting)
     if text == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -66,3 +88,55 @@ def autocast(device: torch.device | str, dtype: torch.dtype):
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=dtype)
+
+
+def resolve_precision(setting: str | None, device: torch.device | str) -> torch.dtype:
+    """`auto` (compute_dtype of the device) or an explicit bf16 / fp16 / fp32 as an autocast dtype.
+
+    fp16 on a CPU is refused: CPU autocast to fp16 is slow and has no loss scaling here.
+    """
+    text = "auto" if setting is None else check_precision_text(setting)
+    if text == "auto":
+        return compute_dtype(device)
+    if text == "fp16" and torch.device(device).type == "cpu":
+        raise UserError("precision 'fp16' is for CUDA devices; on the CPU use bf16, fp32 or auto")
+    return _DTYPES[text]
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """bf16 / fp16 / fp32 -> the torch dtype (the inverse of precision_name)."""
+    return _DTYPES[check_precision_text(name) if name != "auto" else "fp32"]
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where a stage computes and at which precision, resolved once from the user's settings."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def precision(self) -> str:
+        return precision_name(self.dtype)
+
+    def describe(self) -> str:
+        """For each stage's first line of output: `device cpu, precision fp32`."""
+        return f"device {self.device}, precision {self.precision}"
+
+    def autocast(self):
+        return autocast(self.device, self.dtype)
+
+
+def resolve_runtime(device: str | torch.device | None = "auto", precision: str | None = "auto") -> Runtime:
+    """The device of `device` (under torchrun, `cuda` means this rank's LOCAL_RANK GPU) and its precision."""
+    resolved = resolve_device(device)
+    if resolved.type == "cuda" and resolved.index is None:
+        from prlmfuse.distributed import local_cuda_index
+
+        resolved = torch.device("cuda", local_cuda_index())
+    return Runtime(resolved, resolve_precision(precision, resolved))
+
+
+def grad_scaler(runtime: Runtime) -> "torch.amp.GradScaler":
+    """Loss scaling for fp16 autocast (its gradients underflow without it); a no-op scaler otherwise."""
+    return torch.amp.GradScaler(runtime.device.type, enabled=runtime.dtype == torch.float16)

@@ -12,3 +12,16 @@ from pathlib import Path
 _TESTS = str(Path(__file__).parent)
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` skip where torch sees no GPU, so one command runs them on a GPU machine."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -123,7 +123,7 @@ def test_truncated_view_equals_full_forward_hidden_states(tiny, family):
         full = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
     real = mask.bool()
     for k in range(num_layers + 1):
-        extractor = FeatureExtractor(model, parse_layers(str(k), num_layers), autocast=False)
+        extractor = FeatureExtractor(model, parse_layers(str(k), num_layers))
         token_states, pooled = extractor(ids, mask)
         torch.testing.assert_close(token_states[0][real], full[k][real], rtol=0, atol=0)
         for j in range(k + 1):
@@ -139,9 +139,9 @@ def test_truncated_view_equals_full_forward_hidden_states(tiny, family):
 
 def test_features_do_not_depend_on_batch_composition(tiny, corpus, tmp_path):
     small = build_cache(str(tiny["bert"]), corpus, tmp_path / "small", dtype="float32", max_tokens=24,
-                        autocast=False, progress=False, layers="all")
+                        precision="fp32", progress=False, layers="all")
     large = build_cache(str(tiny["bert"]), corpus, tmp_path / "large", dtype="float32", max_tokens=4096,
-                        autocast=False, progress=False, layers="all")
+                        precision="fp32", progress=False, layers="all")
     assert len(small.manifest["shards"]) >= 1
     a, b = CacheReader(small.path), CacheReader(large.path)
     assert a.key == b.key  # the budget is not part of what is cached
@@ -163,7 +163,7 @@ _TOLERANCE = {"float32": 1e-6, "float16": 2e-3, "bfloat16": 1.6e-2, "int8": 1.6e
 def test_roundtrip_every_backend_and_dtype(tiny, corpus, tmp_path, backend, dtype):
     out = tmp_path / "cache"
     result = build_cache(str(tiny["gpt2"]), corpus, out, layers="-2,-1", backend=backend, dtype=dtype,
-                         max_tokens=64, autocast=False, progress=False, shard_bytes=4096)
+                         max_tokens=64, precision="fp32", progress=False, shard_bytes=4096)
     assert not result.reused and len(result.manifest["shards"]) > 2
     verify_cache(out)
     reader = CacheReader(out)
@@ -250,11 +250,11 @@ def test_reader_in_forked_dataloader_workers(tiny, corpus, tmp_path):
 
 
 def test_autocast_bf16_is_close_to_fp32_and_keyed(tiny, corpus, tmp_path):
-    fp32 = build_cache(str(tiny["xlm-roberta"]), corpus, tmp_path / "fp32", dtype="float32", autocast=False,
+    fp32 = build_cache(str(tiny["xlm-roberta"]), corpus, tmp_path / "fp32", dtype="float32", precision="fp32",
                        progress=False)
-    bf16 = build_cache(str(tiny["xlm-roberta"]), corpus, tmp_path / "bf16", dtype="float32", autocast=True,
+    bf16 = build_cache(str(tiny["xlm-roberta"]), corpus, tmp_path / "bf16", dtype="float32", precision="bf16",
                        progress=False)
-    assert fp32.key != bf16.key and bf16.manifest["key_fields"]["autocast"] == "bfloat16"
+    assert fp32.key != bf16.key and bf16.manifest["key_fields"]["precision"] == "bf16"
     a, b = CacheReader(fp32.path), CacheReader(bf16.path)
     worst = 0.0
     for i in range(len(a)):
@@ -288,9 +288,9 @@ def test_cache_key_fields(tiny, corpus):
     from prlmfuse.prlms import resolve_checkpoint
 
     info = resolve_checkpoint(str(tiny["bert"]))
-    fields = cache_key(info, corpus, "-2", "float16", autocast=False)
+    fields = cache_key(info, corpus, "-2", "float16", precision="fp32")
     assert fields["checkpoint_identity"] == info.identity
-    assert fields["layers"] == [2] and fields["dtype"] == "float16" and fields["autocast"] == "off"
+    assert fields["layers"] == [2] and fields["dtype"] == "float16" and fields["precision"] == "fp32"
     assert fields["truncation"]["max_length"] == info.max_length
     assert len(fields["corpus_sha256"]) == 64 and fields["prlmfuse_version"]
 
@@ -348,7 +348,7 @@ def test_verify_names_bad_shard_and_truncated_manifest(tiny, corpus, tmp_path):
     for backend in ("zarr", "hdf5"):
         out = tmp_path / backend
         result = build_cache(str(tiny["bert"]), corpus, out, backend=backend, dtype="float32", progress=False,
-                             shard_bytes=2048, max_tokens=64, autocast=False)
+                             shard_bytes=2048, max_tokens=64, precision="fp32")
         verify_cache(out)
         victim = result.manifest["shards"][1]["name"]
         shard_path = out / "shards" / victim
@@ -411,7 +411,7 @@ def test_real_minilm_penultimate_layer(tmp_path):
     ]
     corpus = tiny_prlms.write_corpus(tmp_path / "c.txt", lines)
     checkpoint = str(tiny_prlms.minilm_dir())
-    result = build_cache(checkpoint, corpus, tmp_path / "c", autocast=False, dtype="float32", progress=False)
+    result = build_cache(checkpoint, corpus, tmp_path / "c", precision="fp32", dtype="float32", progress=False)
     assert result.manifest["truncated_sentences"] == 1 and result.manifest["max_length"] == 512
     reader = CacheReader(result.path)
     assert reader.hidden_size == 384 and reader.layers == [5] and reader.pooled_layers == list(range(6))
@@ -429,3 +429,29 @@ def test_real_minilm_penultimate_layer(tmp_path):
                                        abs=1e-3)
     assert 0.1 < scale["5"]["rms"] < 2 and scale["5"]["absmax"] < 50
     assert list(feature_scale(result.path, sentences=1)) == ["5"]
+
+
+def test_cache_built_at_one_precision_is_reused_where_the_default_differs(tiny, corpus, tmp_path):
+    # Built where the default is bf16 (an AMX CPU, a recent GPU) ...
+    out = tmp_path / "c"
+    first = build_cache(str(tiny["bert"]), corpus, out, dtype="float32", precision="bf16", progress=False)
+    assert first.manifest["key_fields"]["precision"] == "bf16"
+    stamp = (out / "manifest.json").stat().st_mtime_ns
+    # ... read where it is fp32: no rebuild, no --force, the cache's precision is kept.
+    again = build_cache(str(tiny["bert"]), corpus, out, dtype="float32", precision="auto", progress=False)
+    assert again.reused and again.key == first.key
+    assert (out / "manifest.json").stat().st_mtime_ns == stamp
+    # Asking for another precision explicitly is a different cache.
+    with pytest.raises(UserError, match="different cache.*--force"):
+        build_cache(str(tiny["bert"]), corpus, out, dtype="float32", precision="fp32", progress=False)
+
+
+def test_cache_key_records_precision_not_the_machine(tiny, corpus):
+    from prlmfuse.prlms import resolve_checkpoint
+
+    info = resolve_checkpoint(str(tiny["bert"]))
+    fields = cache_key(info, corpus, "-2", "float16", precision="bf16")
+    assert fields["precision"] == "bf16" and "autocast" not in fields
+    assert cache_key(info, corpus, "-2", "float16", precision="bf16") == fields
+    with pytest.raises(ValueError):
+        cache_key(info, corpus, "-2", "float16", precision="auto")

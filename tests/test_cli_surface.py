@@ -10,6 +10,7 @@ from pathlib import Path
 
 import click
 import pytest
+import torch
 from click.testing import CliRunner
 
 from prlmfuse import cli
@@ -119,3 +120,26 @@ def test_library_log_records_reach_stderr_at_the_chosen_level(flags, level, caps
 def test_quiet_and_verbose_together_is_a_one_line_error(capsys, monkeypatch):
     assert_one_line_error(run_cli(["--quiet", "--verbose", "checkpoints", "list"], capsys, monkeypatch),
                           "--quiet", "--verbose")
+
+
+@pytest.mark.parametrize("command", [["train"], ["run", "--only", "train"]])
+def test_device_option_overrides_the_file_and_is_checked(command, tmp_path, capsys, monkeypatch):
+    pipeline = tmp_path / "p.yaml"
+    pipeline.write_text(f"workdir: {tmp_path / 'w'}\ndevice: cpu\ntrain: {{runs: {{b: {{max_updates: 2}}}}}}\n")
+    args = [*command, *(["--pipeline"] if command == ["train"] else []), pipeline]
+    assert_one_line_error(run_cli([*args, "--device", "tpu"], capsys, monkeypatch), "device 'tpu' unknown")
+    if not torch.cuda.is_available():
+        assert_one_line_error(run_cli([*args, "--device", "cuda"], capsys, monkeypatch), "no CUDA GPU")
+    # The file's own cpu passes the device check and fails later, on the missing corpus.
+    assert_one_line_error(run_cli(args, capsys, monkeypatch), "no corpus")
+
+
+def test_cache_build_refuses_a_device_this_machine_lacks(tmp_path, capsys, monkeypatch):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("a line\n")
+    args = ["cache", "build", "--checkpoint", "minilm-l6", "--corpus", corpus, "--out", tmp_path / "out"]
+    assert_one_line_error(run_cli([*args, "--device", "cuda:x"], capsys, monkeypatch), "device 'cuda:x' unknown")
+    if not torch.cuda.is_available():
+        assert_one_line_error(run_cli([*args, "--device", "cuda"], capsys, monkeypatch), "no CUDA GPU")
+    assert_one_line_error(run_cli([*args, "--precision", "fp16", "--device", "cpu"], capsys, monkeypatch), "fp16")
+    assert not (tmp_path / "out").exists()

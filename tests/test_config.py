@@ -140,3 +140,22 @@ def test_cli_reports_one_line_and_exit_2(tmp_path, text, needle):
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0]
     assert "nope.txt" not in text or lines[0].endswith(str(tmp_path / "nope.txt"))
     assert "Traceback" not in out.stderr
+
+
+def test_device_and_precision_are_top_level_runtime_settings(tmp_path):
+    cfg = load_pipeline(write(tmp_path, "train: {runs: {b: {max_updates: 2}}}\n"))
+    assert (cfg.device, cfg.precision) == ("auto", "auto")
+    cfg = load_pipeline(write(tmp_path, "device: CUDA:1\nprecision: fp32\ntrain: {runs: {b: {max_updates: 2}}}\n", "b.yaml"))
+    assert (cfg.device, cfg.precision) == ("cuda:1", "fp32")
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("device: gpu\n", ":1:9: device: device 'gpu' unknown; use auto, cpu, cuda or cuda:N"),
+    ("device: 0\n", ":1:9: device: device 0 unknown"),
+    ("precision: half\n", ":1:12: precision: precision 'half' unknown; use auto, bf16, fp16, fp32"),
+    ("devise: cpu\n", "did you mean 'device'?"),
+    ("train: {runs: {b: {max_updates: 2, update_freq: 0}}}\n", "train.runs.b.update_freq: expected a positive integer"),
+    ("train: {runs: {b: {max_updates: 2, bf16: true}}}\n", "train.runs.b.bf16: unknown key"),
+])
+def test_bad_runtime_settings_are_located_one_line_errors(tmp_path, text, needle):
+    assert needle in error_of(write(tmp_path, text))

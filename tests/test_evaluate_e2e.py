@@ -60,7 +60,7 @@ def _run_config(name, prlms=()):
 
     return RunConfig(
         name=name, preset="tiny", prlms=list(prlms), bpe_vocab=400, max_tokens=256, max_updates=12, max_epochs=None,
-        warmup=4, lr=2e-3, save_every=4, keep_last=5, log_every=4, num_workers=0, bf16=False, seed=1,
+        warmup=4, lr=2e-3, save_every=4, keep_last=5, log_every=4, num_workers=0, seed=1,
     )
 
 
@@ -87,7 +87,7 @@ def world(tmp_path_factory):
     for split in ("train", "dev", "test"):
         caches[split] = build_cache(
             checkpoint, corpus.src_path(split), root / "caches" / split, layers="-2", dtype="float16",
-            autocast=False, progress=False,
+            precision="fp32", progress=False,
         ).path
     use = PrLMUse(checkpoint=checkpoint, layer=-2)
     baseline = train_run(_run_config("baseline"), corpus, [], root / "runs" / "baseline", progress=False)
@@ -154,7 +154,7 @@ def test_test_cache_built_differently_is_refused(world):
     other = world["root"] / "runs" / "fused-f32"
     shutil.copytree(world["fused"], other)
     f32 = build_cache(world["checkpoint"], world["corpus"].src_path("test"), world["root"] / "caches" / "test-f32",
-                      layers="-2", dtype="float32", autocast=False, progress=False)
+                      layers="-2", dtype="float32", precision="fp32", progress=False)
     record = json.loads((other / "run.json").read_text())
     record["name"] = "fused-f32"
     record["prlms"][0]["caches"]["test"] = {"path": f32.path, "key": f32.key}
@@ -178,7 +178,7 @@ def test_test_cache_of_another_source_is_refused_and_run_json_suffices_without_t
         return run
 
     dev = build_cache(world["checkpoint"], world["corpus"].src_path("dev"), world["root"] / "caches" / "dev-as-test",
-                      layers="-2", dtype="float16", autocast=False, progress=False)
+                      layers="-2", dtype="float16", precision="fp32", progress=False)
     stale = copy_with("fused-stale", test={"path": dev.path, "key": dev.key})
     with pytest.raises(UserError, match="different test source") as info:
         evaluate_runs([stale], out=world["root"] / "eval-stale", beam=1, progress=False)

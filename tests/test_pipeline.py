@@ -26,6 +26,7 @@ data:
     dev_tgt: {raw}/dev.tgt
     test_src: {raw}/test.src
     test_tgt: {raw}/test.tgt
+precision: fp32
 cache:
   backend: {backend}
   checkpoints:
@@ -33,7 +34,7 @@ cache:
       layers: [-2]
 train:
   defaults: {{preset: tiny, bpe_vocab: 400, max_tokens: 400, max_updates: 6, max_epochs: null, warmup: 3,
-             save_every: 3, keep_last: 3, num_workers: 0, bf16: false, dropout: 0.0}}
+             save_every: 3, keep_last: 3, num_workers: 0, dropout: 0.0}}
   runs:
     baseline: {{}}
     fused: {{prlms: [{{checkpoint: {prlm}, layer: -2}}]}}

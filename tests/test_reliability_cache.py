@@ -27,7 +27,7 @@ from helpers import reliability, tiny_prlms
 
 torch.set_num_threads(1)
 # 300 distinct sentences, 28 shards of one 256-token batch each: a build takes a second or two.
-BUILD_ARGS = dict(layers="-2,-1", dtype="float16", max_tokens=256, shard_bytes=3000, autocast=False)
+BUILD_ARGS = dict(layers="-2,-1", dtype="float16", max_tokens=256, shard_bytes=3000, precision="fp32")
 
 
 @pytest.fixture(scope="module")

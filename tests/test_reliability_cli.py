@@ -44,6 +44,7 @@ def world(tmp_path_factory):
           tgt: ja
           files: {{train_src: {raw}/train.src, train_tgt: {raw}/train.tgt, dev_src: {raw}/dev.src,
                    dev_tgt: {raw}/dev.tgt, test_src: {raw}/test.src, test_tgt: {raw}/test.tgt}}
+        precision: fp32
         cache:
           dtype: float16
           checkpoints:
@@ -51,7 +52,7 @@ def world(tmp_path_factory):
               layers: [-2]
         train:
           defaults: {{preset: tiny, bpe_vocab: 600, max_tokens: 300, max_updates: 2, max_epochs: null,
-                      save_every: 2, warmup: 4, num_workers: 0, bf16: false}}
+                      save_every: 2, warmup: 4, num_workers: 0}}
           runs:
             fused:
               prlms: [{{checkpoint: {ckpt}, layer: -2}}]

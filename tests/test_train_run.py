@@ -47,7 +47,7 @@ def _metrics(run_dir: Path) -> list[dict]:
 def test_fused_run_layout_run_json_and_load_run(world, tmp_path):
     corpus, ckpt, paths = world
     use = PrLMUse(checkpoint=str(ckpt), layer=-2)
-    run = small_runs.tiny_run("fused", prlms=[use], bf16=True, max_updates=16)
+    run = small_runs.tiny_run("fused", prlms=[use], max_updates=16)
     run_dir = train_run(run, corpus, [small_runs.caches_for(use, paths)], tmp_path / "fused", progress=False)
     assert run_dir == tmp_path / "fused"
 
@@ -340,3 +340,79 @@ def test_run_dropouts_reach_the_model():
     run = small_runs.tiny_run("d", attention_dropout=0.1, activation_dropout=0.2, feature_dropout=0.3)
     config = build_model_config(run, vocab_size=64, specs=[])
     assert (config.attn_dropout, config.activation_dropout, config.feature_dropout) == (0.1, 0.2, 0.3)
+
+
+def _trainer(tmp_path, run, corpus):
+    """A Trainer over the baseline model of `run` (fp32 on the CPU), with the corpus's real BPE'd pairs."""
+    from prlmfuse.distributed import DistContext
+    from prlmfuse.precision import Runtime
+    from prlmfuse.train_fused.bpe import train_bpe
+    from prlmfuse.train_fused.modeling import FusedTransformer
+    from prlmfuse.train_fused.run_setup import _encode_split, build_model_config
+    from prlmfuse.train_fused.trainer import Trainer
+    from prlmfuse.fileio import read_lines
+
+    bpe = train_bpe(read_lines(corpus.src_path("train")) + read_lines(corpus.tgt_path("train")), run.bpe_vocab)
+    torch.manual_seed(run.seed)
+    model = FusedTransformer(build_model_config(run, bpe.vocab_size, []))
+    src, tgt = _encode_split(bpe, corpus, "train", 64)
+    train_set = PairDataset(src, tgt, [])
+    trainer = Trainer(run, tmp_path, model, train_set, train_set, DistContext(), progress=False,
+                      runtime=Runtime(torch.device("cpu"), torch.float32))
+    return trainer, train_set
+
+
+def test_update_freq_n_batches_give_the_gradient_of_one_batch_of_all(world, tmp_path):
+    corpus, _, _ = world
+    run = small_runs.tiny_run("acc", dropout=0.0, update_freq=3)
+    accumulated, data = _trainer(tmp_path / "a", run, corpus)
+    whole, _ = _trainer(tmp_path / "b", run, corpus)
+    parts = [list(range(0, 5)), list(range(5, 12)), list(range(12, 16))]
+    micro = [data.__getitems__(p) for p in parts]
+    stats_micro = accumulated.train_step(micro)
+    stats_whole = whole.train_step(data.__getitems__([i for p in parts for i in p]))
+    assert stats_micro[2] == stats_whole[2] == sum(b.ntokens for b in micro)
+    assert stats_micro[0] == pytest.approx(stats_whole[0], rel=1e-5)
+    # The gradients the update used (left in .grad: zeroed at the start of the next update), not the
+    # weights: Adam turns the float noise of a zero gradient (a key bias's) into a full-size step.
+    for (name, a), b in zip(accumulated.model.named_parameters(), whole.model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert accumulated.state["update"] == whole.state["update"] == 1
+
+
+def test_update_freq_counts_updates_and_resumes_exactly(world, tmp_path):
+    corpus, _, _ = world
+    run = lambda n: small_runs.tiny_run("acc", dropout=0.1, update_freq=2, max_updates=n, save_every=3)  # noqa: E731
+    straight = train_run(run(6), corpus, [], tmp_path / "straight", progress=False)
+    split = tmp_path / "split"
+    train_run(run(3), corpus, [], split, progress=False)
+    train_run(run(6), corpus, [], split, progress=False)
+    a, b = _weights(straight, 6), _weights(split, 6)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-6)
+    state = json.loads((straight / "trainer_state.json").read_text())
+    # Two batches per update: the schedule counts 6 updates, the data position 12 batches (mod the epoch).
+    assert state["update"] == 6
+    assert (state["epoch"] * state["batches_per_epoch"] + state["batch_in_epoch"]) in (12, 12 + state["epoch"] % 2)
+    assert state["lr"] == pytest.approx(7e-4 * min(6 / 4, (4 / 6) ** 0.5))
+    with pytest.raises(UserError, match="update_freq"):
+        train_run(small_runs.tiny_run("acc", dropout=0.1, update_freq=3, max_updates=9, save_every=3), corpus, [],
+                  split, progress=False)
+
+
+@pytest.mark.cuda
+def test_training_on_cuda_matches_the_cpu_at_fp32(world, tmp_path):
+    from prlmfuse.precision import Runtime
+
+    corpus, ckpt, paths = world
+    use = PrLMUse(checkpoint=str(ckpt), layer=-2)
+    caches = [small_runs.caches_for(use, paths)]
+    runs = {}
+    for name, device in (("cpu", "cpu"), ("gpu", "cuda:0")):
+        runs[name] = train_run(small_runs.tiny_run("dev", prlms=[use], update_freq=2, max_updates=4), corpus, caches,
+                               tmp_path / name, progress=False, runtime=Runtime(torch.device(device), torch.float32))
+    a, b = _weights(runs["cpu"], 4), _weights(runs["gpu"], 4)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-4)
+    info = json.loads((runs["gpu"] / "run.json").read_text())
+    assert info["device"] == "cuda:0" and info["precision"] == "fp32"

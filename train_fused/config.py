@@ -50,6 +50,9 @@ class RunConfig:
     # Data.
     bpe_vocab: int = 8000
     max_tokens: int = 3500  # per batch, source or target side, whichever is longer
+    # Batches per optimizer update (fairseq's gradient accumulation): the effective batch is
+    # update_freq * max_tokens, on one device as on several.
+    update_freq: int = 1
     max_train_pairs: int | None = None  # first N training pairs only (quick runs)
     # Optimisation (Appendix A of the paper).
     lr: float = 7e-4
@@ -69,7 +72,7 @@ class RunConfig:
     tensorboard: bool = False
     # Runtime.
     seed: int = 1
-    bf16: bool = True  # autocast on CPUs with fast bf16
+    compile: bool = False  # torch.compile the model (pays on GPUs; first steps are slow while it compiles)
     num_workers: int = 2
     in_memory_features: bool = False
 

@@ -9,6 +9,7 @@ Readers open lazily in whichever process first touches them (never carried acros
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 from dataclasses import dataclass, field
 
@@ -36,6 +37,22 @@ class Batch:
     @property
     def nsentences(self) -> int:
         return int(self.ids.shape[0])
+
+    def _map(self, fn) -> "Batch":
+        prlm = [
+            dataclasses.replace(f, states=fn(f.states), mask=fn(f.mask), pooled=None if f.pooled is None else fn(f.pooled))
+            for f in self.prlm
+        ]
+        return Batch(ids=self.ids, src_tokens=fn(self.src_tokens), tgt_in=fn(self.tgt_in), tgt_out=fn(self.tgt_out),
+                     prlm=prlm, ntokens=self.ntokens)
+
+    def pin_memory(self) -> "Batch":
+        """Page-locked copy (the DataLoader calls this with pin_memory=True), so the GPU copy can run async."""
+        return self._map(torch.Tensor.pin_memory)
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
+        """The tensors the model reads on `device`; `ids` stays on the host (bookkeeping only)."""
+        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
 
 class PairDataset(Dataset):
@@ -197,14 +214,19 @@ def _keep_batch(batch: Batch) -> Batch:
 
 def make_loader(
     dataset: PairDataset, batch_sampler: TokenBudgetBatchSampler, *, num_workers: int, prefetch_factor: int = 4,
+    pin_memory: bool = False,
 ) -> DataLoader:
-    """DataLoader over whole batches; workers (forkserver) read and pad the features ahead of the model."""
+    """DataLoader over whole batches; workers (forkserver) read and pad the features ahead of the model.
+
+    pin_memory (for a CUDA model): batches arrive page-locked, so their copy to the GPU can be asynchronous.
+    """
     # A private generator: creating a loader iterator must not advance the global torch RNG
     # (dropout), or a resumed run would drift from an uninterrupted one.
     generator = torch.Generator().manual_seed(0)
     if num_workers <= 0:
         return DataLoader(
-            dataset, batch_sampler=batch_sampler, collate_fn=_keep_batch, num_workers=0, generator=generator
+            dataset, batch_sampler=batch_sampler, collate_fn=_keep_batch, num_workers=0, generator=generator,
+            pin_memory=pin_memory,
         )
     methods = multiprocessing.get_all_start_methods()
     context = "forkserver" if "forkserver" in methods else "spawn"
@@ -217,4 +239,5 @@ def make_loader(
         persistent_workers=True,
         prefetch_factor=prefetch_factor,
         generator=generator,
+        pin_memory=pin_memory,
     )

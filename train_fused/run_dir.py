@@ -60,7 +60,7 @@ _STALE_TEMP_RE = re.compile(r"^\.(update-\d{8}\.(safetensors|json)|optimizer-\d{
 # run may change them. Every other field defines the run and must match the run directory.
 RESUMABLE_FIELDS = frozenset({
     "max_updates", "max_epochs", "patience", "save_every", "keep_last", "log_every",
-    "tensorboard", "num_workers", "in_memory_features",
+    "tensorboard", "num_workers", "in_memory_features", "compile",
 })
 
 

@@ -19,6 +19,7 @@ import torch
 from prlmfuse.distributed import DistContext, barrier, broadcast_parameters, init_distributed
 from prlmfuse.errors import UserError
 from prlmfuse.fileio import read_lines
+from prlmfuse.precision import Runtime, resolve_runtime
 from prlmfuse.train_fused import run_dir as rundir
 from prlmfuse.train_fused.bpe import BPE, train_bpe
 from prlmfuse.train_fused.branches import PrLMBranch, open_branch
@@ -118,26 +119,31 @@ def train_run(
     *,
     resume: bool = True,
     progress: bool = True,
+    runtime: Runtime | None = None,
 ) -> Path:
     """Train one run into `out_dir` (the run directory); resume=True continues a run already there.
 
     caches: for each entry of run.prlms, in order, {split: cache directory or fsspec URL} for
     "train" and "dev" (and "test", recorded in run.json for evaluation).
+    runtime: device and precision (default: auto, auto); under torchrun `cuda` is this rank's LOCAL_RANK GPU.
     """
     run_dir = Path(out_dir)
     _check_run(run, caches)
-    ctx = init_distributed()
+    runtime = runtime if runtime is not None else resolve_runtime()
+    ctx = init_distributed(runtime.device)
+    if ctx.is_main:
+        logger.info("train: %s -> %s (%s)", run.name, run_dir, runtime.describe())
     branches = open_run_branches(run, corpus, caches)
     with contextlib.ExitStack() as stack:
         if ctx.is_main:
             stack.enter_context(rundir.training_lock(run_dir))
             # Safe only under the lock: a killed save's temp file is nobody's now.
             rundir.remove_stale_temps(run_dir)
-        return _train_locked(run, corpus, branches, run_dir, ctx, resume=resume, progress=progress)
+        return _train_locked(run, corpus, branches, run_dir, ctx, resume=resume, progress=progress, runtime=runtime)
 
 
 def _train_locked(run: RunConfig, corpus, branches: dict[str, list[PrLMBranch]], run_dir: Path, ctx: DistContext, *,
-                  resume: bool, progress: bool) -> Path:
+                  resume: bool, progress: bool, runtime: Runtime) -> Path:
     existing = rundir.latest_trainer_state(run_dir)
     if existing is not None and not resume:
         raise UserError(
@@ -158,17 +164,18 @@ def _train_locked(run: RunConfig, corpus, branches: dict[str, list[PrLMBranch]],
 
     torch.manual_seed(run.seed)
     model_config = build_model_config(run, bpe.vocab_size, [b.spec for b in branches["train"]])
-    model = FusedTransformer(model_config)
+    model = FusedTransformer(model_config).to(runtime.device)
     broadcast_parameters(ctx, model)
 
     train_src, train_tgt = _encode_split(bpe, corpus, "train", run.max_train_pairs)
     dev_src, dev_tgt = _encode_split(bpe, corpus, "dev", None)
     train_set = PairDataset(train_src, train_tgt, branches["train"])
     dev_set = PairDataset(dev_src, dev_tgt, branches["dev"])
-    trainer = Trainer(run, run_dir, model, train_set, dev_set, ctx, progress=progress)
+    trainer = Trainer(run, run_dir, model, train_set, dev_set, ctx, progress=progress, runtime=runtime)
 
     info = rundir.run_info(run, corpus, dataclasses.asdict(model_config), _branch_records(branches), {
-        "bf16": trainer.use_bf16,
+        "device": str(runtime.device),
+        "precision": runtime.precision,
         "world_size": ctx.world_size,
         "train_pairs": len(train_set),
         "train_pairs_used": int(sum(len(b) for b in trainer.train_sampler.batches)),

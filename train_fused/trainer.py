@@ -1,6 +1,10 @@
 """The training loop: Adam(0.9, 0.98) with fairseq's inverse_sqrt schedule, label-smoothed cross
-entropy, optional gradient clipping and bf16 autocast, token-budget batches whose features are
+entropy, optional gradient clipping, autocast at the runtime's precision (fp16 with a gradient
+scaler), gradient accumulation over `update_freq` batches, token-budget batches whose features are
 read by DataLoader workers. No PrLM is ever loaded here (train_fused.run_setup builds what it trains).
+
+On a CUDA device batches arrive in pinned memory and are copied to the GPU on a side stream one
+batch ahead of the step that reads them.
 
 A checkpoint (weights + optimizer as safetensors, trainer state as JSON) is written every
 `save_every` updates and at every epoch end; the dev loss is computed at each of them
@@ -24,7 +28,7 @@ import torch.nn.functional as F
 
 from prlmfuse.distributed import DistContext, all_reduce_sum, barrier, reduce_gradients
 from prlmfuse.errors import UserError
-from prlmfuse.precision import cpu_has_fast_bf16
+from prlmfuse.precision import Runtime, grad_scaler, resolve_runtime
 from prlmfuse.train_fused import checkpointing, run_dir as rundir
 from prlmfuse.train_fused.bpe import PAD_ID
 from prlmfuse.train_fused.config import RunConfig
@@ -130,30 +134,36 @@ class Trainer:
         ctx: DistContext,
         *,
         progress: bool,
+        runtime: Runtime | None = None,
     ):
         self.run = run
         self.run_dir = run_dir
-        self.model = model
+        self.runtime = runtime if runtime is not None else resolve_runtime()
+        self.device = self.runtime.device
+        self.model = model.to(self.device)
+        # torch.compile wraps the module; checkpoints keep saving and loading the plain one.
+        self.forward_model = torch.compile(self.model) if run.compile else self.model
         self.ctx = ctx
         self.progress = progress
-        self.use_bf16 = bool(run.bf16) and cpu_has_fast_bf16()
+        self.scaler = grad_scaler(self.runtime)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        # fused: one kernel over all parameters instead of torch's per-tensor loop on CPU.
+        # fused: one kernel over all parameters instead of torch's per-tensor loop (CPU and CUDA alike).
         self.optimizer = torch.optim.Adam(
             self.params, lr=run.lr, betas=tuple(run.adam_betas), eps=1e-8, weight_decay=run.weight_decay, fused=True
         )
         workers = 0 if run.in_memory_features else run.num_workers
+        on_gpu = self.device.type == "cuda"
         self.train_sampler = TokenBudgetBatchSampler(
             train_set.src_lens, train_set.tgt_lens, run.max_tokens,
             indices=self._usable(train_set, model), seed=run.seed, rank=ctx.rank, world_size=ctx.world_size,
         )
-        self.train_loader = make_loader(train_set, self.train_sampler, num_workers=workers)
+        self.train_loader = make_loader(train_set, self.train_sampler, num_workers=workers, pin_memory=on_gpu)
         self.dev_sampler = TokenBudgetBatchSampler(
             dev_set.src_lens, dev_set.tgt_lens, run.max_tokens,
             indices=self._usable(dev_set, model), shuffle=False, seed=run.seed, rank=ctx.rank, world_size=ctx.world_size,
         )
         # Dev is read in-process: it is small, and the loop waits for it anyway.
-        self.dev_loader = make_loader(dev_set, self.dev_sampler, num_workers=0)
+        self.dev_loader = make_loader(dev_set, self.dev_sampler, num_workers=0, pin_memory=on_gpu)
         self.state = {
             "update": 0, "epoch": 0, "batch_in_epoch": 0, "best_dev_loss": None, "bad_evals": 0,
             "last_dev_loss": None, "tokens_seen": 0, "wall_time": 0.0, "seed": run.seed,
@@ -183,49 +193,104 @@ class Trainer:
                 f"the checkpoint was made with {state['batches_per_epoch']}; resume with the same data and max_tokens"
             )
         torch.set_rng_state(torch.tensor(state["torch_rng_state"], dtype=torch.uint8))
+        if self.device.type == "cuda" and state.get("cuda_rng_state") is not None:
+            torch.cuda.set_rng_state(torch.tensor(state["cuda_rng_state"], dtype=torch.uint8), self.device)
+        if self.scaler.is_enabled() and state.get("grad_scaler"):
+            self.scaler.load_state_dict(state["grad_scaler"])
+
+    # -- batches on the device -----------------------------------------------------------------
+
+    def _on_device(self, batches):
+        """The loader's batches on the model's device, each copied while the step before it runs.
+
+        On the CPU they pass through untouched. On CUDA the pinned batch is copied on a side stream
+        one batch ahead; the compute stream waits for that copy only when it reads the batch.
+        """
+        if self.device.type != "cuda":
+            yield from batches
+            return
+        copy_stream = torch.cuda.Stream(self.device)
+
+        def issue(batch: Batch) -> Batch:
+            with torch.cuda.stream(copy_stream):
+                return batch.to(self.device, non_blocking=True)
+
+        def ready(batch: Batch) -> Batch:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_stream(copy_stream)
+            # The tensors were allocated on the copy stream: tell the allocator the compute stream uses them.
+            batch._map(lambda t: t.record_stream(current) or t)
+            return batch
+
+        iterator = iter(batches)
+        pending = next(iterator, None)
+        pending = None if pending is None else issue(pending)
+        while pending is not None:
+            following = next(iterator, None)
+            following = None if following is None else issue(following)
+            yield ready(pending)
+            pending = following
 
     # -- one update --------------------------------------------------------------------------
 
     def _forward_sums(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        if batch.src_tokens.device != self.device:
+            batch = batch.to(self.device)
         scored = batch.tgt_out != PAD_ID
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.use_bf16):
-            logits = self.model(batch.src_tokens, batch.tgt_in, batch.prlm, scored=scored)
+        with self.runtime.autocast():
+            logits = self.forward_model(batch.src_tokens, batch.tgt_in, batch.prlm, scored=scored)
         return label_smoothed_sums(logits, batch.tgt_out[scored], self.run.label_smoothing)
 
-    def train_step(self, batch: Batch) -> tuple[float, float, int]:
-        """One optimizer update on (this rank's slice of) a global batch; returns global sums."""
+    def train_step(self, batch: Batch | list[Batch]) -> tuple[float, float, int]:
+        """One optimizer update on (this rank's slice of) `update_freq` global batches; returns global sums.
+
+        As fairseq: the summed losses of every micro-batch are back-propagated one after the other,
+        gradients are reduced over ranks once (after the last), then divided by the global token
+        count of them all, so N batches of B tokens give the update one batch of N*B tokens would.
+        """
+        micro = batch if isinstance(batch, list) else [batch]
         self.model.train()
         lr = inverse_sqrt_lr(self.state["update"] + 1, self.run.lr, self.run.warmup)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum = nll_sum = torch.zeros(())
-        if batch.nsentences > 0:
-            loss_sum, nll_sum = self._forward_sums(batch)
-            loss_sum.backward()
-        stats = torch.tensor([loss_sum.item(), nll_sum.item(), float(batch.ntokens)], dtype=torch.float64)
+        # Summed on the device: one host sync per update, not one per micro-batch.
+        stats = torch.zeros(3, dtype=torch.float64, device=self.device)
+        for b in micro:
+            if b.nsentences == 0:
+                continue
+            loss_sum, nll_sum = self._forward_sums(b)
+            self.scaler.scale(loss_sum).backward()
+            stats[0] += loss_sum.detach().double()
+            stats[1] += nll_sum.double()
+        stats[2] = float(sum(b.ntokens for b in micro))
         stats = reduce_gradients(self.ctx, self.params, stats)
-        ntokens = float(stats[2])
+        totals = stats.tolist()
+        ntokens = totals[2]
         if ntokens > 0:
+            self.scaler.unscale_(self.optimizer)
             # Gradients of the sum, divided by the global token count: per-token mean over the global batch.
             torch._foreach_div_([p.grad for p in self.params if p.grad is not None], ntokens)
             if self.run.clip_norm > 0:
                 torch.nn.utils.clip_grad_norm_(self.params, self.run.clip_norm)
-            self.optimizer.step()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
         self.state["update"] += 1
         self.state["tokens_seen"] += int(ntokens)
-        return float(stats[0]), float(stats[1]), int(ntokens)
+        return totals[0], totals[1], int(ntokens)
 
     @torch.no_grad()
     def dev_loss(self) -> tuple[float, float]:
         self.model.eval()
-        stats = torch.zeros(3, dtype=torch.float64)
-        for batch in self.dev_loader:
+        stats = torch.zeros(3, dtype=torch.float64, device=self.device)
+        for batch in self._on_device(self.dev_loader):
             if batch.nsentences == 0:
                 continue
             loss_sum, nll_sum = self._forward_sums(batch)
-            stats += torch.tensor([loss_sum.item(), nll_sum.item(), float(batch.ntokens)], dtype=torch.float64)
-        stats = all_reduce_sum(self.ctx, stats)
+            stats[0] += loss_sum.double()
+            stats[1] += nll_sum.double()
+            stats[2] += float(batch.ntokens)
+        stats = all_reduce_sum(self.ctx, stats.cpu())
         ntokens = max(float(stats[2]), 1.0)
         return float(stats[0]) / ntokens, float(stats[1]) / ntokens
 
@@ -249,6 +314,10 @@ class Trainer:
             state = dict(self.state)
             state["lr"] = inverse_sqrt_lr(max(self.state["update"], 1), self.run.lr, self.run.warmup)
             state["torch_rng_state"] = torch.get_rng_state().tolist()
+            if self.device.type == "cuda":
+                state["cuda_rng_state"] = torch.cuda.get_rng_state(self.device).tolist()
+            if self.scaler.is_enabled():
+                state["grad_scaler"] = self.scaler.state_dict()
             checkpointing.save_checkpoint(
                 self.run_dir, self.model, self.optimizer, state, is_best=is_best, keep_last=self.run.keep_last
             )
@@ -269,23 +338,25 @@ class Trainer:
     def fit(self) -> str:
         run, state = self.run, self.state
         batches_per_epoch = len(self.train_sampler.batches)
-        total = run.max_updates if run.max_updates is not None else batches_per_epoch * (run.max_epochs or 1)
+        updates_per_epoch = -(-batches_per_epoch // run.update_freq)
+        total = run.max_updates if run.max_updates is not None else updates_per_epoch * (run.max_epochs or 1)
         metrics = _MetricsLog(self.run_dir, run, self.ctx, self.progress, total, state["update"])
         last_saved = state["update"] if state["update"] > 0 else -1
         window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "updates": 0, "step_time": 0.0, "wait_time": 0.0}
         try:
             while (reason := self.stop_reason()) is None:
                 self.train_sampler.set_epoch(state["epoch"], state["batch_in_epoch"])
-                batches = iter(self.train_loader)
+                batches = self._on_device(self.train_loader)
                 while True:
                     t_wait = time.perf_counter()
-                    batch = next(batches, None)
-                    if batch is None:
+                    # The last update of an epoch takes the batches that are left (fairseq does the same).
+                    group = [b for _, b in zip(range(run.update_freq), batches)]
+                    if not group:
                         break
                     t_step = time.perf_counter()
-                    loss_sum, nll_sum, ntokens = self.train_step(batch)
+                    loss_sum, nll_sum, ntokens = self.train_step(group)
                     t_end = time.perf_counter()
-                    state["batch_in_epoch"] += 1
+                    state["batch_in_epoch"] += len(group)
                     state["wall_time"] += t_end - t_wait
                     window["loss"] += loss_sum
                     window["nll"] += nll_sum

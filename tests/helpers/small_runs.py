@@ -48,7 +48,7 @@ def tiny_run(name: str = "tiny", **overrides) -> RunConfig:
     """A seconds-long run: tiny preset, small BPE, small batches, no dropout randomness unless asked."""
     values = dict(
         name=name, preset="tiny", bpe_vocab=600, max_tokens=300, max_updates=12, max_epochs=None,
-        save_every=4, keep_last=3, log_every=2, warmup=4, dropout=0.0, num_workers=0, bf16=False, seed=3,
+        save_every=4, keep_last=3, log_every=2, warmup=4, dropout=0.0, num_workers=0, seed=3,
     )
     values.update(overrides)
     return RunConfig(**values)
