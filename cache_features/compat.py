@@ -32,20 +32,18 @@ POOLED_MODES = ("dyn_cls", "dyn_aver")  # they also read the pooled (first token
 _CORPUS_FIELD = "corpus_sha256"
 _SUPERSET_FIELDS = frozenset({"layers", "pooled_layers"})
 # How the features were computed (bf16 / fp16 / fp32 autocast), not what they are: caches that differ
-# only in it are interchangeable within rounding. Caches of an earlier layout name it "autocast".
-_PRECISION_FIELDS = frozenset({"precision", "autocast"})
+# only in it are interchangeable within rounding.
+_PRECISION_FIELD = "precision"
 
 
 def precision_of(fields: dict) -> str:
     """The compute precision a cache's key fields record: bf16, fp16 or fp32."""
-    if "precision" in fields:
-        return str(fields["precision"])
-    return "bf16" if fields.get("autocast") == "bfloat16" else "fp32"
+    return str(fields.get(_PRECISION_FIELD))
 
 
 def same_but_precision(a: dict, b: dict) -> bool:
     """Key fields equal in everything but the compute precision."""
-    strip = lambda f: {k: v for k, v in f.items() if k not in _PRECISION_FIELDS}  # noqa: E731
+    strip = lambda f: {k: v for k, v in f.items() if k != _PRECISION_FIELD}  # noqa: E731
     return strip(a) == strip(b)
 
 
@@ -89,7 +87,7 @@ def check_key_fields(found: dict, expected: dict, *, where: str) -> None:
     if precision_of(found) != precision_of(expected):
         logger.warning("cache %s was computed at %s, the run's training cache at %s: features differ by rounding",
                        where, precision_of(found), precision_of(expected))
-    for name in sorted((set(expected) | set(found)) - {_CORPUS_FIELD} - _PRECISION_FIELDS):
+    for name in sorted((set(expected) | set(found)) - {_CORPUS_FIELD, _PRECISION_FIELD}):
         want, have = expected.get(name), found.get(name)
         if name in _SUPERSET_FIELDS:
             if not set(want or []) <= set(have or []):

@@ -27,7 +27,7 @@ TRAIN_FIELDS = {
     "layers": [1],
     "pooled_layers": [0, 1],
     "dtype": "float16",
-    "autocast": "off",
+    "precision": "fp32",
     "truncation": {"max_length": 64, "mode": "middle", "head": "1/4"},
     "corpus_sha256": "1" * 64,
     "prlmfuse_version": "0.1.0",
@@ -43,9 +43,8 @@ def _fields(**changes):
 def test_test_cache_of_same_checkpoint_and_settings_is_accepted():
     check_key_fields(_fields(), TRAIN_FIELDS, where="test-cache")
     # Computed at another precision (another machine's default): the same features within rounding.
-    check_key_fields(_fields(autocast="bfloat16"), TRAIN_FIELDS, where="test-cache")
-    fields = {k: v for k, v in _fields().items() if k != "autocast"}
-    check_key_fields(dict(fields, precision="fp16"), TRAIN_FIELDS, where="test-cache")
+    check_key_fields(_fields(precision="bf16"), TRAIN_FIELDS, where="test-cache")
+    check_key_fields(_fields(precision="fp16"), TRAIN_FIELDS, where="test-cache")
     # More layers than the run trained on is fine: the run's rows are picked out.
     check_key_fields(_fields(layers=[0, 1, 2], pooled_layers=[0, 1, 2]), TRAIN_FIELDS, where="test-cache")
 
