@@ -98,16 +98,22 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "checkpoint"
 
 
-def cache_jobs(cfg: PipelineConfig, corpus) -> list[CacheJob]:
-    """One job per (checkpoint entry, split). The directory name carries a hash of everything that
-    goes into the cache key, so a changed corpus or checkpoint gets a new cache beside the old one."""
+def cache_jobs(cfg: PipelineConfig, corpus, names: list[str] | None = None) -> list[CacheJob]:
+    """One job per (checkpoint entry, split), for every entry or with `names` only those the selected
+    runs read (so an alias no selected run needs is never converted). The directory name carries a
+    hash of everything that goes into the cache key, so a changed corpus or checkpoint gets a new
+    cache beside the old one."""
     from prlmfuse.prlms import resolve_checkpoint
 
     root = cfg.cache.root
     is_url = "://" in root
     base = root.rstrip("/") if is_url else str((cfg.workdir / root))
+    entries = cfg.cache.checkpoints
+    if names is not None:
+        read = [_find_entry(use, cfg) for run in _selected_runs(cfg, names) for use in run.prlms]
+        entries = [e for e in entries if any(e is r for r in read)]
     jobs = []
-    for entry in cfg.cache.checkpoints:
+    for entry in entries:
         info = resolve_checkpoint(entry.name, trust_remote_code=entry.trust_remote_code)
         dtype = entry.dtype or cfg.cache.dtype
         for split in SPLITS:
@@ -125,12 +131,8 @@ def build_caches(cfg: PipelineConfig, corpus, names: list[str] | None = None) ->
     """Build every cache of the file, or with `names` only those the selected runs read."""
     from prlmfuse.cache_features import build_cache
 
-    jobs = cache_jobs(cfg, corpus)
-    wanted = jobs
-    if names is not None:
-        entries = [_find_entry(use, cfg) for run in _selected_runs(cfg, names) for use in run.prlms]
-        wanted = [j for j in jobs if any(j.entry is e for e in entries)]
-    for job in wanted:
+    jobs = cache_jobs(cfg, corpus, names)
+    for job in jobs:
         # build_cache's own first line names the job's output, device and precision
         build_cache(
             job.entry.name, job.corpus_file, job.out, layers=job.layers_arg, backend=cfg.cache.backend,
@@ -202,7 +204,7 @@ def train_runs(
     runtime = resolve_runtime(cfg.device, cfg.precision)  # a device this machine lacks fails before any work
     corpus = ensure_data(cfg, build=False)
     if jobs is None:
-        jobs = cache_jobs(cfg, corpus)
+        jobs = cache_jobs(cfg, corpus, names)
         needed = {c[split] for r in _selected_runs(cfg, names) for c in caches_for_run(r, jobs, cfg) for split in ("train", "dev")}
         for out in [j.out for j in jobs if j.out in needed]:
             state, why = cache_status(out)
@@ -288,12 +290,11 @@ def _train_in_children(cfg: PipelineConfig, runs: list[RunConfig], parallel: int
 # ---------------------------------------------------------------------------- evaluation
 
 
-def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None, jobs=None):
+def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None):
+    """Stage three for the selected runs; each run directory names the caches it reads."""
     from prlmfuse.evaluate import evaluate_runs
 
-    corpus = ensure_data(cfg, build=False)
-    if jobs is None:
-        jobs = cache_jobs(cfg, corpus)
+    ensure_data(cfg, build=False)
     e = cfg.evaluate
     selected = _selected_runs(cfg, names)
     baseline = e.baseline
@@ -387,8 +388,8 @@ def run_pipeline(cfg: PipelineConfig, *, only: str | None = None, names: list[st
         corpus = ensure_data(cfg, build=False)
     if only == "data":
         return
-    jobs = build_caches(cfg, corpus, names) if only in (None, "cache") else cache_jobs(cfg, corpus)
+    jobs = build_caches(cfg, corpus, names) if only in (None, "cache") else cache_jobs(cfg, corpus, names)
     if only in (None, "train"):
         train_runs(cfg, names, jobs=jobs, parallel=parallel)
     if only in (None, "evaluate"):
-        evaluate_pipeline(cfg, names, jobs=jobs)
+        evaluate_pipeline(cfg, names)

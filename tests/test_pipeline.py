@@ -199,9 +199,14 @@ def test_selected_runs_build_only_the_caches_they_read(tiny_pipeline, tmp_path):
     def built() -> set[str]:
         return {p.parent.parent.name for p in (tmp_path / "work").rglob("manifest.json")}
 
+    # Until the second checkpoint exists, resolving it fails: the selected runs must not touch it
+    # (an offline alias would be converted by resolving it).
+    hidden = second_prlm.with_name("other-hidden")
+    second_prlm.rename(hidden)
     build_caches(cfg, corpus, ["baseline"])
     assert built() == set()  # the baseline reads no cache
     build_caches(cfg, corpus, ["fused"])
     assert len(built()) == 1  # the fused run's checkpoint only, not the unused second one
+    hidden.rename(second_prlm)
     build_caches(cfg, corpus)
     assert len(built()) == 2
