@@ -2,8 +2,8 @@
 
 float16 and float32 are stored as they are (float16 refuses values past its largest finite 65504
 rather than store inf); bfloat16 as its raw uint16 bits (numpy has no bfloat16); int8 as symmetric
-per-token quantization that keeps each token's INT8_OUTLIERS largest-magnitude values apart,
-exactly, and scales the rest by their own absmax / 127: a causal LM's residual stream carries a few
+per-token quantization that keeps each token's INT8_OUTLIERS largest-magnitude values apart, in
+float32, and scales the rest by their own absmax / 127: a causal LM's residual stream carries a few
 channels hundreds of times larger than the rest, and one absmax over the whole token would round
 the rest of that token to zero.
 """
@@ -40,14 +40,13 @@ INT8_OUTLIERS = 4  # values per token kept exactly beside an int8 cache's quanti
 def side_arrays(dtype: str, hidden_size: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """Per-token arrays a stored layer keeps beside its values: name -> (shape of one token's row, dtype).
 
-    int8: `scale` (absmax / 127 of the token's values other than its outliers), `outlier_index`
-    (the channels of its INT8_OUTLIERS largest |values|) and `outlier_value` (those values, float32).
+    int8: `quant`, float32 [1 + 2k] per token: the scale (absmax / 127 of the values other than the
+    outliers), the k outliers' channels, then their values. One array, so reading a token's features
+    takes as many reads as a per-token scale alone did (channel numbers are exact in float32).
     """
     if dtype != "int8":
         return {}
-    k = min(INT8_OUTLIERS, hidden_size)
-    return {"scale": ((), np.dtype(np.float32)), "outlier_index": ((k,), np.dtype(np.uint16)),
-            "outlier_value": ((k,), np.dtype(np.float32))}
+    return {"quant": ((1 + 2 * min(INT8_OUTLIERS, hidden_size),), np.dtype(np.float32))}
 
 
 def token_bytes_per_row(dtype: str, hidden_size: int) -> int:
@@ -84,11 +83,7 @@ def encode(x: torch.Tensor, dtype: str) -> tuple[np.ndarray, dict[str, np.ndarra
         scale = rest.abs().amax(dim=-1, keepdim=True) / 127.0
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
         q = torch.round(rest / safe).clamp_(-127, 127).to(torch.int8)
-        return q.contiguous().numpy(), {
-            "scale": scale.squeeze(-1).contiguous().numpy(),
-            "outlier_index": index.to(torch.int32).contiguous().numpy().astype(np.uint16),
-            "outlier_value": outliers.contiguous().numpy(),
-        }
+        return q.contiguous().numpy(), {"quant": torch.cat([scale, index.float(), outliers], dim=-1).contiguous().numpy()}
     raise UserError(f"unknown dtype {dtype!r}; valid: {', '.join(STORAGE_DTYPES)}")
 
 
@@ -108,7 +103,7 @@ def decode_to_transfer(values: np.ndarray, side: dict[str, np.ndarray] | None, d
         return torch.from_numpy(np.ascontiguousarray(values).view(np.int16)).view(torch.bfloat16)
     t = torch.from_numpy(np.ascontiguousarray(values))
     if dtype == "int8":
-        t = t.float().mul_(torch.from_numpy(np.ascontiguousarray(side["scale"])).unsqueeze(-1))
-        index = torch.from_numpy(side["outlier_index"].astype(np.int64))
-        return t.scatter_(-1, index, torch.from_numpy(np.ascontiguousarray(side["outlier_value"])))
+        quant = torch.from_numpy(np.ascontiguousarray(side["quant"]))
+        k = (quant.shape[-1] - 1) // 2
+        return t.float().mul_(quant[..., :1]).scatter_(-1, quant[..., 1:1 + k].long(), quant[..., 1 + k:])
     return t
