@@ -93,14 +93,6 @@ class FileDigests:
         self.memo.save()
 
 
-def cached_sha256(path: str | os.PathLike) -> str:
-    """sha256 of one file through FileDigests (a stat when it is unchanged since it was last hashed)."""
-    digests = FileDigests()
-    digest = digests.sha256(path)
-    digests.save()
-    return digest
-
-
 def is_disk_full(error: BaseException) -> bool:
     """A full disk or an exhausted quota, however the writing library reports it.
 

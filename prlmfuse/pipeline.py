@@ -53,7 +53,8 @@ def corpus_dir(cfg: PipelineConfig) -> Path:
 
 def _edited_input(cfg: PipelineConfig) -> str | None:
     """For `data.kind: text`, the first of `data.files` whose content differs from what the built corpus
-    was registered from (None when none does, or for the other kinds, whose sources do not change)."""
+    was registered from (None when none does, or for the other kinds, whose sources do not change;
+    "" when the corpus records no inputs to compare with)."""
     from prlmfuse import corpora
 
     root = corpus_dir(cfg)
@@ -72,7 +73,7 @@ def ensure_data(cfg: PipelineConfig, *, build: bool = True):
 
     root = corpus_dir(cfg)
     edited = _edited_input(cfg)
-    if not build or (root / "corpus.json").is_file() and not edited and rank_world()[1] == 1:
+    if not build or (root / "corpus.json").is_file() and edited is None and rank_world()[1] == 1:
         if not (root / "corpus.json").is_file():
             raise UserError(f"no corpus in {root}; run `prlmfuse run {cfg.path} --only data` first")
         if edited:
@@ -81,11 +82,13 @@ def ensure_data(cfg: PipelineConfig, *, build: bool = True):
         return corpora.load_corpus(root)
     # Rank 0 builds (or finds) the corpus and every rank passes the same barrier, whatever it saw:
     # a rank that skipped it would meet rank 0 inside the cache build's collectives instead.
-    if is_main_process() and (edited or not (root / "corpus.json").is_file()):
+    if is_main_process() and (edited is not None or not (root / "corpus.json").is_file()):
+        # edited == "": a corpus of an earlier version, registered again to record its inputs (same
+        # files, so its caches and runs stay valid)
         d = cfg.data
         if edited:
             _say(f"data: {edited} changed since the corpus was built; registering the files again in {root}")
-        else:
+        elif edited is None:
             _say(f"data: building {d.kind} corpus in {root}")
         if d.kind == "bible":
             corpora.build_bible(root, src=d.src, tgt=d.tgt)
@@ -96,7 +99,7 @@ def ensure_data(cfg: PipelineConfig, *, build: bool = True):
             corpora.register_text(
                 root, train_src=f.train_src, train_tgt=f.train_tgt, dev_src=f.dev_src, dev_tgt=f.dev_tgt,
                 test_src=f.test_src, test_tgt=f.test_tgt, src_lang=d.src, tgt_lang=d.tgt, task=d.task,
-                force=bool(edited),
+                force=edited is not None,
             )
     barrier()
     return corpora.load_corpus(root)

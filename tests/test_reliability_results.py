@@ -155,6 +155,36 @@ def test_prlmfuse_run_rebuilds_what_depends_on_edited_data_files(world, tmp_path
     reliability.assert_one_line_error((copy.returncode, copy.stdout, copy.stderr), str(work / "data" / "text" / "train.src"), "rebuild the corpus")
 
 
+def test_a_corpus_registered_before_inputs_were_recorded_is_taken_as_it_is_then_watched(world, tmp_path):
+    """A workdir from before the corpus recorded its inputs keeps its corpus (and so its caches and runs);
+    `prlmfuse run` records the inputs, and from then on an edit of data.files is noticed."""
+    from prlmfuse.config import load_pipeline
+    from prlmfuse.pipeline import corpus_dir, ensure_data
+
+    raw = tmp_path / "raw"
+    shutil.copytree(world["root"] / "corpus" / "raw", raw)
+    pipe = tmp_path / "pipeline.yaml"
+    pipe.write_text(PIPELINE.format(work=tmp_path / "work", raw=raw, prlm=world["prlm"]), encoding="utf-8")
+    cfg = load_pipeline(pipe)
+    corpus = ensure_data(cfg)
+    meta_path = corpus_dir(cfg) / "corpus.json"
+    meta = json.loads(meta_path.read_text())
+    assert meta["inputs"]["train"]["src"]["path"] == str((raw / "train.src").resolve())
+    del meta["inputs"]
+    meta_path.write_text(json.dumps(meta))
+    files = {p.name: p.read_bytes() for p in corpus.root.iterdir() if p.name != "corpus.json"}
+
+    assert ensure_data(cfg, build=False).src_sha256("train") == corpus.src_sha256("train")  # not refused
+    assert ensure_data(cfg).src_sha256("train") == corpus.src_sha256("train")
+    assert {p.name: p.read_bytes() for p in corpus.root.iterdir() if p.name != "corpus.json"} == files
+    assert "inputs" in json.loads(meta_path.read_text())
+
+    _same_size_edit(raw / "train.src")
+    with pytest.raises(UserError, match=r"train\.src changed since the corpus"):
+        ensure_data(cfg, build=False)
+    assert ensure_data(cfg).src_sha256("train") != corpus.src_sha256("train")
+
+
 # ------------------------------------------------------------------------------------------ damaged test caches
 
 

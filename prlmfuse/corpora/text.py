@@ -73,11 +73,14 @@ def register_text(
 
 def text_inputs_changed(corpus_root: str | os.PathLike, files: dict[str, str | os.PathLike]) -> str | None:
     """The first of the user's files ({"train_src": path, ...}) whose content differs from what the corpus
-    at `corpus_root` was registered from (a stat per file unchanged since it was last hashed); None if none."""
+    at `corpus_root` was registered from (a stat per file unchanged since it was last hashed); None if none;
+    "" if the corpus records no inputs (registered by an earlier version), so nothing can be told."""
     try:
         recorded = read_json(Path(corpus_root) / CORPUS_JSON, CORPUS_JSON).get("inputs") or {}
     except (UserError, AttributeError):
         recorded = {}
+    if not recorded:
+        return ""
     digests = FileDigests()
     try:
         for name, path in files.items():
