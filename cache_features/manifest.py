@@ -36,6 +36,8 @@ DTYPE_FORMAT = {"int8": 2}
 def format_version(dtype: str) -> int:
     """The format a cache of this storage dtype is written in, and the only one read for it."""
     return DTYPE_FORMAT.get(dtype, FORMAT_VERSION)
+
+
 MANIFEST = "manifest.json"
 BUILD_RECORD = "build.json"  # written when a build starts: lets a rerun resume or refuse a different key
 SHARD_DIR = "shards"
