@@ -8,7 +8,7 @@
 
 Modules: extract (tokenize, middle cut, plan, forward through a truncated model view), codecs
 (storage dtypes), location (local path or fsspec URL), shards (HDF5 / Zarr v3 shard files,
-checksums), manifest (cache key, manifest, verify/inspect), build_directory (lock, reuse/resume),
+checksums), manifest (cache key, manifest, check/verify/inspect), build_directory (lock, reuse/resume),
 background_writer, builder (build_cache, torchrun), reader (CacheReader, feature_scale),
 compat (cache status, open-and-validate against a run, layer rows).
 """
@@ -16,7 +16,7 @@ compat (cache status, open-and-validate against a run, layer rows).
 from .builder import CacheResult, build_cache
 from .compat import cache_status, check_key_fields, choose_layers, layer_rows, open_cache
 from .extract import parse_layers
-from .manifest import cache_key, inspect_cache, verify_cache
+from .manifest import cache_key, check_cache, inspect_cache, verify_cache
 from .reader import CacheReader, feature_scale
 from .codecs import STORAGE_DTYPES
 from .shards import BACKENDS
@@ -29,6 +29,7 @@ __all__ = [
     "build_cache",
     "cache_key",
     "cache_status",
+    "check_cache",
     "check_key_fields",
     "choose_layers",
     "feature_scale",

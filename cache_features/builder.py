@@ -43,7 +43,7 @@ from .extract import (
 )
 from .background_writer import BackgroundWriter
 from .build_directory import completed_records, directory_lock, disk_full_error, prepare_directory
-from .codecs import check_dtype, encode, pooled_storage_dtype, token_bytes_per_row, token_numpy_dtype
+from .codecs import check_dtype, check_fits, encode, pooled_storage_dtype, side_arrays, token_bytes_per_row, token_numpy_dtype
 from .location import Location
 from .compat import precision_of, stored_fields
 from .manifest import MANIFEST, cache_key, check_shard_name, key_hash, read_json_at, write_json_at
@@ -124,8 +124,8 @@ def _shard_specs(plan: ShardPlan, corpus: EncodedCorpus, layers: tuple[int, ...]
     }
     for layer in layers:
         specs[f"layer_{layer:03d}"] = ArraySpec((n_tokens, d), token_numpy_dtype(dtype))
-        if dtype == "int8":
-            specs[f"scale_{layer:03d}"] = ArraySpec((n_tokens,), np.dtype(np.float32))
+        for name, (row, side_dtype) in side_arrays(dtype, d).items():
+            specs[f"{name}_{layer:03d}"] = ArraySpec((n_tokens, *row), side_dtype)
     first_rows = {"sentence_ids": sentence_ids.astype(np.int64), "offsets": offsets}
     meta = {"num_sentences": len(sentence_ids), "num_tokens": n_tokens}
     return specs, first_rows, meta
@@ -140,10 +140,12 @@ def encode_batch(token_states: torch.Tensor, pooled: torch.Tensor, attention_mas
     rows: dict[str, np.ndarray] = {}
     for i, layer in enumerate(layers):
         states = token_states[i] if attention_mask is None else token_states[i][attention_mask.bool()]
-        values, scales = encode(states, dtype)  # [n_real_tokens, d], sentence-major
+        check_fits(states, dtype, f"hidden_states[{layer}]")
+        values, side = encode(states, dtype)  # [n_real_tokens, d], sentence-major
         rows[f"layer_{layer:03d}"] = values
-        if scales is not None:
-            rows[f"scale_{layer:03d}"] = scales
+        for name, array in side.items():
+            rows[f"{name}_{layer:03d}"] = array
+    check_fits(pooled, pooled_storage_dtype(dtype), "the pooled (first-token and mean) vectors")
     rows["pooled"] = encode(pooled, pooled_storage_dtype(dtype))[0]
     return rows
 

@@ -1,7 +1,11 @@
 """Storage dtypes of cached features: what each stores, and the encode/decode between float32 and it.
 
-float16 and float32 are stored as they are; bfloat16 as its raw uint16 bits (numpy has no bfloat16);
-int8 as symmetric per-token quantization with a float32 absmax / 127 scale per row.
+float16 and float32 are stored as they are (float16 refuses values past its largest finite 65504
+rather than store inf); bfloat16 as its raw uint16 bits (numpy has no bfloat16); int8 as symmetric
+per-token quantization that keeps each token's INT8_OUTLIERS largest-magnitude values apart, in
+float32, and scales the rest by their own absmax / 127: a causal LM's residual stream carries a few
+channels hundreds of times larger than the rest, and one absmax over the whole token would round
+the rest of that token to zero.
 """
 
 from __future__ import annotations
@@ -29,29 +33,63 @@ def pooled_storage_dtype(dtype: str) -> str:
     return "float16" if dtype == "int8" else dtype
 
 
+FLOAT16_MAX = 65504.0
+INT8_OUTLIERS = 4  # values per token kept exactly beside an int8 cache's quantized rest
+
+
+def side_arrays(dtype: str, hidden_size: int) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Per-token arrays a stored layer keeps beside its values: name -> (shape of one token's row, dtype).
+
+    int8: `quant`, float32 [1 + 2k] per token: the scale (absmax / 127 of the values other than the
+    outliers), the k outliers' channels, then their values. One array, so reading a token's features
+    takes as many reads as a per-token scale alone did (channel numbers are exact in float32).
+    """
+    if dtype != "int8":
+        return {}
+    return {"quant": ((1 + 2 * min(INT8_OUTLIERS, hidden_size),), np.dtype(np.float32))}
+
+
 def token_bytes_per_row(dtype: str, hidden_size: int) -> int:
-    return hidden_size * token_numpy_dtype(dtype).itemsize + (4 if dtype == "int8" else 0)
+    side = sum(int(np.prod(shape, dtype=np.int64)) * dt.itemsize for shape, dt in side_arrays(dtype, hidden_size).values())
+    return hidden_size * token_numpy_dtype(dtype).itemsize + side
 
 
-def encode(x: torch.Tensor, dtype: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """float32 [..., d] -> (stored values, per-row float32 scales for int8 else None)."""
+def check_fits(x: torch.Tensor, dtype: str, what: str) -> None:
+    """Refuse features a float16 store would turn into inf, naming them, their largest value and a dtype that fits."""
+    if dtype != "float16" or not x.numel():
+        return
+    peak = float(x.detach().abs().amax())
+    if peak > FLOAT16_MAX:
+        raise UserError(
+            f"{what} hold values up to {peak:,.0f}, past float16's largest {FLOAT16_MAX:,.0f} (they would be stored "
+            "as inf); cache this checkpoint with dtype bfloat16 or float32 (--dtype, or dtype in pipeline.yaml's cache)"
+        )
+
+
+def encode(x: torch.Tensor, dtype: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """float32 [..., d] -> (stored values, the side arrays of `side_arrays`, per row)."""
     if dtype == "float32":
-        return x.float().contiguous().numpy(), None
+        return x.float().contiguous().numpy(), {}
     if dtype == "float16":
-        return x.to(torch.float16).contiguous().numpy(), None
+        return x.to(torch.float16).contiguous().numpy(), {}
     if dtype == "bfloat16":
-        return x.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16), None
+        return x.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16), {}
     if dtype == "int8":
-        scale = x.abs().amax(dim=-1, keepdim=True) / 127.0
+        x = x.float()
+        k = min(INT8_OUTLIERS, x.shape[-1])
+        index = x.abs().topk(k, dim=-1).indices
+        outliers = x.gather(-1, index)
+        rest = x.scatter(-1, index, 0.0)
+        scale = rest.abs().amax(dim=-1, keepdim=True) / 127.0
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(x / safe).clamp_(-127, 127).to(torch.int8)
-        return q.contiguous().numpy(), scale.squeeze(-1).float().contiguous().numpy()
+        q = torch.round(rest / safe).clamp_(-127, 127).to(torch.int8)
+        return q.contiguous().numpy(), {"quant": torch.cat([scale, index.float(), outliers], dim=-1).contiguous().numpy()}
     raise UserError(f"unknown dtype {dtype!r}; valid: {', '.join(STORAGE_DTYPES)}")
 
 
-def decode(values: np.ndarray, scales: np.ndarray | None, dtype: str) -> torch.Tensor:
+def decode(values: np.ndarray, side: dict[str, np.ndarray] | None, dtype: str) -> torch.Tensor:
     """Inverse of `encode`, always float32."""
-    return decode_to_transfer(values, scales, dtype).float()
+    return decode_to_transfer(values, side, dtype).float()
 
 
 def transfer_dtype(dtype: str) -> torch.dtype:
@@ -59,11 +97,13 @@ def transfer_dtype(dtype: str) -> torch.dtype:
     return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(dtype, torch.float32)
 
 
-def decode_to_transfer(values: np.ndarray, scales: np.ndarray | None, dtype: str) -> torch.Tensor:
+def decode_to_transfer(values: np.ndarray, side: dict[str, np.ndarray] | None, dtype: str) -> torch.Tensor:
     """Inverse of `encode` in `transfer_dtype(dtype)`: float16/bfloat16 values are not widened."""
     if dtype == "bfloat16":
         return torch.from_numpy(np.ascontiguousarray(values).view(np.int16)).view(torch.bfloat16)
     t = torch.from_numpy(np.ascontiguousarray(values))
     if dtype == "int8":
-        return t.float().mul_(torch.from_numpy(np.ascontiguousarray(scales)).float().unsqueeze(-1))
+        quant = torch.from_numpy(np.ascontiguousarray(side["quant"]))
+        k = (quant.shape[-1] - 1) // 2
+        return t.float().mul_(quant[..., :1]).scatter_(-1, quant[..., 1:1 + k].long(), quant[..., 1 + k:])
     return t

@@ -7,7 +7,8 @@ refused by the same rules wherever it is read:
 - its key fields equal the ones the run trained on (checkpoint identity, dtype, truncation, ...),
   except the corpus and the compute precision, and its stored layers may be a superset;
 - it was built from the source file as it is now (corpus_sha256) and holds one entry per line;
-- it stores every layer (and pooled layer) the run reads.
+- it stores every layer (and pooled layer) the run reads;
+- its shards still match their checksums (manifest.check_cache, or a full verify_cache on request).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import logging
 
 from prlmfuse.errors import UserError
 
-from .manifest import MANIFEST, verify_cache
+from .manifest import MANIFEST, check_cache, verify_cache
 from .reader import CacheReader
 from .location import Location
 
@@ -117,11 +118,14 @@ def open_cache(
 
     source_name: what the file is, for messages ("train source").
     expected_fields: key fields the cache must match (those of the cache the run trained on);
-    None for the training cache itself. verify: re-hash every shard first (training reads each
-    feature many times; a test set once).
+    None for the training cache itself. Every shard is checked against its checksum first
+    (`check_cache`: a stat per file when nothing changed since the cache last passed);
+    verify=True re-hashes every shard whatever was remembered.
     """
     if verify:
         verify_cache(path)
+    else:
+        check_cache(path)
     reader = CacheReader(path, in_memory=in_memory)
     fields = dict(reader.manifest["key_fields"])
     if fields.get(_CORPUS_FIELD) != source_sha256:

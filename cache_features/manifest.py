@@ -6,7 +6,7 @@ A cache directory (a local path or an fsspec URL) holds:
   progress/<shard>.json      one record (name, counts, sha256) per finished shard
   shards/shard-NNNNN.zarr|.h5  the features (arrays in shards.py)
   .lock                      local paths only: one build at a time
-key_fields["format"] is FORMAT_VERSION; a cache of any other format is refused, never converted.
+key_fields["format"] is format_version(dtype); a cache of any other format is refused, never converted.
 """
 
 from __future__ import annotations
@@ -20,14 +20,24 @@ import numpy as np
 
 import prlmfuse
 from prlmfuse.errors import UserError
-from prlmfuse.fileio import sha256_file
+from prlmfuse.fileio import StatMemo, sha256_file
 
 from .extract import LayerSelection, parse_layers
-from .codecs import STORAGE_DTYPES, check_dtype, pooled_storage_dtype, token_numpy_dtype
+from .codecs import STORAGE_DTYPES, check_dtype, pooled_storage_dtype, side_arrays, token_numpy_dtype
 from .location import Location
 from .shards import BACKENDS, ShardChecksum, ShardHandle
 
 FORMAT_VERSION = 1  # bump when the layout or key changes: older caches are then refused, never read
+# Storage dtypes whose own layout changed since: their caches alone carry the newer format, so caches
+# of the other dtypes keep their keys and are reused as they are. int8 2: outliers kept apart per token.
+DTYPE_FORMAT = {"int8": 2}
+
+
+def format_version(dtype: str) -> int:
+    """The format a cache of this storage dtype is written in, and the only one read for it."""
+    return DTYPE_FORMAT.get(dtype, FORMAT_VERSION)
+
+
 MANIFEST = "manifest.json"
 BUILD_RECORD = "build.json"  # written when a build starts: lets a rerun resume or refuse a different key
 SHARD_DIR = "shards"
@@ -50,7 +60,7 @@ def cache_key(checkpoint_info, corpus_file, layers, dtype, *, precision: str = "
     selection = layers if isinstance(layers, LayerSelection) else parse_layers(layers, checkpoint_info.num_layers)
     corpus_sha = corpus_file if _looks_like_sha(corpus_file) else sha256_file(corpus_file)
     return {
-        "format": FORMAT_VERSION,
+        "format": format_version(dtype),
         "checkpoint": str(checkpoint_info.name),
         "checkpoint_identity": checkpoint_info.identity,
         "family": checkpoint_info.family,
@@ -111,9 +121,10 @@ def load_manifest(path_or_url) -> tuple[Location, dict]:
     manifest = read_json_at(location, MANIFEST, "cache manifest")
     fields = manifest.get("key_fields")
     found = fields.get("format") if isinstance(fields, dict) else None
-    if found != FORMAT_VERSION:
-        raise UserError(f"{where}: cache format {found}, this prlmfuse reads format {FORMAT_VERSION}; "
-                        "rebuild the cache with --force")
+    dtype = fields.get("dtype") if isinstance(fields, dict) else None
+    if found != format_version(dtype):
+        raise UserError(f"{where}: cache format {found}, this prlmfuse reads format {format_version(dtype)} for "
+                        f"{dtype} caches; rebuild the cache with --force")
     required = ("key", "num_sentences", "num_tokens", "layers", "pooled_layers", "hidden_size", "dtype",
                 "pooled_dtype", "backend", "shards", "truncated_sentences", "truncated_tokens", "max_length",
                 "complete")
@@ -145,8 +156,8 @@ def expected_arrays(manifest: dict, shard: dict) -> dict[str, tuple[tuple[int, .
     }
     for layer in manifest["layers"]:
         arrays[f"layer_{layer:03d}"] = ((n, d), token_numpy_dtype(dtype))
-        if dtype == "int8":
-            arrays[f"scale_{layer:03d}"] = ((n,), np.dtype(np.float32))
+        for name, (row, side_dtype) in side_arrays(dtype, d).items():
+            arrays[f"{name}_{layer:03d}"] = ((n, *row), side_dtype)
     return arrays
 
 
@@ -182,6 +193,36 @@ def verify_cache(path) -> None:
             handle.close()
         if checksum.hexdigest() != shard["sha256"]:
             raise UserError(f"cache {location}: shard {name} fails its sha256 check (corrupt); rebuild with --force")
+
+
+def check_cache(path) -> None:
+    """The check every reader runs before it trusts a cache: `verify_cache`, skipped when neither the
+    manifest nor any shard file changed (size, mtime) since the cache last passed it on this machine
+    (remembered in $PRLMFUSE_HOME). URLs have no cheap stamp, so they are re-hashed every time."""
+    location = path if isinstance(path, Location) else Location(path)
+    stamp = None if location.url else _local_stamp(location.path)
+    memo = StatMemo("verified_caches.json")
+    key = os.path.realpath(location.path) if stamp else ""
+    if stamp and memo.get(key, stamp[0]):
+        return
+    verify_cache(location)
+    if stamp:
+        memo.put(key, stamp[0], True, newest_mtime=stamp[1])
+        memo.save()
+
+
+def _local_stamp(root) -> tuple[str, float] | None:
+    """(sha256 over the name, size and mtime of manifest.json and every file under shards/, newest mtime)."""
+    files = [root / MANIFEST, *sorted(p for p in (root / SHARD_DIR).rglob("*") if p.is_file())]
+    h, newest = hashlib.sha256(), 0.0
+    for f in files:
+        try:
+            st = f.stat()
+        except OSError:
+            return None  # verify_cache names what is missing
+        h.update(f"{f.relative_to(root).as_posix()}\t{st.st_size}\t{st.st_mtime_ns}\n".encode("utf-8"))
+        newest = max(newest, st.st_mtime)
+    return h.hexdigest(), newest
 
 
 def inspect_cache(path) -> dict:

@@ -15,7 +15,7 @@ import torch
 from prlmfuse.errors import UserError
 
 from .manifest import SHARD_DIR, expected_arrays, load_manifest
-from .codecs import decode, decode_to_transfer, transfer_dtype
+from .codecs import decode, decode_to_transfer, side_arrays, transfer_dtype
 from .location import Location
 from .shards import ShardHandle
 
@@ -34,6 +34,7 @@ class CacheReader:
         self.pooled_dtype: str = m["pooled_dtype"]
         self.backend: str = m["backend"]
         self.in_memory = in_memory
+        self._side = tuple(side_arrays(self.dtype, self.hidden_size))
         self._shard_names = [s["name"] for s in m["shards"]]
         self._handles: dict[int, ShardHandle] = {}
         self._memory: dict[int, dict[str, np.ndarray]] = {}
@@ -140,8 +141,8 @@ class CacheReader:
         out = []
         for layer in self.layers if rows is None else [self.layers[r] for r in rows]:
             values = self._read(s, f"layer_{layer:03d}", start, stop)
-            scales = self._read(s, f"scale_{layer:03d}", start, stop) if self.dtype == "int8" else None
-            out.append(decode(values, scales, self.dtype) if widen else decode_to_transfer(values, scales, self.dtype))
+            side = {name: self._read(s, f"{name}_{layer:03d}", start, stop) for name in self._side}
+            out.append(decode(values, side, self.dtype) if widen else decode_to_transfer(values, side, self.dtype))
         if len(out) == 1 and not self.in_memory:
             return out[0].unsqueeze(0)  # a buffer of its own, just read: a view saves a copy
         return torch.stack(out)  # copies, so no caller can write into the in-memory cache

@@ -4,7 +4,7 @@ A shard holds, for a run of sentences in plan order:
   sentence_ids  int64 [S]          global line numbers
   offsets       int64 [S + 1]      token rows of sentence j are offsets[j]:offsets[j+1]
   layer_NNN     [N, d]             token features of hidden_states[NNN] (stored dtype)
-  scale_NNN     float32 [N]        per-token absmax / 127, int8 only
+  quant_NNN     float32 [N, 1+2k]  int8 only: per token its scale, then its k outliers' channels and values
   pooled        [S, P, 2, d]       first-token and mean vectors of layers 0..P-1
 Arrays are written sequentially (rows in order), so a shard's size in memory is one batch, not the shard.
 The checksum is sha256 over each array's values (plus its name, dtype and shape): the same for

@@ -1,5 +1,5 @@
-"""Small file helpers shared by every stage: prlmfuse's home directory, atomic writes, hashing,
-checked text reading."""
+"""Small file helpers shared by every stage: prlmfuse's home directory, atomic writes, hashing (with
+the size+mtime memo that makes re-checking an unchanged file cheap), checked text reading."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -29,6 +30,67 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+# Filesystem timestamps are coarse (a tick of several ms), so a second write soon after the first
+# could leave size and mtime unchanged ("racy git"): nothing modified this recently is remembered.
+RACY_SECONDS = 3.0
+
+
+class StatMemo:
+    """Facts about files remembered by their (size, mtime) in $PRLMFUSE_HOME/<name>, so that checking
+    a file again costs a stat call instead of a read. Losing or damaging the memo only costs re-reading;
+    concurrent writers each replace it whole, and the last one wins."""
+
+    def __init__(self, name: str) -> None:
+        self.path = prlmfuse_home() / name
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                entries = json.load(f).get("entries", {})
+        except (OSError, ValueError, AttributeError):
+            entries = {}
+        self.entries: dict[str, dict] = entries if isinstance(entries, dict) else {}
+        self.dirty = False
+
+    def get(self, key: str, stamp) -> object | None:
+        entry = self.entries.get(key)
+        if isinstance(entry, dict) and entry.get("stamp") == stamp:
+            return entry.get("value")
+        return None
+
+    def put(self, key: str, stamp, value, *, newest_mtime: float) -> None:
+        """Remember `value` for `key` while it has `stamp`, unless a file behind it changed too recently."""
+        if time.time() - newest_mtime > RACY_SECONDS:
+            self.entries[key] = {"stamp": stamp, "value": value}
+            self.dirty = True
+
+    def save(self) -> None:
+        if not self.dirty:
+            return
+        live = {k: v for k, v in self.entries.items() if os.path.exists(k)}
+        with contextlib.suppress(OSError):
+            atomic_write_json(self.path, {"version": 2, "entries": live})
+        self.dirty = False
+
+
+class FileDigests:
+    """sha256 of files, re-hashed only when a file's size or mtime changed since it was last hashed."""
+
+    def __init__(self) -> None:
+        self.memo = StatMemo("file_digests.json")
+
+    def sha256(self, path: str | os.PathLike) -> str:
+        real = os.path.realpath(path)
+        st = os.stat(real)
+        stamp = [st.st_size, st.st_mtime_ns]
+        digest = self.memo.get(real, stamp)
+        if not isinstance(digest, str):
+            digest = sha256_file(real)
+            self.memo.put(real, stamp, digest, newest_mtime=st.st_mtime)
+        return digest
+
+    def save(self) -> None:
+        self.memo.save()
 
 
 def is_disk_full(error: BaseException) -> bool:

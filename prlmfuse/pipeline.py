@@ -13,6 +13,7 @@ Layout under `workdir`:
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from prlmfuse import __version__
 from prlmfuse.cache_features.compat import BUILT, DAMAGED, cache_status
+from prlmfuse.cache_features.manifest import FORMAT_VERSION, format_version
 from prlmfuse.config import CheckpointEntry, PipelineConfig
 from prlmfuse.distributed import barrier, is_main_process, rank_world
 from prlmfuse.errors import UserError
@@ -49,20 +51,45 @@ def corpus_dir(cfg: PipelineConfig) -> Path:
     return cfg.workdir / "data" / name
 
 
-def ensure_data(cfg: PipelineConfig, *, build: bool = True):
-    """The pipeline's corpus: loaded if built before, else built (rank 0 only under torchrun)."""
+def _edited_input(cfg: PipelineConfig) -> str | None:
+    """For `data.kind: text`, the first of `data.files` whose content differs from what the built corpus
+    was registered from (None when none does, or for the other kinds, whose sources do not change;
+    "" when the corpus records no inputs to compare with)."""
     from prlmfuse import corpora
 
     root = corpus_dir(cfg)
-    if not build or (root / "corpus.json").is_file() and rank_world()[1] == 1:
+    if cfg.data.kind != "text" or not (root / "corpus.json").is_file():
+        return None
+    return corpora.text_inputs_changed(root, dataclasses.asdict(cfg.data.files))
+
+
+def ensure_data(cfg: PipelineConfig, *, build: bool = True):
+    """The pipeline's corpus: loaded if built before, else built (rank 0 only under torchrun).
+
+    A text corpus whose `data.files` changed since it was registered is registered again (replacing the
+    old one), so the caches and runs that depend on it see a new corpus and are rebuilt too.
+    """
+    from prlmfuse import corpora
+
+    root = corpus_dir(cfg)
+    edited = _edited_input(cfg)
+    if not build or (root / "corpus.json").is_file() and edited is None and rank_world()[1] == 1:
         if not (root / "corpus.json").is_file():
             raise UserError(f"no corpus in {root}; run `prlmfuse run {cfg.path} --only data` first")
+        if edited:
+            raise UserError(f"{edited} changed since the corpus {root} was built from it; run `prlmfuse run "
+                            f"{cfg.path}` (or `--only data` first) to rebuild the corpus and what depends on it")
         return corpora.load_corpus(root)
     # Rank 0 builds (or finds) the corpus and every rank passes the same barrier, whatever it saw:
     # a rank that skipped it would meet rank 0 inside the cache build's collectives instead.
-    if is_main_process() and not (root / "corpus.json").is_file():
+    if is_main_process() and (edited is not None or not (root / "corpus.json").is_file()):
+        # edited == "": a corpus of an earlier version, registered again to record its inputs (same
+        # files, so its caches and runs stay valid)
         d = cfg.data
-        _say(f"data: building {d.kind} corpus in {root}")
+        if edited:
+            _say(f"data: {edited} changed since the corpus was built; registering the files again in {root}")
+        elif edited is None:
+            _say(f"data: building {d.kind} corpus in {root}")
         if d.kind == "bible":
             corpora.build_bible(root, src=d.src, tgt=d.tgt)
         elif d.kind == "debian-descriptions":
@@ -72,6 +99,7 @@ def ensure_data(cfg: PipelineConfig, *, build: bool = True):
             corpora.register_text(
                 root, train_src=f.train_src, train_tgt=f.train_tgt, dev_src=f.dev_src, dev_tgt=f.dev_tgt,
                 test_src=f.test_src, test_tgt=f.test_tgt, src_lang=d.src, tgt_lang=d.tgt, task=d.task,
+                force=edited is not None,
             )
     barrier()
     return corpora.load_corpus(root)
@@ -121,6 +149,9 @@ def cache_jobs(cfg: PipelineConfig, corpus, names: list[str] | None = None) -> l
                 "checkpoint": info.identity, "layers": str(entry.layers), "dtype": dtype,
                 "backend": cfg.cache.backend, "corpus": corpus.src_sha256(split), "version": __version__,
             }
+            if format_version(dtype) != FORMAT_VERSION:
+                # a dtype whose layout changed gets a directory of its own; the others keep theirs
+                fields["format"] = format_version(dtype)
             h = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
             out = f"{base}/{_safe(entry.name)}/{dtype}-{_safe(str(entry.layers))}/{split}-{h}"
             jobs.append(CacheJob(entry, dtype, split, corpus.src_path(split), out))
@@ -216,6 +247,10 @@ def train_runs(
             if state != BUILT:
                 raise UserError(f"cache {out} is not built; run `prlmfuse run {cfg.path} --only cache` first")
     runs = _selected_runs(cfg, names)
+    if is_main_process():
+        for run in runs:
+            _set_aside_if_stale(run_path(cfg, run.name), corpus)
+    barrier()
     if parallel > 1 and len(runs) > 1:
         return _train_in_children(cfg, runs, parallel, resume=resume)
     dirs = []
@@ -225,6 +260,35 @@ def train_runs(
         train_run(run, corpus, caches_for_run(run, jobs, cfg), out, resume=resume, runtime=runtime)
         dirs.append(out)
     return dirs
+
+
+def _corpus_hashes(corpus) -> dict:
+    return {split: {side: corpus.splits[split][side]["sha256"] for side in ("src", "tgt")} for split in corpus.splits}
+
+
+def _is_stale(out: Path, corpus) -> bool:
+    """Whether the run directory `out` was trained on other corpus files than `corpus` holds now."""
+    if not (out / rundir.RUN_JSON).is_file():
+        return False
+    try:
+        recorded = rundir.read_run_info(out)["corpus"].get("sha256")
+    except UserError:
+        return False  # train_run names what is wrong with it
+    return recorded != _corpus_hashes(corpus)
+
+
+def _set_aside_if_stale(out: Path, corpus) -> None:
+    """A run directory trained on other corpus files than the corpus now holds (its data was edited) is
+    renamed to `<name>.stale-<time>` beside itself, so the run trains again from scratch; its old
+    checkpoints stay there until the user deletes them."""
+    import time
+
+    if not _is_stale(out, corpus):
+        return
+    aside = out.with_name(f"{out.name}.stale-{time.strftime('%Y%m%d-%H%M%S')}")
+    with rundir.training_lock(out):  # never move a run directory from under its trainer
+        os.rename(out, aside)
+    _say(f"train: {out} was trained on an earlier version of the corpus; moved it to {aside} to train it again")
 
 
 def _last_line(path: Path) -> str:
@@ -336,10 +400,12 @@ def plan_lines(cfg: PipelineConfig, names: list[str] | None) -> list[str]:
     """What `prlmfuse run` would do: data, caches present or to build, runs to train or resume, estimates."""
     lines = []
     root = corpus_dir(cfg)
-    has_data = (root / "corpus.json").is_file()
+    edited = _edited_input(cfg)
+    has_data = (root / "corpus.json").is_file() and not edited
     lines.append(f"pipeline {cfg.path} (workdir {cfg.workdir})")
-    lines.append(f"data:  {root} [{'present' if has_data else 'to build: ' + cfg.data.kind}]")
-    jobs = None
+    state = f"to rebuild: {edited} changed" if edited else "present" if has_data else "to build: " + cfg.data.kind
+    lines.append(f"data:  {root} [{state}]")
+    jobs = corpus = None
     if has_data:
         from prlmfuse import corpora
 
@@ -356,7 +422,10 @@ def plan_lines(cfg: PipelineConfig, names: list[str] | None) -> list[str]:
     speed = _measured_speed(cfg)
     total_updates = total_tokens = 0
     for run in _selected_runs(cfg, names):
-        state, done = rundir.training_progress(run, rundir.latest_trainer_state(run_path(cfg, run.name)))
+        out = run_path(cfg, run.name)
+        state, done = rundir.training_progress(run, rundir.latest_trainer_state(out))
+        if (edited or corpus is not None and _is_stale(out, corpus)) and state != "new":
+            state, done = "to train again: its corpus changed", 0
         budget = f"{run.max_updates} updates" if run.max_updates is not None else f"{run.max_epochs} epochs"
         prlms = ", ".join(f"{u.checkpoint}[{u.layer}]" for u in run.prlms) or "none (baseline)"
         lines.append(f"train: {run.name:<28} [{state}] PrLM: {prlms}; budget {budget} of {run.max_tokens}-token batches")

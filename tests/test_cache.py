@@ -395,8 +395,16 @@ def test_a_cache_of_another_format_version_is_refused(tiny, corpus, tmp_path):
     manifest["key_fields"]["format"] = 0
     (out / "manifest.json").write_text(json.dumps(manifest))
     for open_it in (CacheReader, verify_cache, inspect_cache):
-        with pytest.raises(UserError, match="cache format 0, this prlmfuse reads format 1; rebuild"):
+        with pytest.raises(UserError, match="cache format 0, this prlmfuse reads format 1 for float16 caches; rebuild"):
             open_it(out)
+    # int8 caches of format 1 scaled each token by its absmax alone: their layout is refused, not misread.
+    build_cache(str(tiny["bert"]), corpus, tmp_path / "int8", dtype="int8", progress=False)
+    manifest = json.loads((tmp_path / "int8" / "manifest.json").read_text())
+    assert manifest["key_fields"]["format"] == 2
+    manifest["key_fields"]["format"] = 1
+    (tmp_path / "int8" / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="cache format 1, this prlmfuse reads format 2 for int8 caches; rebuild"):
+        CacheReader(tmp_path / "int8")
 
 
 # ----------------------------------------------------------------------------- the real checkpoint

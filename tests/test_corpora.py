@@ -204,14 +204,19 @@ def test_load_corpus_errors(tmp_path):
 
     out = tmp_path / "c"
     register_text(out, src_lang="en", tgt_lang="de", **_small_corpus(tmp_path, "a"))
-    # Same size, different content: only the full check notices.
+    corpus = load_corpus(out)
+    # Same size, different content: opening the corpus notices (its sha256), as does the full check.
     text = (out / "dev.tgt").read_text()
     (out / "dev.tgt").write_text(text.replace("sentence 0", "sentence X"))
-    corpus = load_corpus(out)
+    with pytest.raises(UserError, match=r"dev\.tgt: content differs .* rebuild the corpus") as error:
+        load_corpus(out)
+    assert "\n" not in str(error.value)
     with pytest.raises(UserError, match=r"dev\.tgt: content differs"):
         corpus.verify()
     with pytest.raises(UserError, match=r"dev\.tgt: content differs"):
         load_corpus(out, verify=True)
+    (out / "dev.tgt").write_text(text)
+    load_corpus(out)
     # A truncated file fails the cheap check.
     (out / "train.src").write_text("only one line\n")
     with pytest.raises(UserError, match=r"train\.src: \d+ bytes but .* records"):

@@ -174,9 +174,9 @@ def test_identity_stable_cached_and_sensitive_to_weight_bytes(tmp_path, private_
     # Files older than the racy window get their digest cached by (path, size, mtime).
     set_old_mtime(directory)
     assert resolve_checkpoint(str(directory)).identity == first
-    cached = json.loads((private_home / "file_digests.json").read_text())["files"]
+    cached = json.loads((private_home / "file_digests.json").read_text())["entries"]
     weights = str((directory / "model.safetensors").resolve())
-    assert cached[weights]["sha256"] == sha256_file(weights)
+    assert cached[weights]["value"] == sha256_file(weights)
 
     # Files outside config/weights/tokenizer do not matter.
     (directory / "README.md").write_text("edited\n", encoding="utf-8")

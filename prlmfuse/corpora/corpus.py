@@ -4,7 +4,9 @@ A corpus directory holds `{train,dev,test}.{src,tgt}` (UTF-8, one sentence a lin
 `.src` paired with line i of `.tgt`) and `corpus.json` recording, per file, its line count,
 byte size and sha256. Caches and runs record those hashes, so a corpus is built once into a
 temporary directory beside its final name and renamed into place (`install_corpus`): the final
-name only ever holds a complete corpus.
+name only ever holds a complete corpus. Opening one (`load_corpus`) checks every file still hashes
+to what corpus.json records, so a file edited afterwards is refused rather than paired with features
+computed from its old text.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 
 from prlmfuse import __version__
 from prlmfuse.errors import UserError
-from prlmfuse.fileio import fsync_dir, read_json, sha256_file
+from prlmfuse.fileio import FileDigests, atomic_write_json, fsync_dir, read_json, sha256_file
 
 SPLITS = ("train", "dev", "test")
 SIDES = ("src", "tgt")
@@ -65,21 +67,43 @@ class Corpus:
         return self._entry(split, "src")["lines"]
 
     def verify(self) -> None:
-        """Re-hash every file against corpus.json (the full check; load_corpus only compares sizes)."""
-        for split in self.splits:
-            for side in SIDES:
-                entry = self._entry(split, side)
-                path = self.root / entry["file"]
-                if sha256_file(path) != entry["sha256"]:
-                    raise UserError(
-                        f"{path}: content differs from the sha256 recorded in {self.root / CORPUS_JSON}; "
-                        f"the file was edited after the corpus was built: rebuild it with --force"
-                    )
+        """Re-hash every file against corpus.json, trusting no remembered digest (load_corpus's check
+        re-hashes only files whose size or mtime changed since they were last hashed)."""
+        self.check_files(full=True)
+
+    def check_files(self, *, full: bool = False) -> None:
+        """Refuse a corpus whose files are no longer exactly what corpus.json (and so every cache and
+        run built from it) records: each file's size, then its sha256, which FileDigests re-computes
+        only for a file whose size or mtime changed since it was last hashed (`full`: always)."""
+        meta_path = self.root / CORPUS_JSON
+        digests = FileDigests()
+        try:
+            for split in self.splits:
+                for side in SIDES:
+                    entry = self._entry(split, side)
+                    path = self.root / entry["file"]
+                    if not path.is_file():
+                        raise UserError(f"corpus file missing: {path} (listed in {meta_path}); {_rebuild_hint(self.root)}")
+                    size = path.stat().st_size
+                    if "bytes" in entry and size != entry["bytes"]:
+                        raise UserError(f"{path}: {size} bytes but {meta_path} records {entry['bytes']}; "
+                                        f"the file was changed after the corpus was built: {_rebuild_hint(self.root)}")
+                    digest = sha256_file(path) if full else digests.sha256(path)
+                    if digest != entry["sha256"]:
+                        raise UserError(f"{path}: content differs from the sha256 recorded in {meta_path}; the file was "
+                                        f"edited after the corpus was built: {_rebuild_hint(self.root)}")
+        finally:
+            digests.save()
+
+
+def _rebuild_hint(root: Path) -> str:
+    return (f"restore it, or rebuild the corpus (`prlmfuse data ... {root} --force`, or delete {root} "
+            "and rerun `prlmfuse run`), which also rebuilds its caches and runs")
 
 
 def load_corpus(root: str | os.PathLike, *, verify: bool = False) -> Corpus:
-    """Open a corpus directory: corpus.json must exist and every file must have its recorded
-    size and line count. `verify=True` also re-hashes every file (see Corpus.verify)."""
+    """Open a corpus directory: corpus.json must exist and every file must still be what it records
+    (size and sha256, see Corpus.check_files). `verify=True` re-hashes every file regardless."""
     root = Path(root)
     meta_path = root / CORPUS_JSON
     if not root.is_dir():
@@ -91,26 +115,7 @@ def load_corpus(root: str | os.PathLike, *, verify: bool = False) -> Corpus:
         )
     meta = read_json(meta_path, CORPUS_JSON)
     corpus = _corpus_from_meta(root, meta, meta_path)
-    for split in SPLITS:
-        for side in SIDES:
-            entry = corpus.splits[split][side]
-            path = root / entry["file"]
-            if not path.is_file():
-                raise UserError(f"corpus file missing: {path} (listed in {meta_path}); rebuild the corpus with --force")
-            size = path.stat().st_size
-            if "bytes" in entry and size != entry["bytes"]:
-                raise UserError(
-                    f"{path}: {size} bytes but {meta_path} records {entry['bytes']}; "
-                    f"the file was changed after the corpus was built: rebuild it with --force"
-                )
-            lines = _count_lines(path)
-            if lines != entry["lines"]:
-                raise UserError(
-                    f"{path}: {lines} lines but {meta_path} records {entry['lines']}; "
-                    f"the file was changed after the corpus was built: rebuild it with --force"
-                )
-    if verify:
-        corpus.verify()
+    corpus.check_files(full=verify)
     return corpus
 
 
@@ -150,15 +155,6 @@ def _corpus_from_meta(root: Path, meta: dict, meta_path: Path) -> Corpus:
     )
 
 
-def _count_lines(path: Path) -> int:
-    # Every corpus file is written with a final '\n', so newlines == lines.
-    count = 0
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            count += block.count(b"\n")
-    return count
-
-
 # ----------------------------------------------------------------------------- text and writing
 
 # Whitespace runs become one ASCII space: a newline (or U+2028 and friends) inside a sentence
@@ -185,11 +181,14 @@ def install_corpus(
     source: str,
     pairs: dict[str, tuple[list[str], list[str]]],
     force: bool,
+    inputs: dict | None = None,
 ) -> Corpus:
     """Write a corpus into a temp dir beside `out`, then rename it into place.
 
     An existing corpus with the same content is left untouched; a different one is only
     replaced with force=True; a non-corpus directory that is not empty is never touched.
+    inputs: what the files were made from ({split: {side: {"path", "sha256"}}} for the user's files),
+    recorded in corpus.json so a pipeline can tell when they change.
     """
     out = Path(out)
     blobs: dict[tuple[str, str], bytes] = {}
@@ -216,6 +215,8 @@ def install_corpus(
         "source": source,
         "prlmfuse_version": __version__,
     }
+    if inputs is not None:
+        meta["inputs"] = inputs
 
     replace_existing = False
     if out.exists() or out.is_symlink():
@@ -223,6 +224,10 @@ def install_corpus(
             raise UserError(f"{out} exists and is not a directory; choose another output path for the corpus")
         if (out / CORPUS_JSON).is_file():
             if _same_corpus_on_disk(out, meta):
+                existing = read_json(out / CORPUS_JSON, CORPUS_JSON)
+                if inputs is not None and existing.get("inputs") != inputs:
+                    # the same text from changed inputs (whitespace only): record them, keep the files
+                    atomic_write_json(out / CORPUS_JSON, {**existing, "inputs": inputs})
                 return load_corpus(out)
             if not force:
                 raise UserError(

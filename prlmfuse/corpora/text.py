@@ -6,9 +6,9 @@ import os
 import re
 from pathlib import Path
 
-from prlmfuse.corpora.corpus import TASKS, Corpus, install_corpus, normalize_text
+from prlmfuse.corpora.corpus import CORPUS_JSON, SIDES, TASKS, Corpus, install_corpus, normalize_text
 from prlmfuse.errors import UserError
-from prlmfuse.fileio import read_lines
+from prlmfuse.fileio import FileDigests, read_json, read_lines
 
 
 def register_text(
@@ -61,7 +61,33 @@ def register_text(
                 )
         pairs[split] = (src_lines, tgt_lines)
     source = "registered files: " + ", ".join(f"{split}={s} | {t}" for split, (s, t) in files.items())
+    digests = FileDigests()
+    inputs = {split: {side: {"path": str(Path(f).resolve()), "sha256": digests.sha256(f)} for side, f in zip(SIDES, pair)}
+              for split, pair in files.items()}
+    digests.save()
     return install_corpus(
         out, name=name or Path(out).resolve().name, task=task, src_lang=src_lang, tgt_lang=tgt_lang,
-        source=source, pairs=pairs, force=force,
+        source=source, pairs=pairs, force=force, inputs=inputs,
     )
+
+
+def text_inputs_changed(corpus_root: str | os.PathLike, files: dict[str, str | os.PathLike]) -> str | None:
+    """The first of the user's files ({"train_src": path, ...}) whose content differs from what the corpus
+    at `corpus_root` was registered from (a stat per file unchanged since it was last hashed); None if none;
+    "" if the corpus records no inputs (registered by an earlier version), so nothing can be told."""
+    try:
+        recorded = read_json(Path(corpus_root) / CORPUS_JSON, CORPUS_JSON).get("inputs") or {}
+    except (UserError, AttributeError):
+        recorded = {}
+    if not recorded:
+        return ""
+    digests = FileDigests()
+    try:
+        for name, path in files.items():
+            split, side = name.split("_")
+            entry = (recorded.get(split) or {}).get(side) if isinstance(recorded, dict) else None
+            if not isinstance(entry, dict) or not Path(path).is_file() or digests.sha256(path) != entry.get("sha256"):
+                return str(path)
+        return None
+    finally:
+        digests.save()
