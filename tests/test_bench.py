@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 from pathlib import Path
@@ -124,3 +125,65 @@ def test_batch_padding_bench_counts_both_orders(tmp_path, capsys):
     assert all(r["src_padded_over_real"] >= 1 and r["batches"] > 1 for r in row.values())
     assert bench.main(["--corpus", str(tmp_path / "missing")]) == 2
     assert "corpus directory not found" in capsys.readouterr().err
+
+
+def test_train_memory_bench_pipeline_names_one_run_per_system_and_size(tmp_path):
+    """bench/train_memory.py's pipeline parses, with one run per (system, pairs) at the bench's settings."""
+    from prlmfuse.config import load_pipeline
+
+    bench = _module(BENCH / "train_memory.py")
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(bench.pipeline_text(["baseline", "fused"], [10000, 30000], updates=200), encoding="utf-8")
+    cfg = load_pipeline(path)
+    runs = {r.name: r for r in cfg.train.runs}
+    assert set(runs) == {"baseline-10000", "baseline-30000", "fused-10000", "fused-30000"}
+    assert runs["baseline-30000"].max_train_pairs == 30000 and not runs["baseline-30000"].prlms
+    fused = runs["fused-10000"]
+    assert [(p.checkpoint, p.layer) for p in fused.prlms] == [("minilm-l6", -2)]
+    assert (fused.preset, fused.bpe_vocab, fused.max_tokens, fused.max_updates) == ("small", 4000, 1200, 200)
+    with pytest.raises(ValueError, match="unknown system"):
+        bench.pipeline_text(["live"], [10])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
+def test_train_memory_bench_tells_loader_workers_from_helpers(tmp_path):
+    """bench/train_memory.py finds a forkserver-started worker in a real process tree and reads its peak RSS."""
+    import subprocess
+    import time
+
+    bench = _module(BENCH / "train_memory.py")
+    script = tmp_path / "tree.py"
+    script.write_text(
+        "import multiprocessing as mp, sys, time\n"
+        "def work():\n    time.sleep(60)\n"
+        "if __name__ == '__main__':\n"
+        "    p = mp.get_context('forkserver').Process(target=work); p.start()\n"
+        "    print('started', flush=True); time.sleep(60)\n",
+        encoding="utf-8",
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "started"
+        tree = bench.classify_tree(proc.pid)
+        for _ in range(50):  # the worker appears under the forkserver once forked
+            if tree["worker"]:
+                break
+            time.sleep(0.1)
+            tree = bench.classify_tree(proc.pid)
+        assert tree["train"] == [proc.pid]
+        assert len(tree["worker"]) == 1
+        assert any("forkserver" in bench.cmdline(pid) for pid in tree["helper"])
+        peak = bench.TreePeak(proc.pid)
+        peak.sample()
+        assert peak.train_kib > 1000 and peak.worker_kib > 1000 and peak.tree_kib >= peak.train_kib + peak.worker_kib
+        assert peak.workers_seen == set(tree["worker"])
+    finally:
+        import os
+        import signal
+
+        for pid in [*bench.classify_tree(proc.pid)["worker"], *bench.classify_tree(proc.pid)["helper"]]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+    assert bench.status_kib(proc.pid) == {} and bench.children(proc.pid) == []
