@@ -187,3 +187,56 @@ def test_train_memory_bench_tells_loader_workers_from_helpers(tmp_path):
         proc.kill()
         proc.wait()
     assert bench.status_kib(proc.pid) == {} and bench.children(proc.pid) == []
+
+
+def _parity_bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    return _module(BENCH / "fairseq_parity.py")
+
+
+def test_fairseq_parity_reads_both_logs_in_nats(monkeypatch):
+    """bench/fairseq_parity.py converts fairseq's dev NLL from bits and pairs it with prlmfuse's at the same updates."""
+    import math
+
+    bench = _parity_bench(monkeypatch)
+    fairseq_log = "\n".join([
+        '2026-11-25 09:00:00 | INFO | train_inner | {"epoch": 1, "update": 0.2, "loss": "11.2", "nll_loss": "11.1", "num_updates": "50"}',
+        '2026-11-25 09:01:00 | INFO | valid | {"epoch": 1, "valid_loss": "9.5", "valid_nll_loss": "8.0", "valid_num_updates": "100"}',
+        "some warning without json",
+        '2026-11-25 09:02:00 | INFO | valid | {"epoch": 1, "valid_loss": "8.5", "valid_nll_loss": "7.0", "valid_num_updates": "200"}',
+    ])
+    theirs = bench.fairseq_dev_nll(fairseq_log)
+    assert theirs == {100: pytest.approx(8.0 * math.log(2)), 200: pytest.approx(7.0 * math.log(2))}
+    metrics = "\n".join([
+        '{"update": 50, "loss": 9.0, "nll_loss": 8.9}',
+        '{"update": 100, "dev_loss": 6.0, "dev_nll_loss": 5.0}',
+        '{"update": 300, "dev_loss": 5.0, "dev_nll_loss": 4.5}',
+        "",
+    ])
+    ours = bench.prlmfuse_dev_nll(metrics)
+    assert ours == {100: 5.0, 300: 4.5}
+    rows = bench.table_rows(ours, theirs)
+    assert [r["update"] for r in rows] == [100]
+    assert rows[0]["ratio"] == pytest.approx(5.0 / (8.0 * math.log(2)))
+
+
+def test_fairseq_parity_gives_fairseq_prlmfuses_ids_and_settings(tmp_path, monkeypatch):
+    """fairseq's dictionary numbers prlmfuse's BPE ids as prlmfuse does; both sides get the issue's recipe."""
+    from prlmfuse.config import load_pipeline
+
+    bench = _parity_bench(monkeypatch)
+    lines = bench.fairseq_dict_lines(10)
+    # fairseq puts <s> <pad> </s> <unk> at 0..3 and a dictionary's tokens after them, in file order.
+    assert [int(line.split()[0]) for line in lines] == list(range(4, 10))
+    assert bench.id_line([17, 4, 523]) == "17 4 523"
+    cmd = bench.fairseq_train_command("python", tmp_path / "bin", updates=200, eval_every=100, save_dir=tmp_path / "ck")
+    opts = dict(zip(cmd, cmd[1:]))
+    assert (opts["--max-tokens"], opts["--lr"], opts["--warmup-updates"], opts["--label-smoothing"]) == ("1200", "0.0007", "300", "0.1")
+    assert (opts["--encoder-embed-dim"], opts["--encoder-layers"], opts["--encoder-ffn-embed-dim"]) == ("256", "3", "1024")
+    assert "--share-all-embeddings" in cmd and "--encoder-normalize-before" not in cmd
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(bench.pipeline_text(200, 100), encoding="utf-8")
+    run = load_pipeline(path).run(bench.RUN)
+    assert (run.preset, run.bpe_vocab, run.max_tokens, run.lr, run.warmup) == ("small", 4000, 1200, 7e-4, 300)
+    assert (run.label_smoothing, run.dropout, run.max_updates, run.save_every, run.pre_ln) == (0.1, 0.1, 200, 100, False)
+    assert not run.prlms
