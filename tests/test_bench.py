@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 from pathlib import Path
@@ -124,3 +125,118 @@ def test_batch_padding_bench_counts_both_orders(tmp_path, capsys):
     assert all(r["src_padded_over_real"] >= 1 and r["batches"] > 1 for r in row.values())
     assert bench.main(["--corpus", str(tmp_path / "missing")]) == 2
     assert "corpus directory not found" in capsys.readouterr().err
+
+
+def test_train_memory_bench_pipeline_names_one_run_per_system_and_size(tmp_path):
+    """bench/train_memory.py's pipeline parses, with one run per (system, pairs) at the bench's settings."""
+    from prlmfuse.config import load_pipeline
+
+    bench = _module(BENCH / "train_memory.py")
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(bench.pipeline_text(["baseline", "fused"], [10000, 30000], updates=200), encoding="utf-8")
+    cfg = load_pipeline(path)
+    runs = {r.name: r for r in cfg.train.runs}
+    assert set(runs) == {"baseline-10000", "baseline-30000", "fused-10000", "fused-30000"}
+    assert runs["baseline-30000"].max_train_pairs == 30000 and not runs["baseline-30000"].prlms
+    fused = runs["fused-10000"]
+    assert [(p.checkpoint, p.layer) for p in fused.prlms] == [("minilm-l6", -2)]
+    assert (fused.preset, fused.bpe_vocab, fused.max_tokens, fused.max_updates) == ("small", 4000, 1200, 200)
+    with pytest.raises(ValueError, match="unknown system"):
+        bench.pipeline_text(["live"], [10])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
+def test_train_memory_bench_tells_loader_workers_from_helpers(tmp_path):
+    """bench/train_memory.py finds a forkserver-started worker in a real process tree and reads its peak RSS."""
+    import subprocess
+    import time
+
+    bench = _module(BENCH / "train_memory.py")
+    script = tmp_path / "tree.py"
+    script.write_text(
+        "import multiprocessing as mp, sys, time\n"
+        "def work():\n    time.sleep(60)\n"
+        "if __name__ == '__main__':\n"
+        "    p = mp.get_context('forkserver').Process(target=work); p.start()\n"
+        "    print('started', flush=True); time.sleep(60)\n",
+        encoding="utf-8",
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "started"
+        tree = bench.classify_tree(proc.pid)
+        for _ in range(50):  # the worker appears under the forkserver once forked
+            if tree["worker"]:
+                break
+            time.sleep(0.1)
+            tree = bench.classify_tree(proc.pid)
+        assert tree["train"] == [proc.pid]
+        assert len(tree["worker"]) == 1
+        assert any("forkserver" in bench.cmdline(pid) for pid in tree["helper"])
+        peak = bench.TreePeak(proc.pid)
+        peak.sample()
+        assert peak.train_kib > 1000 and peak.worker_kib > 1000 and peak.tree_kib >= peak.train_kib + peak.worker_kib
+        assert peak.workers_seen == set(tree["worker"])
+    finally:
+        import os
+        import signal
+
+        for pid in [*bench.classify_tree(proc.pid)["worker"], *bench.classify_tree(proc.pid)["helper"]]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+    assert bench.status_kib(proc.pid) == {} and bench.children(proc.pid) == []
+
+
+def _parity_bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    return _module(BENCH / "fairseq_parity.py")
+
+
+def test_fairseq_parity_reads_both_logs_in_nats(monkeypatch):
+    """bench/fairseq_parity.py converts fairseq's dev NLL from bits and pairs it with prlmfuse's at the same updates."""
+    import math
+
+    bench = _parity_bench(monkeypatch)
+    fairseq_log = "\n".join([
+        '2026-11-25 09:00:00 | INFO | train_inner | {"epoch": 1, "update": 0.2, "loss": "11.2", "nll_loss": "11.1", "num_updates": "50"}',
+        '2026-11-25 09:01:00 | INFO | valid | {"epoch": 1, "valid_loss": "9.5", "valid_nll_loss": "8.0", "valid_num_updates": "100"}',
+        "some warning without json",
+        '2026-11-25 09:02:00 | INFO | valid | {"epoch": 1, "valid_loss": "8.5", "valid_nll_loss": "7.0", "valid_num_updates": "200"}',
+    ])
+    theirs = bench.fairseq_dev_nll(fairseq_log)
+    assert theirs == {100: pytest.approx(8.0 * math.log(2)), 200: pytest.approx(7.0 * math.log(2))}
+    metrics = "\n".join([
+        '{"update": 50, "loss": 9.0, "nll_loss": 8.9}',
+        '{"update": 100, "dev_loss": 6.0, "dev_nll_loss": 5.0}',
+        '{"update": 300, "dev_loss": 5.0, "dev_nll_loss": 4.5}',
+        "",
+    ])
+    ours = bench.prlmfuse_dev_nll(metrics)
+    assert ours == {100: 5.0, 300: 4.5}
+    rows = bench.table_rows(ours, theirs)
+    assert [r["update"] for r in rows] == [100]
+    assert rows[0]["ratio"] == pytest.approx(5.0 / (8.0 * math.log(2)))
+
+
+def test_fairseq_parity_gives_fairseq_prlmfuses_ids_and_settings(tmp_path, monkeypatch):
+    """fairseq's dictionary numbers prlmfuse's BPE ids as prlmfuse does; both sides get the issue's recipe."""
+    from prlmfuse.config import load_pipeline
+
+    bench = _parity_bench(monkeypatch)
+    lines = bench.fairseq_dict_lines(10)
+    # fairseq puts <s> <pad> </s> <unk> at 0..3 and a dictionary's tokens after them, in file order.
+    assert [int(line.split()[0]) for line in lines] == list(range(4, 10))
+    assert bench.id_line([17, 4, 523]) == "17 4 523"
+    cmd = bench.fairseq_train_command("python", tmp_path / "bin", updates=200, eval_every=100, save_dir=tmp_path / "ck")
+    opts = dict(zip(cmd, cmd[1:]))
+    assert (opts["--max-tokens"], opts["--lr"], opts["--warmup-updates"], opts["--label-smoothing"]) == ("1200", "0.0007", "300", "0.1")
+    assert (opts["--encoder-embed-dim"], opts["--encoder-layers"], opts["--encoder-ffn-embed-dim"]) == ("256", "3", "1024")
+    assert "--share-all-embeddings" in cmd and "--encoder-normalize-before" not in cmd
+    path = tmp_path / "pipeline.yaml"
+    path.write_text(bench.pipeline_text(200, 100), encoding="utf-8")
+    run = load_pipeline(path).run(bench.RUN)
+    assert (run.preset, run.bpe_vocab, run.max_tokens, run.lr, run.warmup) == ("small", 4000, 1200, 7e-4, 300)
+    assert (run.label_smoothing, run.dropout, run.max_updates, run.save_every, run.pre_ln) == (0.1, 0.1, 200, 100, False)
+    assert not run.prlms

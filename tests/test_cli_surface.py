@@ -143,3 +143,22 @@ def test_cache_build_refuses_a_device_this_machine_lacks(tmp_path, capsys, monke
         assert_one_line_error(run_cli([*args, "--device", "cuda"], capsys, monkeypatch), "no CUDA GPU")
     assert_one_line_error(run_cli([*args, "--precision", "fp16", "--device", "cpu"], capsys, monkeypatch), "fp16")
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("given, expected", [(None, "64 64"), ("1024", "1024 64")])
+def test_cli_bounds_onednn_kernel_caches_before_torch_loads(given, expected):
+    """The prlmfuse command caps oneDNN's and ideep's per-shape kernel caches before torch is imported
+    (they grew training's memory with every new batch shape), and leaves a value the user set alone."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    if given is not None:
+        env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = given
+    code = (
+        "import os, sys; import prlmfuse.cli; "
+        "print(os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'], os.environ['LRU_CACHE_CAPACITY'], 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == [*expected.split(), "False"]

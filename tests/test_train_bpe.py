@@ -91,3 +91,23 @@ def test_too_small_vocab_and_corrupt_file_are_user_errors(tmp_path):
     (tmp_path / "bpe.json").write_text('{"model": ')
     with pytest.raises(UserError, match="corrupt"):
         BPE.load(tmp_path / "bpe.json")
+
+
+def test_splits_encode_in_chunks_to_the_ids_of_one_batch(tmp_path, monkeypatch):
+    """train_run encodes a split a chunk of lines at a time (a whole split's Encoding objects at once
+    made a heap peak that grew with the corpus) into int32 arrays, the ids of encoding it whole."""
+    import numpy as np
+
+    from helpers import small_runs
+    from prlmfuse.fileio import read_lines
+    from prlmfuse.train_fused import run_setup
+
+    corpus = small_runs.small_bible(tmp_path, train=50, dev=5, test=5)
+    src, tgt = read_lines(corpus.src_path("train")), read_lines(corpus.tgt_path("train"))
+    bpe = train_bpe(src + tgt, vocab_size=600)
+    monkeypatch.setattr(run_setup, "ENCODE_CHUNK", 7)
+    got_src, got_tgt = run_setup._encode_split(bpe, corpus, "train", 40)
+    assert len(got_src) == len(got_tgt) == 40
+    assert all(a.dtype == np.int32 for a in got_src + got_tgt)
+    assert [a.tolist() for a in got_src] == bpe.encode_batch(src[:40])
+    assert [a.tolist() for a in got_tgt] == bpe.encode_batch(tgt[:40])

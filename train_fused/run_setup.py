@@ -100,15 +100,24 @@ def _branch_records(branches: dict[str, list[PrLMBranch]]) -> list[dict]:
     return records
 
 
+# Lines per encode_batch call: a whole split at once held every line's Encoding (ids, tokens,
+# offsets, masks) and its Python list together, a heap peak that grew with the corpus.
+ENCODE_CHUNK = 2000
+
+
+def _encode_lines(bpe: BPE, lines: list[str]) -> list[np.ndarray]:
+    out: list[np.ndarray] = []
+    for start in range(0, len(lines), ENCODE_CHUNK):
+        out.extend(np.asarray(ids, dtype=np.int32) for ids in bpe.encode_batch(lines[start : start + ENCODE_CHUNK]))
+    return out
+
+
 def _encode_split(bpe: BPE, corpus, split: str, limit: int | None) -> tuple[list[np.ndarray], list[np.ndarray]]:
     src = read_lines(corpus.src_path(split))
     tgt = read_lines(corpus.tgt_path(split))
     if limit is not None:
         src, tgt = src[:limit], tgt[:limit]
-    return (
-        [np.asarray(ids, dtype=np.int32) for ids in bpe.encode_batch(src)],
-        [np.asarray(ids, dtype=np.int32) for ids in bpe.encode_batch(tgt)],
-    )
+    return _encode_lines(bpe, src), _encode_lines(bpe, tgt)
 
 
 def train_run(
