@@ -365,8 +365,10 @@ def test_pooled_index_picks_the_pooled_rows_of_the_token_layers():
     pooled[:, 4, 1] = torch.randn(16)
     pooled[:, 6, 1] = torch.randn(16)
     alpha = model.prlm_layers[0].layer_weights(pooled)
-    norm, score = model.prlm_layers[0].norm, model.prlm_layers[0].score
-    expected = torch.softmax(score(norm(pooled[0, [4, 6], 1])).squeeze(-1), dim=-1)
+    # The authors' scoring: one Linear from the concatenated sentence vectors to one logit per layer.
+    score = model.prlm_layers[0].score
+    assert (score.in_features, score.out_features) == (2 * 16, 2)
+    expected = torch.softmax(score.weight @ pooled[0, [4, 6], 1].flatten() + score.bias, dim=-1)
     assert torch.allclose(alpha[0], expected, atol=1e-6)
     with pytest.raises(UserError, match="pooled_index"):
         PrLMSpec("m", 16, num_layers=2, num_pooled=7, layer_mode="dyn_aver")

@@ -66,9 +66,11 @@ Layer selection (`PrLMSpec.layer_mode`) turns the cached states [B, n, M, d_p] i
 in the PrLM's own width, before the branch's key/value projections:
 
     fixed:     n must be 1; Z = states[:, 0]
-    dyn_cls / dyn_aver (Park & Zhao, Table 3a): per sentence, s_n = w . LN(p_n) + b_n with
-               p_n the first-token (dyn_cls) or mean (dyn_aver) vector of layer n from `pooled`;
-               alpha = softmax_n(s);  Z = sum_n alpha_n states_n
+    dyn_cls / dyn_aver (Park & Zhao, Table 3a, scored as the authors' fairseq fork does): over the
+               transformer layers 1..L only (never the embedding layer), per sentence,
+               s = W [p_1; ..; p_L] + c  (one Linear from the L concatenated sentence vectors to L
+               logits), p_n the first-token (dyn_cls) or mean (dyn_aver) vector of layer n from
+               `pooled`;  alpha = softmax(s);  Z = sum_n alpha_n states_n
     dwatt      (ElNokrashy et al. 2022, eqs. 3-10): per token,
                k_n = W_K kpos_n (kpos_n ~ U(0,1), fixed, 24 dims);  v_n = LN_n(f_V,n(z_n));
                q = 1 + elu(z_L + f_Q(z_L)), z_L the last cached layer;  f(z) = W LN(gelu(U z))
@@ -76,11 +78,14 @@ in the PrLM's own width, before the branch's key/value projections:
                (unscaled dot product, as in the paper's eq. 7)
     concat:    Z = sum_n W_n z_n + b (one Linear over the concatenated layers)
 
+DWAtt and Concat read every cached layer, the embedding layer included (unmeasured whether dropping it helps).
+
 Initialisation is fairseq 0.12's transformer's: attention q, k, v xavier-uniform with gain
 1/sqrt(2) when keys have the query's width (plain xavier for a PrLM branch's wider or narrower
 keys) with nn.Linear's default biases, out_proj xavier with a zero bias, the FFN at nn.Linear's
 default, embeddings N(0, d^-1/2) with the padding row zero; projections fairseq has no
-counterpart for get its `Linear` helper's xavier-uniform with a zero bias (`xavier_linear`).
+counterpart for get its `Linear` helper's xavier-uniform with a zero bias (`xavier_linear`), except the
+Dyn[CLS]/Dyn[Aver] scorer, which keeps nn.Linear's default as the authors' fork does.
 
 Token ids: pad 0, bos 1, eos 2 by default (see ModelConfig). Sequences may be padded on either
 side; positions count real tokens only, so padding never changes the real tokens' outputs.
@@ -494,22 +499,19 @@ class FixedLayer(nn.Module):
 
 
 class DynamicLayerWeights(nn.Module):
-    """Dyn[CLS] / Dyn[Aver]: a per-sentence softmax over layers scored from each layer's sentence vector."""
+    """Dyn[CLS] / Dyn[Aver]: a per-sentence softmax over layers scored from all layers' sentence vectors."""
 
     def __init__(self, spec: PrLMSpec):
         super().__init__()
         self.pooled_row = 0 if spec.layer_mode == "dyn_cls" else 1
         self.register_buffer("pooled_index", torch.tensor(spec.pooled_index, dtype=torch.long), persistent=False)
-        self.norm = nn.LayerNorm(spec.width)
-        # A learned projection with no fairseq counterpart: fairseq's `Linear` helper init.
-        self.score = xavier_linear(spec.width, 1, bias=False)
-        self.layer_bias = nn.Parameter(torch.zeros(spec.num_layers))
+        # The authors' fork scores with a plain nn.Linear (torch's default init) over the concatenation.
+        self.score = nn.Linear(spec.num_layers * spec.width, spec.num_layers)
 
     def layer_weights(self, pooled: Tensor) -> Tensor:
         """alpha [B, n_layers] from pooled [B, n_pooled, 2, d]."""
         sentence_vectors = pooled.index_select(1, self.pooled_index)[:, :, self.pooled_row]
-        scores = self.score(self.norm(sentence_vectors)).squeeze(-1) + self.layer_bias
-        return torch.softmax(scores.float(), dim=-1)
+        return torch.softmax(self.score(sentence_vectors.flatten(1)).float(), dim=-1)
 
     def forward(self, features: PrLMFeatures) -> Tensor:
         alpha = self.layer_weights(features.pooled).to(features.states.dtype)
