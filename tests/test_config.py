@@ -113,6 +113,13 @@ def test_bad_choice_and_unknown_checkpoint_reference(tmp_path):
     assert "train.runs.f.prlms.0.checkpoint: 'minilm-l7' is not in cache.checkpoints; did you mean 'minilm-l6'?" in msg
 
 
+def test_target_side_choices_name_both_decoders(tmp_path):
+    cfg = load_pipeline(write(tmp_path, "train:\n  runs:\n    f: {max_updates: 2, side: target_flow}\n"))
+    assert cfg.run("f").side == "target_flow"
+    msg = error_of(write(tmp_path, "train:\n  runs:\n    g: {max_updates: 2, side: target-flow}\n", "b.yaml"))
+    assert "b.yaml:3:31: train.runs.g.side: 'target-flow' is not one of source, target, both, target_flow, both_flow" in msg
+
+
 def test_missing_file_names_key_path(tmp_path):
     msg = error_of(write(tmp_path, """
         data:

@@ -46,7 +46,7 @@ class RunConfig:
     prlms: list[PrLMUse] = field(default_factory=list)  # empty: the baseline
     merge: str = "sum"  # sum | average | gate | dropnet | direct
     position: str = "ffn"  # attn | add_norm1 | ffn | add_norm2
-    side: str = "source"  # source | target | both
+    side: str = "source"  # source | target | both (bert-nmt's decoder) | target_flow | both_flow (the authors')
     # Data.
     bpe_vocab: int = 8000
     max_tokens: int = 3500  # per batch, source or target side, whichever is longer

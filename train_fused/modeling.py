@@ -56,11 +56,18 @@ Merge strategies over the source flow a and PrLM flows b_1..b_k:
               sequences are concatenated. The encoder runs over that sequence with the PrLM
               masks; src_tokens are not read.
 
-Side `target` (or `both`) gives every decoder layer PrLM attentions too. Their outputs are
-merged with the encoder-decoder attention output, bert-nmt style, whatever `position` says
-(that option is about the encoder):
+Side `target` (or `both`) gives every decoder layer PrLM attentions too, as bert-nmt (Zhu et al.
+2020) does: their outputs are merged with the encoder-decoder attention output, whatever
+`position` says (that option is about the encoder):
 
     x2 = LN2(x1 + Merge(drop(EncAttn(x1, enc)), drop(PrLMAttn_j(x1, Z_j))..))
+
+Side `target_flow` (or `both_flow`) follows the authors' fairseq fork (Park & Zhao's code): each
+decoder PrLM attention reads the encoder attention's query x1 and starts a flow of its own, with
+its own add&norm and FFN, merged with the decoder's flow at `position` by the encoder's equations
+above, the encoder attention in the role of SelfAttn (e.g. `ffn`: x_E = LN2(x1 + drop(EncAttn));
+x_j = LN2_j(x1 + drop(PrLMAttn_j)); H' = LN3(x_E + Merge(drop(FFN(x_E)), drop(FFN_j(x_j))..))).
+With position `attn` the two sides coincide.
 
 Layer selection (`PrLMSpec.layer_mode`) turns the cached states [B, n, M, d_p] into Z [B, M, d_p]
 in the PrLM's own width, before the branch's key/value projections:
@@ -104,7 +111,10 @@ from prlmfuse.errors import UserError
 
 MERGES = ("sum", "average", "gate", "dropnet", "direct")
 POSITIONS = ("attn", "add_norm1", "ffn", "add_norm2")
-SIDES = ("source", "target", "both")
+# target / both: bert-nmt's decoder (Zhu et al. 2020), the PrLM attention merged with the encoder
+# attention; target_flow / both_flow: the authors' fork, a PrLM flow with its own add&norm and FFN
+# merged at `position`, as in the encoder.
+SIDES = ("source", "target", "both", "target_flow", "both_flow")
 LAYER_MODES = ("fixed", "dyn_cls", "dyn_aver", "dwatt", "concat")
 ACTIVATIONS = ("relu", "gelu")
 
@@ -198,7 +208,7 @@ class ModelConfig:
     prlms: list[PrLMSpec] = field(default_factory=list)  # empty: the baseline Transformer
     merge: str = "sum"  # sum | average | gate | dropnet | direct
     position: str = "ffn"  # attn | add_norm1 | ffn | add_norm2 (encoder side)
-    side: str = "source"  # source | target | both
+    side: str = "source"  # source | target | both | target_flow | both_flow
     dropnet_p: float = 0.5
 
     def __post_init__(self):
@@ -224,7 +234,7 @@ class ModelConfig:
                 raise UserError("model config: merge 'direct' feeds PrLM features as the encoder input; add at least one PrLM")
             if self.side != "source":
                 raise UserError(f"model config: merge 'direct' replaces the source input, so side must be 'source', not {self.side!r}")
-        if self.pre_ln and self.encoder_prlms and self.position in ("add_norm1", "add_norm2"):
+        if self.pre_ln and (self.encoder_prlms or self.decoder_flow) and self.position in ("add_norm1", "add_norm2"):
             raise UserError(
                 f"model config: position {self.position!r} merges after an add&norm, which pre-LN layers do not have; "
                 "use position 'attn' or 'ffn', or pre_ln: false"
@@ -233,12 +243,17 @@ class ModelConfig:
     @property
     def encoder_prlms(self) -> bool:
         """Encoder layers carry PrLM branches."""
-        return bool(self.prlms) and self.merge != "direct" and self.side in ("source", "both")
+        return bool(self.prlms) and self.merge != "direct" and self.side in ("source", "both", "both_flow")
 
     @property
     def decoder_prlms(self) -> bool:
         """Decoder layers carry PrLM branches."""
-        return bool(self.prlms) and self.side in ("target", "both")
+        return bool(self.prlms) and self.side != "source"
+
+    @property
+    def decoder_flow(self) -> bool:
+        """Decoder layers carry PrLM flows merged at `position` (the authors' fork), not at the encoder attention."""
+        return self.decoder_prlms and self.side.endswith("_flow")
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "ModelConfig":
@@ -593,24 +608,13 @@ def build_layer_selection(spec: PrLMSpec) -> nn.Module:
 # ----------------------------------------------------------------------------- layers
 
 
-class EncoderLayer(nn.Module):
-    """A Transformer encoder layer, with one PrLM branch per width in `prlm_widths` (see module docstring)."""
+class _FlowMerging(nn.Module):
+    """What an encoder layer and a `target_flow` decoder layer share: PrLM flows with their own
+    add&norm and FFN beside the layer's main attention, merged with it at `position`."""
 
-    def __init__(self, config: ModelConfig, prlm_widths: list[int]):
-        super().__init__()
-        d = config.d_model
-        self.pre_ln = config.pre_ln
-        self.dropout = nn.Dropout(config.dropout)
-        self.position = config.position
-        self.self_attn = MultiheadAttention(d, config.heads, config.attn_dropout)
-        self.self_attn_layer_norm = nn.LayerNorm(d)
-        self.ffn = FeedForward(d, config.ffn, config.activation, config.activation_dropout)
-        self.final_layer_norm = nn.LayerNorm(d)
-        self.num_prlms = len(prlm_widths)
-        if not prlm_widths:
-            return
+    def _build_flows(self, config: ModelConfig, prlm_widths: list[int]) -> None:
+        d, k = config.d_model, len(prlm_widths)
         self.prlm_attn = nn.ModuleList(MultiheadAttention(d, config.heads, config.attn_dropout, w) for w in prlm_widths)
-        k = len(prlm_widths)
         if not self.pre_ln and self.position != "attn":
             self.prlm_attn_layer_norm = nn.ModuleList(nn.LayerNorm(d) for _ in range(k))
         if self.position in ("ffn", "add_norm2"):
@@ -624,24 +628,17 @@ class EncoderLayer(nn.Module):
             return x + self.dropout(self.ffn(self.final_layer_norm(x)))
         return self.final_layer_norm(x + self.dropout(self.ffn(x)))
 
-    def forward(self, x: Tensor, mask: Tensor, prlm: list[tuple[Tensor, Tensor]]) -> Tensor:
-        """x [B, S, d], mask [B, S]; prlm: per branch (Z [B, M, d_p], mask [B, M])."""
-        residual = x
-        h = self.self_attn_layer_norm(x) if self.pre_ln else x
-        attn_s = self.dropout(self.self_attn(h, h, mask))
-        if not self.num_prlms:
-            x = residual + attn_s
-            return self._ffn_block(x if self.pre_ln else self.self_attn_layer_norm(x))
-
-        attn_p = [self.dropout(attn(h, z, z_mask)) for attn, (z, z_mask) in zip(self.prlm_attn, prlm)]
+    def _merge_flows(self, residual: Tensor, attn_s: Tensor, attn_p: list[Tensor], main_norm: nn.LayerNorm) -> Tensor:
+        """The rest of the layer from the main attention's output attn_s and the PrLM attentions' attn_p
+        (both after dropout); main_norm is the main attention's add&norm LayerNorm."""
         if self.position == "attn":
             x = residual + self.merge([attn_s, *attn_p])
-            return self._ffn_block(x if self.pre_ln else self.self_attn_layer_norm(x))
+            return self._ffn_block(x if self.pre_ln else main_norm(x))
 
         x_s = residual + attn_s
         x_p = [residual + a for a in attn_p]
         if not self.pre_ln:
-            x_s = self.self_attn_layer_norm(x_s)
+            x_s = main_norm(x_s)
             x_p = [norm(x) for norm, x in zip(self.prlm_attn_layer_norm, x_p)]
 
         if self.position == "add_norm1":  # post-LN only
@@ -662,14 +659,46 @@ class EncoderLayer(nn.Module):
         return self.merge([y_s, *y_p])
 
 
-class DecoderLayer(nn.Module):
-    """Causal self-attention, encoder attention (merged with PrLM attentions on the target side), FFN."""
+class EncoderLayer(_FlowMerging):
+    """A Transformer encoder layer, with one PrLM branch per width in `prlm_widths` (see module docstring)."""
 
     def __init__(self, config: ModelConfig, prlm_widths: list[int]):
         super().__init__()
         d = config.d_model
         self.pre_ln = config.pre_ln
         self.dropout = nn.Dropout(config.dropout)
+        self.position = config.position
+        self.self_attn = MultiheadAttention(d, config.heads, config.attn_dropout)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.ffn = FeedForward(d, config.ffn, config.activation, config.activation_dropout)
+        self.final_layer_norm = nn.LayerNorm(d)
+        self.num_prlms = len(prlm_widths)
+        if prlm_widths:
+            self._build_flows(config, prlm_widths)
+
+    def forward(self, x: Tensor, mask: Tensor, prlm: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """x [B, S, d], mask [B, S]; prlm: per branch (Z [B, M, d_p], mask [B, M])."""
+        residual = x
+        h = self.self_attn_layer_norm(x) if self.pre_ln else x
+        attn_s = self.dropout(self.self_attn(h, h, mask))
+        if not self.num_prlms:
+            x = residual + attn_s
+            return self._ffn_block(x if self.pre_ln else self.self_attn_layer_norm(x))
+        attn_p = [self.dropout(attn(h, z, z_mask)) for attn, (z, z_mask) in zip(self.prlm_attn, prlm)]
+        return self._merge_flows(residual, attn_s, attn_p, self.self_attn_layer_norm)
+
+
+class DecoderLayer(_FlowMerging):
+    """Causal self-attention, encoder attention and FFN; PrLM attentions on the target side merge with the
+    encoder attention (bert-nmt style) or, for a `*_flow` side, as flows of their own at `position`."""
+
+    def __init__(self, config: ModelConfig, prlm_widths: list[int]):
+        super().__init__()
+        d = config.d_model
+        self.pre_ln = config.pre_ln
+        self.dropout = nn.Dropout(config.dropout)
+        # bert-nmt style merges where the encoder attention's output is; a flow merges at `position`.
+        self.position = config.position if config.decoder_flow else "attn"
         self.self_attn = MultiheadAttention(d, config.heads, config.attn_dropout)
         self.self_attn_layer_norm = nn.LayerNorm(d)
         self.encoder_attn = MultiheadAttention(d, config.heads, config.attn_dropout)
@@ -678,8 +707,7 @@ class DecoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(d)
         self.num_prlms = len(prlm_widths)
         if prlm_widths:
-            self.prlm_attn = nn.ModuleList(MultiheadAttention(d, config.heads, config.attn_dropout, w) for w in prlm_widths)
-            self.merge = FlowMerge(config.merge, d, len(prlm_widths), config.dropnet_p)
+            self._build_flows(config, prlm_widths)
 
     def forward(
         self, x: Tensor, enc: EncoderOut, layer_index: int, past_kv: tuple[Tensor, Tensor] | None
@@ -699,26 +727,19 @@ class DecoderLayer(nn.Module):
         if not self.pre_ln:
             x = self.self_attn_layer_norm(x)
 
-        # Encoder attention, merged with the PrLM attentions on the target side (bert-nmt style).
+        # Encoder attention, and the PrLM attentions (same query) merged with it at self.position.
         residual = x
         h = self.encoder_attn_layer_norm(x) if self.pre_ln else x
         enc_k, enc_v = enc.cross_kv[layer_index]
         attended = self.dropout(self.encoder_attn.attend(h, enc_k, enc_v, enc.mask))
-        if self.num_prlms:
-            prlm_attended = [
-                self.dropout(attn.attend(h, k, v, m))
-                for attn, (k, v), m in zip(self.prlm_attn, enc.prlm_kv[layer_index], enc.prlm_masks)
-            ]
-            attended = self.merge([attended, *prlm_attended])
-        x = residual + attended
-        if not self.pre_ln:
-            x = self.encoder_attn_layer_norm(x)
-
-        if self.pre_ln:
-            x = x + self.dropout(self.ffn(self.final_layer_norm(x)))
-        else:
-            x = self.final_layer_norm(x + self.dropout(self.ffn(x)))
-        return x, (keys, values)
+        if not self.num_prlms:
+            x = residual + attended
+            return self._ffn_block(x if self.pre_ln else self.encoder_attn_layer_norm(x)), (keys, values)
+        prlm_attended = [
+            self.dropout(attn.attend(h, k, v, m))
+            for attn, (k, v), m in zip(self.prlm_attn, enc.prlm_kv[layer_index], enc.prlm_masks)
+        ]
+        return self._merge_flows(residual, attended, prlm_attended, self.encoder_attn_layer_norm), (keys, values)
 
 
 # ----------------------------------------------------------------------------- the model
