@@ -304,6 +304,12 @@ def _expand_runs(raw_runs: Any, defaults: dict, where: _Where, base_dir: Path) -
                 raise where.error(keypath + ("update_freq",), f"expected a positive integer, got {run.update_freq}")
             if run.max_updates is None and run.max_epochs is None:
                 raise where.error(keypath, "set max_updates or max_epochs (or both)")
+            for key, lowest in (("patience", 1), ("min_epochs", 0), ("keep_last_epochs", 0)):
+                if getattr(run, key) is not None and getattr(run, key) < lowest:
+                    raise where.error(keypath + (key,), f"expected an integer >= {lowest}, got {getattr(run, key)}")
+            if run.min_epochs is not None and run.max_epochs is not None and run.min_epochs > run.max_epochs:
+                raise where.error(keypath + ("min_epochs",), f"min_epochs {run.min_epochs} exceeds max_epochs "
+                                  f"{run.max_epochs}; lower it or raise max_epochs")
             runs.append(run)
     names = [r.name for r in runs]
     dup = next((n for n in names if names.count(n) > 1), None)
