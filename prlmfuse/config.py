@@ -21,7 +21,7 @@ from prlmfuse.cache_features import BACKENDS, STORAGE_DTYPES
 from prlmfuse.corpora import TASKS
 from prlmfuse.errors import UserError
 from prlmfuse.precision import check_device_text, check_precision_text
-from prlmfuse.evaluate.settings import AVERAGE_LAST, DEFAULTS as DECODE_DEFAULTS
+from prlmfuse.evaluate.settings import AVERAGE, AVERAGE_CHOICES, AVERAGE_LAST, DEFAULTS as DECODE_DEFAULTS
 from prlmfuse.train_fused.config import RunConfig
 from prlmfuse.train_fused.modeling import LAYER_MODES, MERGES, POSITIONS, PRESETS, SIDES
 
@@ -94,6 +94,7 @@ class EvaluateConfig:
     beam: int = DECODE_DEFAULTS.beam
     lenpen: float = DECODE_DEFAULTS.lenpen
     average_last: int = AVERAGE_LAST
+    average: str = AVERAGE  # saves | epochs: which checkpoints average_last counts
     no_repeat_ngram_size: int | None = None  # default: 3 for summarization, 0 otherwise
     max_len_a: float = DECODE_DEFAULTS.max_len_a
     max_len_b: int = DECODE_DEFAULTS.max_len_b
@@ -393,6 +394,7 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
     train = TrainConfig(defaults=defaults, runs=runs)
 
     evaluate = _build(EvaluateConfig, raw.get("evaluate"), ("evaluate",), where, base_dir)
+    _check_choice(evaluate.average, AVERAGE_CHOICES, ("evaluate", "average"), where)
     if evaluate.baseline is not None and evaluate.baseline not in {r.name for r in runs}:
         close = difflib.get_close_matches(evaluate.baseline, [r.name for r in runs], n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""

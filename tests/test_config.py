@@ -125,6 +125,10 @@ def test_patience_and_epoch_settings_are_checked_where_they_stand(tmp_path):
     assert (cfg.run("f").patience, cfg.run("f").min_epochs, cfg.run("f").keep_last_epochs) == (3, 10, 5)
     msg = error_of(write(tmp_path, "train:\n  runs:\n    g: {max_epochs: 5, patience: 3, min_epochs: 10}\n", "b.yaml"))
     assert "b.yaml:3:49: train.runs.g.min_epochs: min_epochs 10 exceeds max_epochs 5" in msg
+    cfg = load_pipeline(write(tmp_path, "train: {runs: {f: {max_epochs: 3}}}\nevaluate: {average: epochs}\n", "e.yaml"))
+    assert cfg.evaluate.average == "epochs"
+    msg = error_of(write(tmp_path, "train: {runs: {f: {max_epochs: 3}}}\nevaluate:\n  average: epoch\n", "d.yaml"))
+    assert "d.yaml:3:12: evaluate.average: 'epoch' is not one of saves, epochs" in msg
     msg = error_of(write(tmp_path, "train:\n  runs:\n    g: {max_epochs: 5, patience: 0}\n", "c.yaml"))
     assert "c.yaml:3:34: train.runs.g.patience: expected an integer >= 1, got 0" in msg
 

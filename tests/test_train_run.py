@@ -199,6 +199,18 @@ def test_epoch_average_averages_exactly_the_epoch_end_checkpoints(world, tmp_pat
     # The last three saves are another set: the newest save between epoch ends is among them.
     saves = load_file(str(average_checkpoints(run_dir, last=3)))
     assert any(not torch.equal(saves[n], averaged[n]) for n in averaged)
+
+    # Evaluation decodes with exactly that average (evaluate.average: epochs).
+    from prlmfuse.evaluate.runs import load_model, open_run, select_weights
+
+    view = open_run(run_dir)
+    weights = select_weights(view, 3, "epochs")
+    assert [p.name for p in weights] == [f"update-{u:08d}.safetensors" for u in ends]
+    model, _ = load_model(view, weights, "epochs")
+    for name, value in model.state_dict().items():
+        if name in averaged:
+            torch.testing.assert_close(value, averaged[name])
+    assert [p.name for p in select_weights(view, 9, "epochs")] == [p.name for p in weights]  # fewer exist: all of them
     with pytest.raises(UserError, match="epoch end"):
         average_checkpoints(train_run(small_runs.tiny_run("short", max_updates=2, save_every=2), corpus, [],
                                       tmp_path / "short", progress=False), average="epochs")

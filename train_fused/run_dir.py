@@ -30,6 +30,7 @@ from safetensors.torch import load_file, load_model, save_file
 
 import prlmfuse
 from prlmfuse.errors import UserError
+from prlmfuse.evaluate.settings import AVERAGE_CHOICES
 from prlmfuse.fileio import atomic_path, atomic_write_json, atomic_write_text, pid_lock, read_json
 from prlmfuse.train_fused.bpe import BPE
 from prlmfuse.train_fused.modeling import FusedTransformer, ModelConfig
@@ -44,8 +45,6 @@ LOCK = ".lock"
 TRAIN_LOG = "train.log"  # a training child's output under `prlmfuse train --jobs N`
 TENSORBOARD_DIR = "tensorboard"
 WEIGHTS_CHOICES = ("best", "last", "average")
-# Which checkpoints an average takes: the newest saves, or the newest epoch-end saves (the paper's).
-AVERAGE_KINDS = ("saves", "epochs")
 
 _WEIGHTS_RE = re.compile(r"^update-(\d{8})\.safetensors$")
 _CHECKPOINT_FILE_RE = re.compile(r"^(?:update|optimizer)-(\d{8})\.(?:safetensors|json)$")
@@ -365,8 +364,8 @@ def average_checkpoints(
     run_dir = Path(run_dir)
     if last < 1:
         raise UserError(f"average_checkpoints: last={last}; average at least 1 checkpoint")
-    if average not in AVERAGE_KINDS:
-        raise UserError(f"average={average!r}: choose {' or '.join(AVERAGE_KINDS)}")
+    if average not in AVERAGE_CHOICES:
+        raise UserError(f"average={average!r}: choose {' or '.join(AVERAGE_CHOICES)}")
     if average == "epochs":
         updates = epoch_end_checkpoints(run_dir)
         if not updates:
