@@ -469,3 +469,26 @@ def test_training_on_cuda_matches_the_cpu_at_fp32(world, tmp_path):
         torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-4)
     info = json.loads((runs["gpu"] / "run.json").read_text())
     assert info["device"] == "cuda:0" and info["precision"] == "fp32"
+
+
+def test_dyn_modes_read_transformer_layers_only_from_a_cache_of_every_layer(world, tmp_path):
+    """Dyn[CLS]/Dyn[Aver] weigh hidden_states 1..L of a `layers: all` cache; DWAtt and Concat also read 0."""
+    from prlmfuse.cache_features import build_cache
+    from prlmfuse.train_fused.branches import open_branch
+
+    corpus, ckpt, _ = world
+    cache = build_cache(str(ckpt), corpus.src_path("dev"), tmp_path / "all", layers="all", progress=False).path
+    entry = corpus.splits["dev"]["src"]
+    opened = {}
+    for layer in ("dyn_cls", "dyn_aver", "dwatt", "concat"):
+        opened[layer] = open_branch(PrLMUse(checkpoint=str(ckpt), layer=layer), str(cache), trained=None,
+                                    source=str(corpus.src_path("dev")), source_name="dev source",
+                                    source_sha256=entry["sha256"], source_lines=entry["lines"])
+    assert opened["dyn_cls"].reader.layers == [0, 1, 2, 3]
+    for layer in ("dyn_cls", "dyn_aver"):
+        branch = opened[layer]
+        assert branch.record["layers"] == [1, 2, 3] and branch.record["pooled_layers"] == [1, 2, 3]
+        assert branch.layer_rows == (1, 2, 3) and branch.pooled_rows == (1, 2, 3)
+        assert branch.spec.num_layers == 3 and branch.spec.pooled_index == [0, 1, 2]
+    for layer in ("dwatt", "concat"):
+        assert opened[layer].layer_rows == (0, 1, 2, 3) and opened[layer].spec.num_layers == 4
