@@ -8,9 +8,9 @@ batch ahead of the step that reads them.
 
 A checkpoint (weights + optimizer as safetensors, trainer state as JSON) is written every
 `save_every` updates and at every epoch end; the dev loss is computed at each of them
-(best.safetensors), and patience counts the epochs whose end-of-epoch dev loss beat no earlier one. Resuming restores the update count, the learning rate, the position
-in the epoch's batch order and the RNG, so an interrupted run ends with the weights an
-uninterrupted one would have.
+(best.safetensors), and patience counts the epochs whose end-of-epoch dev loss beat no earlier
+one. Resuming restores the update count, the learning rate, the position in the epoch's batch
+order and the RNG, so an interrupted run ends with the weights an uninterrupted one would have.
 """
 
 from __future__ import annotations
