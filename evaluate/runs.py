@@ -167,10 +167,12 @@ def load_model(run: RunView, weights: Sequence[Path], average: str = AVERAGE):
             rundir.load_weights(model, weights[0])
     else:
         model, bpe, info = rundir.load_run(run.run_dir, "average", last=len(weights), average=average)
-        averaged = json.loads(safe_open_metadata(Path(info["weights"])).get("averaged", "[]"))
-        if averaged != [Path(w).name for w in weights]:
-            raise UserError(f"{info['weights']} averages {averaged}, not the checkpoints chosen for decoding "
-                            f"{[Path(w).name for w in weights]}; a training process may be adding checkpoints, rerun when it is done")
+        # The average is picked again by name and count: it must hold exactly the checkpoints chosen.
+        chosen = [Path(w).name for w in weights]
+        averaged = json.loads(_metadata(Path(info["weights"])).get("averaged", "[]"))
+        if averaged != chosen:
+            raise UserError(f"{info['weights']} averages {averaged}, not the checkpoints chosen for decoding {chosen}; "
+                            "the run is still saving checkpoints, evaluate it once training is done")
     return model.eval(), bpe
 
 
@@ -183,7 +185,7 @@ def weights_fingerprint(paths: Sequence[Path]) -> list[list]:
     return out
 
 
-def safe_open_metadata(path: Path) -> dict:
+def _metadata(path: Path) -> dict:
     """The metadata of a safetensors file (an average records the checkpoints it averages)."""
     with safe_open(str(path), framework="pt") as f:
         return dict(f.metadata() or {})
