@@ -395,6 +395,13 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
 
     evaluate = _build(EvaluateConfig, raw.get("evaluate"), ("evaluate",), where, base_dir)
     _check_choice(evaluate.average, AVERAGE_CHOICES, ("evaluate", "average"), where)
+    if evaluate.average == "epochs":
+        # Training would delete epoch-end checkpoints the average is to read.
+        short = next((r for r in runs if r.keep_last_epochs < evaluate.average_last), None)
+        if short is not None:
+            raise where.error(("evaluate", "average_last"), f"averages {evaluate.average_last} epoch-end checkpoints "
+                              f"but run {short.name!r} keeps only keep_last_epochs {short.keep_last_epochs}; "
+                              "raise keep_last_epochs or lower average_last")
     if evaluate.baseline is not None and evaluate.baseline not in {r.name for r in runs}:
         close = difflib.get_close_matches(evaluate.baseline, [r.name for r in runs], n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""

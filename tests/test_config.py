@@ -129,6 +129,9 @@ def test_patience_and_epoch_settings_are_checked_where_they_stand(tmp_path):
     assert cfg.evaluate.average == "epochs"
     msg = error_of(write(tmp_path, "train: {runs: {f: {max_epochs: 3}}}\nevaluate:\n  average: epoch\n", "d.yaml"))
     assert "d.yaml:3:12: evaluate.average: 'epoch' is not one of saves, epochs" in msg
+    msg = error_of(write(tmp_path, "train: {runs: {f: {max_epochs: 3, keep_last_epochs: 2}}}\n"
+                                   "evaluate: {average: epochs, average_last: 3}\n", "k.yaml"))
+    assert "evaluate.average_last: averages 3 epoch-end checkpoints but run 'f' keeps only keep_last_epochs 2" in msg
     msg = error_of(write(tmp_path, "train:\n  runs:\n    g: {max_epochs: 5, patience: 0}\n", "c.yaml"))
     assert "c.yaml:3:34: train.runs.g.patience: expected an integer >= 1, got 0" in msg
 
