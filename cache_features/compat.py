@@ -148,7 +148,8 @@ def choose_layers(layer: int | str, key_fields: dict, *, checkpoint: str, where:
     """What a run's layer choice reads from a cache with these key fields.
 
     Returns (hidden_states indices of the token features, in the order the model reads them;
-    pooled layers it reads, empty unless Dyn[CLS]/Dyn[Aver]; layer mode: "fixed" or one of LAYER_MODES).
+    pooled layers it reads, empty unless Dyn[CLS]/Dyn[Aver], which read the token layers' own pooled rows
+    and never layer 0; layer mode: "fixed" or one of LAYER_MODES).
     """
     cache_layers = [int(x) for x in key_fields["layers"]]
     pooled = [int(x) for x in key_fields["pooled_layers"]]
@@ -156,9 +157,17 @@ def choose_layers(layer: int | str, key_fields: dict, *, checkpoint: str, where:
     if isinstance(layer, str):
         if layer not in LAYER_MODES:
             raise UserError(f"PrLM {checkpoint}: layer {layer!r} is not a layer index or one of {', '.join(LAYER_MODES)}")
-        if layer in POOLED_MODES and not pooled:
+        if layer not in POOLED_MODES:
+            return cache_layers, [], layer
+        if not pooled:
             raise UserError(f"cache {where} has no pooled vectors, which layer {layer} needs; rebuild it")
-        return cache_layers, (pooled if layer in POOLED_MODES else []), layer
+        # Park & Zhao weigh the transformer layers 1..L, not the embedding layer: the cache keeps
+        # storing hidden_states 0 (DWAtt and Concat read it), this choice reads the rows after it.
+        transformer = [x for x in cache_layers if x != 0]
+        if not transformer:
+            raise UserError(f"PrLM {checkpoint}: layer {layer} weighs the transformer layers 1..{num_layers}, but cache "
+                            f"{where} holds only layers {cache_layers}; cache it with layers: all")
+        return transformer, transformer, layer
     absolute = layer if layer >= 0 else num_layers + 1 + layer
     if absolute not in cache_layers:
         raise UserError(

@@ -28,7 +28,7 @@ from prlmfuse.evaluate.metrics import DEFAULT_SEED, corpus_scores, sentence_stat
 from prlmfuse.evaluate.plots import plot_dev_loss, plot_scores
 from prlmfuse.evaluate.results import EvaluationResults, RunResult, write_results
 from prlmfuse.evaluate.runs import RunView, load_model, open_run, select_weights, weights_fingerprint
-from prlmfuse.evaluate.settings import AVERAGE_LAST, BATCH_TOKENS, DEFAULTS, DecodeSettings
+from prlmfuse.evaluate.settings import AVERAGE, AVERAGE_LAST, BATCH_TOKENS, DEFAULTS, DecodeSettings
 from prlmfuse.fileio import atomic_write_json, atomic_write_text, read_lines, sha256_file
 from prlmfuse.precision import Runtime, resolve_runtime
 from prlmfuse.train_fused import run_dir as rundir
@@ -78,6 +78,7 @@ def evaluate_runs(
     baseline: str | None = None,
     beam: int = DEFAULTS.beam,
     average_last: int = AVERAGE_LAST,
+    average: str = AVERAGE,
     lenpen: float = DEFAULTS.lenpen,
     no_repeat_ngram_size: int | None = None,
     max_len_a: float = DEFAULTS.max_len_a,
@@ -128,7 +129,7 @@ def evaluate_runs(
     out.mkdir(parents=True, exist_ok=True)
 
     for run in runs:
-        weights = select_weights(run, average_last)
+        weights = select_weights(run, average_last, average)
         settings = DecodeSettings.for_run(
             run, no_repeat_ngram_size, beam=beam, lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b,
             min_len=min_len, bf16=bf16,
@@ -153,7 +154,7 @@ def evaluate_runs(
                 hyps, meta = reused
             else:
                 if model is None:
-                    model, bpe = load_model(run, weights)
+                    model, bpe = load_model(run, weights, average)
                     model.to(runtime.device)
                 cut: dict = {}
                 src_ids = encode_sources(bpe, src_lines, int(run.model_config.get("max_positions", 1024)), stats=cut)
@@ -211,7 +212,7 @@ def evaluate_runs(
     add_bootstrap(rows, sentence_level, refs_sha, matched_baselines(runs, baseline_name),
                   n_samples=bootstrap_samples, seed=seed)
     settings_record = {
-        "beam": beam, "lenpen": lenpen, "average_last": average_last, "max_len_a": max_len_a,
+        "beam": beam, "lenpen": lenpen, "average_last": average_last, "average": average, "max_len_a": max_len_a,
         "max_len_b": max_len_b, "min_len": min_len, "no_repeat_ngram_size": no_repeat_ngram_size, "bf16": bf16,
         "bleu_tokenize": bleu_tokenize,
         "bootstrap_samples": bootstrap_samples, "seed": seed, "test_sets": splits,

@@ -22,7 +22,7 @@ from prlmfuse.cache_features.compat import precision_of
 from prlmfuse.errors import UserError
 from prlmfuse.evaluate.corpus_decode import decode_corpus, encode_sources, note_truncated
 from prlmfuse.evaluate.runs import RunView, load_model, open_run, select_weights
-from prlmfuse.evaluate.settings import AVERAGE_LAST, BATCH_TOKENS, DEFAULTS, DecodeSettings
+from prlmfuse.evaluate.settings import AVERAGE, AVERAGE_LAST, BATCH_TOKENS, DEFAULTS, DecodeSettings
 from prlmfuse.fileio import sha256_file
 from prlmfuse.precision import Runtime, resolve_runtime
 from prlmfuse.train_fused.branches import PrLMBranch
@@ -84,6 +84,7 @@ def translate(
     beam: int = DEFAULTS.beam,
     lenpen: float = DEFAULTS.lenpen,
     average_last: int = AVERAGE_LAST,
+    average: str = AVERAGE,
     no_repeat_ngram_size: int | None = None,
     max_len_a: float = DEFAULTS.max_len_a,
     max_len_b: int = DEFAULTS.max_len_b,
@@ -96,7 +97,8 @@ def translate(
 ) -> list[str]:
     """Decode raw source lines with a trained run; its PrLM(s) run live on the input.
 
-    Same decoding as `evaluate_runs` (average of the newest `average_last` checkpoints, 0 = best;
+    Same decoding as `evaluate_runs` (average of the newest `average_last` checkpoints, or epoch-end
+    checkpoints for average="epochs", 0 = best;
     no_repeat_ngram_size defaults to 3 for summarization runs), one output line per input line.
     """
     if beam < 1:
@@ -108,11 +110,11 @@ def translate(
              for line in lines]
     if not lines:
         return []
-    weights = select_weights(run, average_last)
+    weights = select_weights(run, average_last, average)
     settings = DecodeSettings.for_run(run, no_repeat_ngram_size, beam=beam, lenpen=lenpen, max_len_a=max_len_a,
                                       max_len_b=max_len_b, min_len=min_len, bf16=bf16)
     logger.info("translate: %s, %d line(s) (%s)", run.name, len(lines), runtime.describe())
-    model, bpe = load_model(run, weights)
+    model, bpe = load_model(run, weights, average)
     model.to(runtime.device)
     cut: dict = {}
     src_ids = encode_sources(bpe, lines, int(run.model_config.get("max_positions", 1024)), stats=cut)

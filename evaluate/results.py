@@ -100,7 +100,8 @@ def results_markdown(results: EvaluationResults) -> str:
     lines = ["# prlmfuse evaluation", ""]
     s = results.settings
     lines.append(
-        f"beam {s['beam']}, length penalty {s['lenpen']}, average of the last {s['average_last']} checkpoints "
+        f"beam {s['beam']}, length penalty {s['lenpen']}, average of the last {s['average_last']} "
+        f"{'epoch-end ' if s.get('average') == 'epochs' else ''}checkpoints "
         f"(0 = best), paired bootstrap {s['bootstrap_samples']} samples (seed {s['seed']}); "
         f"baseline: {results.baseline or 'none'}. Δ and p are against the baseline (two-sided paired bootstrap), "
         f"or against the baseline run of the same seed where it names one."

@@ -5,16 +5,23 @@ File names and run.json's schema belong to train_fused.run_dir; this module read
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from safetensors import safe_open
+
 from prlmfuse.corpora import Corpus, load_corpus
 from prlmfuse.errors import UserError
+from prlmfuse.evaluate.settings import AVERAGE, AVERAGE_CHOICES
 from prlmfuse.train_fused import run_dir as rundir
 from prlmfuse.train_fused.branches import PrLMBranch, open_branch
 from prlmfuse.train_fused.config import RunConfig
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -121,12 +128,24 @@ def open_run(run_dir: str | os.PathLike) -> RunView:
     return RunView(run_dir, str(record.get("name") or run_dir.name), record, corpus, checkpoints)
 
 
-def select_weights(run: RunView, average_last: int) -> list[Path]:
-    """The weight files a decode uses: the newest `average_last` complete checkpoints (fewer if
-    fewer exist), or best.safetensors for average_last=0 (and when no checkpoint is complete)."""
+def select_weights(run: RunView, average_last: int, average: str = AVERAGE) -> list[Path]:
+    """The weight files a decode uses: the newest `average_last` complete checkpoints (average "saves")
+    or epoch-end checkpoints (average "epochs"), fewer if fewer exist; or best.safetensors for
+    average_last=0 (and, for "saves", when no checkpoint is complete)."""
     if average_last < 0:
         raise UserError(f"average_last must be >= 0 (0 = best checkpoint), got {average_last}")
+    if average not in AVERAGE_CHOICES:
+        raise UserError(f"average {average!r} is not one of {', '.join(AVERAGE_CHOICES)}")
     best = run.run_dir / rundir.BEST
+    if average_last > 0 and average == "epochs":
+        ends = rundir.epoch_end_checkpoints(run.run_dir)
+        if not ends:
+            raise UserError(f"run {run.name} ({run.run_dir}) has no checkpoint saved at an epoch end; train it for "
+                            "at least one full epoch or average the last saves (average: saves)")
+        if len(ends) < average_last:
+            logger.warning("run %s keeps %d epoch-end checkpoint(s); averaging those, not %d",
+                           run.name, len(ends), average_last)
+        return [rundir.weights_path(run.run_dir, u) for u in ends[-average_last:]]
     if average_last == 0 or not run.checkpoints:
         if not best.is_file():
             raise UserError(f"{best} not found; train the run first or choose average_last >= 1")
@@ -134,11 +153,11 @@ def select_weights(run: RunView, average_last: int) -> list[Path]:
     return list(run.checkpoints[-average_last:])
 
 
-def load_model(run: RunView, weights: Sequence[Path]):
-    """(model in eval mode, BPE) with exactly the weights `select_weights` chose.
+def load_model(run: RunView, weights: Sequence[Path], average: str = AVERAGE):
+    """(model in eval mode, BPE) with exactly the weights `select_weights(run, K, average)` chose.
 
-    Several checkpoints go through the run's average (kept as run_dir/average-last{K}.safetensors
-    and rewritten only when the set changes).
+    Several checkpoints go through the run's average (kept as run_dir/average-last{K}.safetensors,
+    or average-epochs{K}.safetensors, and rewritten only when the set changes).
     """
     if len(weights) == 1 and Path(weights[0]).name == rundir.BEST:
         model, bpe, _ = rundir.load_run(run.run_dir, "best")
@@ -147,7 +166,13 @@ def load_model(run: RunView, weights: Sequence[Path]):
         if Path(info["weights"]).resolve() != Path(weights[0]).resolve():
             rundir.load_weights(model, weights[0])
     else:
-        model, bpe, _ = rundir.load_run(run.run_dir, "average", last=len(weights))
+        model, bpe, info = rundir.load_run(run.run_dir, "average", last=len(weights), average=average)
+        # The average is picked again by name and count: it must hold exactly the checkpoints chosen.
+        chosen = [Path(w).name for w in weights]
+        averaged = json.loads(_metadata(Path(info["weights"])).get("averaged", "[]"))
+        if averaged != chosen:
+            raise UserError(f"{info['weights']} averages {averaged}, not the checkpoints chosen for decoding {chosen}; "
+                            "the run is still saving checkpoints, evaluate it once training is done")
     return model.eval(), bpe
 
 
@@ -158,3 +183,9 @@ def weights_fingerprint(paths: Sequence[Path]) -> list[list]:
         st = p.stat()
         out.append([p.name, st.st_size, st.st_mtime_ns])
     return out
+
+
+def _metadata(path: Path) -> dict:
+    """The metadata of a safetensors file (an average records the checkpoints it averages)."""
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata() or {})

@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 AVERAGE_LAST = 5  # decode with the average of the newest 5 checkpoints (0: best.safetensors)
+# Which checkpoints average_last counts: the newest saves, or the newest saved at an epoch end (the
+# paper averages the last 5 epoch-end checkpoints). train_fused.run_dir reads the choices from here.
+AVERAGE_CHOICES = ("saves", "epochs")
+AVERAGE = "saves"
 BATCH_TOKENS = 4096  # source tokens per decoding batch
 SUMMARIZATION_NO_REPEAT_NGRAM = 3  # the paper's trigram blocking for summarization
 

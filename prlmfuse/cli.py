@@ -334,12 +334,14 @@ def train(ctx, pipeline, runs, resume, parallel, device, precision) -> None:
 @train.command("average")
 @click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
 @click.option("--last", default=5, show_default=True, help="How many of the newest checkpoints to average.")
-@click.option("--out", type=click.Path(dir_okay=False), help="Output file (default: RUN_DIR/average-lastK.safetensors).")
-def train_average(run_dir: str, last: int, out: str | None) -> None:
-    """Average the last K checkpoints of a run into one safetensors file."""
+@click.option("--epochs", is_flag=True, help="Average the newest checkpoints saved at an epoch end instead.")
+@click.option("--out", type=click.Path(dir_okay=False),
+              help="Output file (default: RUN_DIR/average-lastK.safetensors, with --epochs average-epochsK.safetensors).")
+def train_average(run_dir: str, last: int, epochs: bool, out: str | None) -> None:
+    """Average the last K checkpoints (or epoch-end checkpoints) of a run into one safetensors file."""
     from prlmfuse.train_fused import average_checkpoints
 
-    click.echo(average_checkpoints(run_dir, last=last, out=out))
+    click.echo(average_checkpoints(run_dir, last=last, out=out, average="epochs" if epochs else "saves"))
 
 
 # ---------------------------------------------------------------------------- evaluate
@@ -347,7 +349,7 @@ def train_average(run_dir: str, last: int, out: str | None) -> None:
 
 def _decode_options(command):
     """`evaluate` and `translate` decode alike: the same options, with the defaults of evaluate/settings.py."""
-    from prlmfuse.evaluate.settings import AVERAGE_LAST, DEFAULTS, SUMMARIZATION_NO_REPEAT_NGRAM
+    from prlmfuse.evaluate.settings import AVERAGE, AVERAGE_CHOICES, AVERAGE_LAST, DEFAULTS, SUMMARIZATION_NO_REPEAT_NGRAM
 
     options = [
         click.option("--beam", default=DEFAULTS.beam, show_default=True, type=click.IntRange(min=1), help="Beam size; 1 is greedy decoding."),
@@ -360,6 +362,8 @@ def _decode_options(command):
                      help=f"Block repeated n-grams (default: {SUMMARIZATION_NO_REPEAT_NGRAM} for summarization runs, "
                      f"else {DEFAULTS.no_repeat_ngram_size})."),
         click.option("--average-last", default=AVERAGE_LAST, show_default=True, help="Average this many newest checkpoints (0: best)."),
+        click.option("--average", default=AVERAGE, show_default=True, type=click.Choice(AVERAGE_CHOICES),
+                     help="Which checkpoints --average-last counts: the newest saves, or those saved at an epoch end."),
     ]
     for option in reversed(options):
         command = option(command)

@@ -21,7 +21,7 @@ from prlmfuse.cache_features import BACKENDS, STORAGE_DTYPES
 from prlmfuse.corpora import TASKS
 from prlmfuse.errors import UserError
 from prlmfuse.precision import check_device_text, check_precision_text
-from prlmfuse.evaluate.settings import AVERAGE_LAST, DEFAULTS as DECODE_DEFAULTS
+from prlmfuse.evaluate.settings import AVERAGE, AVERAGE_CHOICES, AVERAGE_LAST, DEFAULTS as DECODE_DEFAULTS
 from prlmfuse.train_fused.config import RunConfig
 from prlmfuse.train_fused.modeling import LAYER_MODES, MERGES, POSITIONS, PRESETS, SIDES
 
@@ -94,6 +94,7 @@ class EvaluateConfig:
     beam: int = DECODE_DEFAULTS.beam
     lenpen: float = DECODE_DEFAULTS.lenpen
     average_last: int = AVERAGE_LAST
+    average: str = AVERAGE  # saves | epochs: which checkpoints average_last counts
     no_repeat_ngram_size: int | None = None  # default: 3 for summarization, 0 otherwise
     max_len_a: float = DECODE_DEFAULTS.max_len_a
     max_len_b: int = DECODE_DEFAULTS.max_len_b
@@ -304,6 +305,12 @@ def _expand_runs(raw_runs: Any, defaults: dict, where: _Where, base_dir: Path) -
                 raise where.error(keypath + ("update_freq",), f"expected a positive integer, got {run.update_freq}")
             if run.max_updates is None and run.max_epochs is None:
                 raise where.error(keypath, "set max_updates or max_epochs (or both)")
+            for key, lowest in (("patience", 1), ("min_epochs", 0), ("keep_last_epochs", 0)):
+                if getattr(run, key) is not None and getattr(run, key) < lowest:
+                    raise where.error(keypath + (key,), f"expected an integer >= {lowest}, got {getattr(run, key)}")
+            if run.min_epochs is not None and run.max_epochs is not None and run.min_epochs > run.max_epochs:
+                raise where.error(keypath + ("min_epochs",), f"min_epochs {run.min_epochs} exceeds max_epochs "
+                                  f"{run.max_epochs}; lower it or raise max_epochs")
             runs.append(run)
     names = [r.name for r in runs]
     dup = next((n for n in names if names.count(n) > 1), None)
@@ -387,6 +394,14 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
     train = TrainConfig(defaults=defaults, runs=runs)
 
     evaluate = _build(EvaluateConfig, raw.get("evaluate"), ("evaluate",), where, base_dir)
+    _check_choice(evaluate.average, AVERAGE_CHOICES, ("evaluate", "average"), where)
+    if evaluate.average == "epochs":
+        # Training would delete epoch-end checkpoints the average is to read.
+        short = next((r for r in runs if r.keep_last_epochs < evaluate.average_last), None)
+        if short is not None:
+            raise where.error(("evaluate", "average_last"), f"averages {evaluate.average_last} epoch-end checkpoints "
+                              f"but run {short.name!r} keeps only keep_last_epochs {short.keep_last_epochs}; "
+                              "raise keep_last_epochs or lower average_last")
     if evaluate.baseline is not None and evaluate.baseline not in {r.name for r in runs}:
         close = difflib.get_close_matches(evaluate.baseline, [r.name for r in runs], n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""

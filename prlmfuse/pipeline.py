@@ -378,7 +378,7 @@ def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None):
         return None
     out = cfg.workdir / e.out
     result = evaluate_runs(
-        dirs, out=out, baseline=baseline, beam=e.beam, lenpen=e.lenpen, average_last=e.average_last,
+        dirs, out=out, baseline=baseline, beam=e.beam, lenpen=e.lenpen, average_last=e.average_last, average=e.average,
         no_repeat_ngram_size=e.no_repeat_ngram_size, max_len_a=e.max_len_a, max_len_b=e.max_len_b,
         min_len=e.min_len, device=cfg.device,
     )
@@ -438,7 +438,8 @@ def plan_lines(cfg: PipelineConfig, names: list[str] | None) -> list[str]:
             lines.append(f"estimate: about {total_updates / speed / 60:.0f} min at the {speed:.2f} updates/s measured so far")
         else:
             lines.append("estimate: time unknown until a run has logged its speed (metrics.jsonl)")
-    lines.append(f"evaluate: -> {cfg.workdir / cfg.evaluate.out} (beam {cfg.evaluate.beam}, average of last {cfg.evaluate.average_last})")
+    lines.append(f"evaluate: -> {cfg.workdir / cfg.evaluate.out} (beam {cfg.evaluate.beam}, average of last {cfg.evaluate.average_last}"
+                 f"{' epoch-end' if cfg.evaluate.average == 'epochs' else ''})")
     return lines
 
 

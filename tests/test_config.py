@@ -113,6 +113,29 @@ def test_bad_choice_and_unknown_checkpoint_reference(tmp_path):
     assert "train.runs.f.prlms.0.checkpoint: 'minilm-l7' is not in cache.checkpoints; did you mean 'minilm-l6'?" in msg
 
 
+def test_target_side_choices_name_both_decoders(tmp_path):
+    cfg = load_pipeline(write(tmp_path, "train:\n  runs:\n    f: {max_updates: 2, side: target_flow}\n"))
+    assert cfg.run("f").side == "target_flow"
+    msg = error_of(write(tmp_path, "train:\n  runs:\n    g: {max_updates: 2, side: target-flow}\n", "b.yaml"))
+    assert "b.yaml:3:31: train.runs.g.side: 'target-flow' is not one of source, target, both, target_flow, both_flow" in msg
+
+
+def test_patience_and_epoch_settings_are_checked_where_they_stand(tmp_path):
+    cfg = load_pipeline(write(tmp_path, "train:\n  runs:\n    f: {max_epochs: 30, patience: 3, min_epochs: 10}\n"))
+    assert (cfg.run("f").patience, cfg.run("f").min_epochs, cfg.run("f").keep_last_epochs) == (3, 10, 5)
+    msg = error_of(write(tmp_path, "train:\n  runs:\n    g: {max_epochs: 5, patience: 3, min_epochs: 10}\n", "b.yaml"))
+    assert "b.yaml:3:49: train.runs.g.min_epochs: min_epochs 10 exceeds max_epochs 5" in msg
+    cfg = load_pipeline(write(tmp_path, "train: {runs: {f: {max_epochs: 3}}}\nevaluate: {average: epochs}\n", "e.yaml"))
+    assert cfg.evaluate.average == "epochs"
+    msg = error_of(write(tmp_path, "train: {runs: {f: {max_epochs: 3}}}\nevaluate:\n  average: epoch\n", "d.yaml"))
+    assert "d.yaml:3:12: evaluate.average: 'epoch' is not one of saves, epochs" in msg
+    msg = error_of(write(tmp_path, "train: {runs: {f: {max_epochs: 3, keep_last_epochs: 2}}}\n"
+                                   "evaluate: {average: epochs, average_last: 3}\n", "k.yaml"))
+    assert "evaluate.average_last: averages 3 epoch-end checkpoints but run 'f' keeps only keep_last_epochs 2" in msg
+    msg = error_of(write(tmp_path, "train:\n  runs:\n    g: {max_epochs: 5, patience: 0}\n", "c.yaml"))
+    assert "c.yaml:3:34: train.runs.g.patience: expected an integer >= 1, got 0" in msg
+
+
 def test_missing_file_names_key_path(tmp_path):
     msg = error_of(write(tmp_path, """
         data:

@@ -79,7 +79,13 @@ def test_layer_choice_reads_one_layer_or_every_cached_layer():
     fields = dict(TRAIN_FIELDS, layers=[1, 2], pooled_layers=[0, 1, 2])
     assert choose_layers(-1, fields, checkpoint="b", where="c") == ([2], [], "fixed")
     assert choose_layers("dwatt", fields, checkpoint="b", where="c") == ([1, 2], [], "dwatt")
-    assert choose_layers("dyn_cls", fields, checkpoint="b", where="c") == ([1, 2], [0, 1, 2], "dyn_cls")
+    assert choose_layers("dyn_cls", fields, checkpoint="b", where="c") == ([1, 2], [1, 2], "dyn_cls")
+    # Dyn[CLS]/Dyn[Aver] weigh layers 1..L only; DWAtt and Concat keep the embedding layer.
+    every = dict(fields, layers=[0, 1, 2])
+    assert choose_layers("dyn_aver", every, checkpoint="b", where="c") == ([1, 2], [1, 2], "dyn_aver")
+    assert choose_layers("concat", every, checkpoint="b", where="c") == ([0, 1, 2], [], "concat")
+    with pytest.raises(UserError, match=r"transformer layers 1\.\.2.*layers: all"):
+        choose_layers("dyn_cls", dict(fields, layers=[0]), checkpoint="b", where="c")
     with pytest.raises(UserError, match=r"layer 0 \(hidden_states index 0 of 2 layers\) is not in cache c"):
         choose_layers(0, fields, checkpoint="b", where="c")
     with pytest.raises(UserError, match="no pooled vectors"):

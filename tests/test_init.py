@@ -145,7 +145,6 @@ def test_embeddings_and_layer_norms(kind):
         (dict(merge="direct"), "direct_proj.0"),
         (dict(layer_mode="concat", num_layers=3), "prlm_layers.0.proj"),
         (dict(layer_mode="dwatt", num_layers=3), "prlm_layers.0.query_down"),
-        (dict(layer_mode="dyn_cls", num_layers=3), "prlm_layers.0.score"),
     ],
 )
 def test_projections_without_a_fairseq_counterpart_get_its_linear_helper_init(overrides, attribute):
@@ -159,3 +158,13 @@ def test_projections_without_a_fairseq_counterpart_get_its_linear_helper_init(ov
     linear = model.get_submodule(attribute)
     _assert_uniform(linear.weight, _xavier_bound(linear.weight, 1.0), attribute)
     assert linear.bias is None or torch.count_nonzero(linear.bias) == 0
+
+
+def test_dynamic_layer_scorer_keeps_torchs_default_as_the_authors_fork():
+    """Dyn[CLS]/Dyn[Aver]: the fork's plain nn.Linear(L * d_p, L), bound 1/sqrt(fan_in) for weight and bias."""
+    spec = PrLMSpec(name="p", width=PRLM_WIDTH, num_layers=6, num_pooled=6, layer_mode="dyn_cls")
+    torch.manual_seed(0)
+    score = FusedTransformer(ModelConfig.from_preset("small", vocab_size=VOCAB, prlms=[spec])).prlm_layers[0].score
+    assert score.weight.shape == (6, 6 * PRLM_WIDTH)
+    _assert_uniform(score.weight, 1 / math.sqrt(6 * PRLM_WIDTH), "score.weight")
+    assert score.bias.abs().max() <= 1 / math.sqrt(6 * PRLM_WIDTH)

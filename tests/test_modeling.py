@@ -14,7 +14,10 @@ from prlmfuse.errors import UserError
 from prlmfuse.train_fused.modeling import (
     LAYER_MODES,
     PRESETS,
+    SIDES,
+    DecoderLayer,
     EncoderLayer,
+    EncoderOut,
     FlowMerge,
     FusedTransformer,
     ModelConfig,
@@ -107,7 +110,7 @@ TWO_PRLMS = [spec("bert", 48), spec("gpt", 24)]
 @pytest.mark.parametrize("prlms", [ONE_PRLM, TWO_PRLMS], ids=["1prlm", "2prlms"])
 @pytest.mark.parametrize(
     "merge,position,side",
-    list(itertools.product(["sum", "average", "gate", "dropnet"], ["attn", "add_norm1", "ffn", "add_norm2"], ["source", "target", "both"])),
+    list(itertools.product(["sum", "average", "gate", "dropnet"], ["attn", "add_norm1", "ffn", "add_norm2"], SIDES)),
 )
 def test_every_merge_position_side_trains(merge, position, side, prlms):
     config = tiny_config(prlms, merge=merge, position=position, side=side)
@@ -117,7 +120,7 @@ def test_every_merge_position_side_trains(merge, position, side, prlms):
         p.grad for name, p in model.named_parameters() if ".prlm_attn." in name and name.endswith("k_proj.weight")
     ]
     assert len(k_proj_grads) == len(prlms) * (
-        config.enc_layers * (side != "target") + config.dec_layers * (side != "source")
+        config.enc_layers * (side in ("source", "both", "both_flow")) + config.dec_layers * (side != "source")
     )
     if merge != "dropnet":  # dropnet may draw "source flow only" for a layer, leaving its branch without gradient
         assert all(g is not None and g.abs().sum() > 0 for g in k_proj_grads)
@@ -135,8 +138,10 @@ def test_pre_ln_variants_train(merge, position, side, prlms):
 def test_pre_ln_rejects_add_norm_positions(position):
     with pytest.raises(UserError, match="pre-LN"):
         tiny_config(ONE_PRLM, position=position, pre_ln=True)
-    # Without an encoder branch the position is irrelevant and accepted.
+    # Without an encoder branch the position is irrelevant and accepted, unless the decoder's flows merge there.
     tiny_config(ONE_PRLM, position=position, pre_ln=True, side="target")
+    with pytest.raises(UserError, match="pre-LN"):
+        tiny_config(ONE_PRLM, position=position, pre_ln=True, side="target_flow")
 
 
 @pytest.mark.parametrize("mode", LAYER_MODES)
@@ -176,6 +181,9 @@ PADDING_CONFIGS = {
     "sum-ffn": dict(prlms=TWO_PRLMS),
     "gate-attn-both": dict(prlms=TWO_PRLMS, merge="gate", position="attn", side="both"),
     "add_norm2-target": dict(prlms=ONE_PRLM, position="add_norm2", side="target"),
+    "ffn-target_flow": dict(prlms=TWO_PRLMS, position="ffn", side="target_flow"),
+    "add_norm1-both_flow": dict(prlms=ONE_PRLM, position="add_norm1", side="both_flow"),
+    "ffn-both_flow-preln": dict(prlms=ONE_PRLM, position="ffn", side="both_flow", pre_ln=True),
     "dwatt-preln": dict(prlms=[spec("a", 32, "dwatt")], pre_ln=True, side="both"),
     "dyn-concat": dict(prlms=[spec("a", 32, "dyn_aver"), spec("b", 16, "concat")], merge="average"),
     "direct-2prlms": dict(prlms=TWO_PRLMS, merge="direct"),
@@ -217,7 +225,8 @@ def test_padding_does_not_change_outputs(name):
             assert torch.allclose(alone[0], reference[i, :n_tgt], atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["sum-ffn", "gate-attn-both", "dwatt-preln", "baseline"])
+@pytest.mark.parametrize("name", ["sum-ffn", "gate-attn-both", "dwatt-preln", "ffn-target_flow",
+                                  "add_norm1-both_flow", "ffn-both_flow-preln", "baseline"])
 def test_incremental_decoding_equals_full_prefix(name):
     config = tiny_config(**PADDING_CONFIGS[name])
     torch.manual_seed(0)
@@ -307,6 +316,58 @@ def test_ffn_position_matches_the_papers_equation():
     assert torch.allclose(layer(h, mask, [(z, z_mask)]), expected, atol=1e-5)
 
 
+def _decoder_layer_with_prlm(side: str, position: str) -> tuple[DecoderLayer, ModelConfig]:
+    config = tiny_config([spec("p", 24)], dropout=0.0, side=side, position=position)
+    torch.manual_seed(0)
+    layer = DecoderLayer(config, [24]).eval()
+    for p in layer.parameters():  # LayerNorm weights away from 1/0, so each norm is really tested
+        torch.nn.init.normal_(p, std=0.3)
+    return layer, config
+
+
+def _run_decoder_layer(layer: DecoderLayer, x, enc_states, z):
+    enc_mask = torch.ones(enc_states.shape[:2], dtype=torch.bool)
+    z_mask = torch.ones(z.shape[:2], dtype=torch.bool)
+    enc = EncoderOut(states=enc_states, mask=enc_mask, cross_kv=[layer.encoder_attn.project_kv(enc_states)],
+                     prlm_kv=[[layer.prlm_attn[0].project_kv(z)]], prlm_masks=[z_mask])
+    out, _ = layer(x, enc, 0, None)
+    return out
+
+
+def test_target_flow_follows_the_authors_decoder():
+    """side target_flow, position ffn (the authors' fork): the PrLM attention reads the encoder attention's
+    query x1 and has its own add&norm and FFN; the two FFN outputs are summed before the last add&norm."""
+    layer, config = _decoder_layer_with_prlm("target_flow", "ffn")
+    g = torch.Generator().manual_seed(5)
+    x, enc_states, z = torch.randn(2, 4, config.d_model, generator=g), torch.randn(2, 6, config.d_model, generator=g), torch.randn(2, 7, 24, generator=g)
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    with torch.no_grad():
+        q, k, v = x, *layer.self_attn.project_kv(x)
+        scores = (layer.self_attn._split_heads(layer.self_attn.q_proj(q)) @ k.transpose(-2, -1)) / (k.shape[-1] ** 0.5)
+        weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+        self_attn = layer.self_attn.out_proj((weights @ v).transpose(1, 2).reshape(2, 4, config.d_model))
+        x1 = layer.self_attn_layer_norm(x + self_attn)
+        x_e = layer.encoder_attn_layer_norm(x1 + layer.encoder_attn(x1, enc_states))
+        x_p = layer.prlm_attn_layer_norm[0](x1 + layer.prlm_attn[0](x1, z))
+        expected = layer.final_layer_norm(x_e + layer.ffn(x_e) + layer.prlm_ffn[0](x_p))
+        assert torch.allclose(_run_decoder_layer(layer, x, enc_states, z), expected, atol=1e-5)
+    # bert-nmt's target side has no PrLM add&norm or FFN of its own.
+    plain, _ = _decoder_layer_with_prlm("target", "ffn")
+    assert not any(n.startswith(("prlm_ffn", "prlm_attn_layer_norm")) for n, _ in plain.named_parameters())
+
+
+def test_target_flow_at_attn_is_bert_nmts_target_side():
+    """Merged where the encoder attention's output is, the authors' flow and bert-nmt's target side coincide."""
+    flow, config = _decoder_layer_with_prlm("target_flow", "attn")
+    plain, _ = _decoder_layer_with_prlm("target", "ffn")
+    assert flow.state_dict().keys() == plain.state_dict().keys()
+    plain.load_state_dict(flow.state_dict())
+    g = torch.Generator().manual_seed(6)
+    x, enc_states, z = torch.randn(2, 4, config.d_model, generator=g), torch.randn(2, 6, config.d_model, generator=g), torch.randn(2, 7, 24, generator=g)
+    with torch.no_grad():
+        assert torch.allclose(_run_decoder_layer(flow, x, enc_states, z), _run_decoder_layer(plain, x, enc_states, z), atol=1e-6)
+
+
 def test_direct_ignores_source_tokens():
     config = tiny_config(TWO_PRLMS, merge="direct")
     torch.manual_seed(0)
@@ -365,8 +426,10 @@ def test_pooled_index_picks_the_pooled_rows_of_the_token_layers():
     pooled[:, 4, 1] = torch.randn(16)
     pooled[:, 6, 1] = torch.randn(16)
     alpha = model.prlm_layers[0].layer_weights(pooled)
-    norm, score = model.prlm_layers[0].norm, model.prlm_layers[0].score
-    expected = torch.softmax(score(norm(pooled[0, [4, 6], 1])).squeeze(-1), dim=-1)
+    # The authors' scoring: one Linear from the concatenated sentence vectors to one logit per layer.
+    score = model.prlm_layers[0].score
+    assert (score.in_features, score.out_features) == (2 * 16, 2)
+    expected = torch.softmax(score.weight @ pooled[0, [4, 6], 1].flatten() + score.bias, dim=-1)
     assert torch.allclose(alpha[0], expected, atol=1e-6)
     with pytest.raises(UserError, match="pooled_index"):
         PrLMSpec("m", 16, num_layers=2, num_pooled=7, layer_mode="dyn_aver")

@@ -156,15 +156,64 @@ def test_in_memory_features_train_like_features_from_disk(world, tmp_path):
         torch.testing.assert_close(a[name], b[name])
 
 
-def test_baseline_and_patience(world, tmp_path):
+def test_baseline_and_patience_counted_in_epochs(world, tmp_path):
     corpus, _, _ = world
-    # lr 0: the dev loss never improves, so patience 2 stops after the third evaluation.
-    run = small_runs.tiny_run("base", lr=0.0, max_updates=100, save_every=2, patience=2)
+    # lr 0: the dev loss never improves on the first epoch's; patience 2 stops at the end of epoch 3,
+    # although save_every=1 evaluates dev after every update (those evaluations do not count).
+    run = small_runs.tiny_run("base", lr=0.0, max_updates=None, max_epochs=20, max_train_pairs=24, save_every=1,
+                              patience=2)
     run_dir = train_run(run, corpus, [], tmp_path / "base", progress=False)
     state = json.loads((run_dir / "trainer_state.json").read_text())
-    assert state["update"] == 6 and state["bad_evals"] == 2
+    per_epoch = state["batches_per_epoch"]
+    assert per_epoch >= 2  # several evaluations per epoch
+    assert state["epoch"] == 3 and state["batch_in_epoch"] == 0 and state["bad_epochs"] == 2
+    assert state["update"] == 3 * per_epoch
     info = json.loads((run_dir / "run.json").read_text())
     assert info["prlms"] == [] and info["model"]["prlms"] == []
+
+    # min_epochs holds patience back: at least 5 epochs.
+    run = small_runs.tiny_run("base", lr=0.0, max_updates=None, max_epochs=20, max_train_pairs=24, save_every=100,
+                              patience=2, min_epochs=5)
+    state = json.loads((train_run(run, corpus, [], tmp_path / "min", progress=False) / "trainer_state.json").read_text())
+    assert state["epoch"] == 5 and state["bad_epochs"] == 4
+
+
+def test_epoch_average_averages_exactly_the_epoch_end_checkpoints(world, tmp_path):
+    corpus, _, _ = world
+    run = small_runs.tiny_run("ep", lr=2e-3, max_updates=None, max_epochs=4, max_train_pairs=24, save_every=1,
+                              keep_last=2, keep_last_epochs=3)
+    run_dir = train_run(run, corpus, [], tmp_path / "ep", progress=False)
+    per_epoch = json.loads((run_dir / "trainer_state.json").read_text())["batches_per_epoch"]
+    assert per_epoch >= 3  # so that the newest two saves hold only one epoch end
+    ends = [e * per_epoch for e in (2, 3, 4)]
+    # keep_last=2 keeps the newest two saves; the epoch ends 2..4 stay for the average, epoch 1's is pruned.
+    kept = sorted(int(p.name[7:15]) for p in (run_dir / "checkpoints").glob("update-*.safetensors"))
+    assert kept == sorted({4 * per_epoch - 1, *ends})
+
+    out = average_checkpoints(run_dir, last=3, average="epochs")
+    assert out.name == "average-epochs3.safetensors"
+    averaged = load_file(str(out))
+    for name, value in averaged.items():
+        expected = sum(_weights(run_dir, u)[name].double() for u in ends) / 3
+        torch.testing.assert_close(value.double(), expected.to(value.dtype).double())
+    # The last three saves are another set: the newest save between epoch ends is among them.
+    saves = load_file(str(average_checkpoints(run_dir, last=3)))
+    assert any(not torch.equal(saves[n], averaged[n]) for n in averaged)
+
+    # Evaluation decodes with exactly that average (evaluate.average: epochs).
+    from prlmfuse.evaluate.runs import load_model, open_run, select_weights
+
+    view = open_run(run_dir)
+    weights = select_weights(view, 3, "epochs")
+    assert [p.name for p in weights] == [f"update-{u:08d}.safetensors" for u in ends]
+    model, _ = load_model(view, weights, "epochs")
+    for name, value in model.state_dict().items():
+        if name in averaged:
+            torch.testing.assert_close(value, averaged[name])
+    assert [p.name for p in select_weights(view, 9, "epochs")] == [p.name for p in weights]  # fewer exist: all of them
+    with pytest.raises(UserError, match="epoch end"):
+        average_checkpoints(train_run(small_runs.tiny_run("short", max_updates=2, save_every=2), corpus, [],
+                                      tmp_path / "short", progress=False), average="epochs")
 
 
 def test_refusals_are_one_line_user_errors(world, tmp_path):
@@ -420,3 +469,26 @@ def test_training_on_cuda_matches_the_cpu_at_fp32(world, tmp_path):
         torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-4)
     info = json.loads((runs["gpu"] / "run.json").read_text())
     assert info["device"] == "cuda:0" and info["precision"] == "fp32"
+
+
+def test_dyn_modes_read_transformer_layers_only_from_a_cache_of_every_layer(world, tmp_path):
+    """Dyn[CLS]/Dyn[Aver] weigh hidden_states 1..L of a `layers: all` cache; DWAtt and Concat also read 0."""
+    from prlmfuse.cache_features import build_cache
+    from prlmfuse.train_fused.branches import open_branch
+
+    corpus, ckpt, _ = world
+    cache = build_cache(str(ckpt), corpus.src_path("dev"), tmp_path / "all", layers="all", progress=False).path
+    entry = corpus.splits["dev"]["src"]
+    opened = {}
+    for layer in ("dyn_cls", "dyn_aver", "dwatt", "concat"):
+        opened[layer] = open_branch(PrLMUse(checkpoint=str(ckpt), layer=layer), str(cache), trained=None,
+                                    source=str(corpus.src_path("dev")), source_name="dev source",
+                                    source_sha256=entry["sha256"], source_lines=entry["lines"])
+    assert opened["dyn_cls"].reader.layers == [0, 1, 2, 3]
+    for layer in ("dyn_cls", "dyn_aver"):
+        branch = opened[layer]
+        assert branch.record["layers"] == [1, 2, 3] and branch.record["pooled_layers"] == [1, 2, 3]
+        assert branch.layer_rows == (1, 2, 3) and branch.pooled_rows == (1, 2, 3)
+        assert branch.spec.num_layers == 3 and branch.spec.pooled_index == [0, 1, 2]
+    for layer in ("dwatt", "concat"):
+        assert opened[layer].layer_rows == (0, 1, 2, 3) and opened[layer].spec.num_layers == 4

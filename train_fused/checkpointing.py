@@ -24,6 +24,7 @@ from prlmfuse.train_fused.run_dir import (
     TRAINER_STATE,
     checkpoint_file_update,
     complete_checkpoints,
+    epoch_end_checkpoints,
     latest_trainer_state,
     load_weights,
     optimizer_path,
@@ -82,6 +83,7 @@ def save_checkpoint(
     *,
     is_best: bool,
     keep_last: int,
+    keep_last_epochs: int = 0,
 ) -> Path:
     """Write one complete checkpoint, then trainer_state.json naming it, then prune old ones.
 
@@ -91,7 +93,8 @@ def save_checkpoint(
     run_dir = Path(run_dir)
     update = int(trainer_state["update"])
     try:
-        return _save_checkpoint(run_dir, update, model, optimizer, trainer_state, is_best=is_best, keep_last=keep_last)
+        return _save_checkpoint(run_dir, update, model, optimizer, trainer_state, is_best=is_best, keep_last=keep_last,
+                                keep_last_epochs=keep_last_epochs)
     except Exception as e:  # noqa: BLE001 - safetensors reports I/O errors as SafetensorError
         if is_disk_full(e):
             raise UserError(
@@ -101,7 +104,7 @@ def save_checkpoint(
 
 
 def _save_checkpoint(run_dir: Path, update: int, model, optimizer, trainer_state: dict, *, is_best: bool,
-                     keep_last: int) -> Path:
+                     keep_last: int, keep_last_epochs: int) -> Path:
     weights = weights_path(run_dir, update)
     save_weights(model, weights, metadata={"update": str(update)})
     with atomic_path(optimizer_path(run_dir, update)) as tmp:
@@ -113,14 +116,17 @@ def _save_checkpoint(run_dir: Path, update: int, model, optimizer, trainer_state
     if is_best:
         save_weights(model, run_dir / BEST, metadata={"update": str(update)})
     atomic_write_json(run_dir / TRAINER_STATE, state)
-    prune_checkpoints(run_dir, keep_last)
+    prune_checkpoints(run_dir, keep_last, keep_last_epochs)
     return weights
 
 
-def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int) -> None:
-    """Delete all but the newest `keep_last` checkpoints (never the one trainer_state.json names)."""
+def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int, keep_last_epochs: int = 0) -> None:
+    """Delete all but the newest `keep_last` checkpoints and the newest `keep_last_epochs` epoch-end ones,
+    which an average over epochs reads (never the one trainer_state.json names)."""
     run_dir = Path(run_dir)
     keep = set(complete_checkpoints(run_dir)[-max(1, keep_last) :])
+    if keep_last_epochs > 0:
+        keep.update(epoch_end_checkpoints(run_dir)[-keep_last_epochs:])
     named = latest_trainer_state(run_dir)
     if named is not None:
         keep.add(int(named["update"]))

@@ -46,7 +46,7 @@ class RunConfig:
     prlms: list[PrLMUse] = field(default_factory=list)  # empty: the baseline
     merge: str = "sum"  # sum | average | gate | dropnet | direct
     position: str = "ffn"  # attn | add_norm1 | ffn | add_norm2
-    side: str = "source"  # source | target | both
+    side: str = "source"  # source | target | both (bert-nmt's decoder) | target_flow | both_flow (the authors')
     # Data.
     bpe_vocab: int = 8000
     max_tokens: int = 3500  # per batch, source or target side, whichever is longer
@@ -64,10 +64,15 @@ class RunConfig:
     # Stopping: whichever comes first; at least one of max_updates / max_epochs must be set.
     max_updates: int | None = None
     max_epochs: int | None = 50
-    patience: int | None = None  # evaluations on dev without improvement
+    # Epochs whose end-of-epoch dev loss did not beat the best one before stopping (the paper's recipe
+    # stops after 3), never before min_epochs epochs.
+    patience: int | None = None
+    min_epochs: int | None = None
     # Checkpoints and logging.
     save_every: int = 1000  # updates; also at every epoch end
     keep_last: int = 5
+    # Epoch-end checkpoints kept beside the newest keep_last, for an average over epochs (the paper averages 5).
+    keep_last_epochs: int = 5
     log_every: int = 50
     tensorboard: bool = False
     # Runtime.

@@ -56,19 +56,28 @@ Merge strategies over the source flow a and PrLM flows b_1..b_k:
               sequences are concatenated. The encoder runs over that sequence with the PrLM
               masks; src_tokens are not read.
 
-Side `target` (or `both`) gives every decoder layer PrLM attentions too. Their outputs are
-merged with the encoder-decoder attention output, bert-nmt style, whatever `position` says
-(that option is about the encoder):
+Side `target` (or `both`) gives every decoder layer PrLM attentions too, as bert-nmt (Zhu et al.
+2020) does: their outputs are merged with the encoder-decoder attention output, whatever
+`position` says (that option is about the encoder):
 
     x2 = LN2(x1 + Merge(drop(EncAttn(x1, enc)), drop(PrLMAttn_j(x1, Z_j))..))
+
+Side `target_flow` (or `both_flow`) follows the authors' fairseq fork (Park & Zhao's code): each
+decoder PrLM attention reads the encoder attention's query x1 and starts a flow of its own, with
+its own add&norm and FFN, merged with the decoder's flow at `position` by the encoder's equations
+above, the encoder attention in the role of SelfAttn (e.g. `ffn`: x_E = LN2(x1 + drop(EncAttn));
+x_j = LN2_j(x1 + drop(PrLMAttn_j)); H' = LN3(x_E + Merge(drop(FFN(x_E)), drop(FFN_j(x_j))..))).
+With position `attn` the two sides coincide.
 
 Layer selection (`PrLMSpec.layer_mode`) turns the cached states [B, n, M, d_p] into Z [B, M, d_p]
 in the PrLM's own width, before the branch's key/value projections:
 
     fixed:     n must be 1; Z = states[:, 0]
-    dyn_cls / dyn_aver (Park & Zhao, Table 3a): per sentence, s_n = w . LN(p_n) + b_n with
-               p_n the first-token (dyn_cls) or mean (dyn_aver) vector of layer n from `pooled`;
-               alpha = softmax_n(s);  Z = sum_n alpha_n states_n
+    dyn_cls / dyn_aver (Park & Zhao, Table 3a, scored as the authors' fairseq fork does): over the
+               transformer layers 1..L only (never the embedding layer), per sentence,
+               s = W [p_1; ..; p_L] + c  (one Linear from the L concatenated sentence vectors to L
+               logits), p_n the first-token (dyn_cls) or mean (dyn_aver) vector of layer n from
+               `pooled`;  alpha = softmax(s);  Z = sum_n alpha_n states_n
     dwatt      (ElNokrashy et al. 2022, eqs. 3-10): per token,
                k_n = W_K kpos_n (kpos_n ~ U(0,1), fixed, 24 dims);  v_n = LN_n(f_V,n(z_n));
                q = 1 + elu(z_L + f_Q(z_L)), z_L the last cached layer;  f(z) = W LN(gelu(U z))
@@ -76,11 +85,14 @@ in the PrLM's own width, before the branch's key/value projections:
                (unscaled dot product, as in the paper's eq. 7)
     concat:    Z = sum_n W_n z_n + b (one Linear over the concatenated layers)
 
+DWAtt and Concat read every cached layer, the embedding layer included (unmeasured whether dropping it helps).
+
 Initialisation is fairseq 0.12's transformer's: attention q, k, v xavier-uniform with gain
 1/sqrt(2) when keys have the query's width (plain xavier for a PrLM branch's wider or narrower
 keys) with nn.Linear's default biases, out_proj xavier with a zero bias, the FFN at nn.Linear's
 default, embeddings N(0, d^-1/2) with the padding row zero; projections fairseq has no
-counterpart for get its `Linear` helper's xavier-uniform with a zero bias (`xavier_linear`).
+counterpart for get its `Linear` helper's xavier-uniform with a zero bias (`xavier_linear`), except the
+Dyn[CLS]/Dyn[Aver] scorer, which keeps nn.Linear's default as the authors' fork does.
 
 Token ids: pad 0, bos 1, eos 2 by default (see ModelConfig). Sequences may be padded on either
 side; positions count real tokens only, so padding never changes the real tokens' outputs.
@@ -99,7 +111,10 @@ from prlmfuse.errors import UserError
 
 MERGES = ("sum", "average", "gate", "dropnet", "direct")
 POSITIONS = ("attn", "add_norm1", "ffn", "add_norm2")
-SIDES = ("source", "target", "both")
+# target / both: bert-nmt's decoder (Zhu et al. 2020), the PrLM attention merged with the encoder
+# attention; target_flow / both_flow: the authors' fork, a PrLM flow with its own add&norm and FFN
+# merged at `position`, as in the encoder.
+SIDES = ("source", "target", "both", "target_flow", "both_flow")
 LAYER_MODES = ("fixed", "dyn_cls", "dyn_aver", "dwatt", "concat")
 ACTIVATIONS = ("relu", "gelu")
 
@@ -193,7 +208,7 @@ class ModelConfig:
     prlms: list[PrLMSpec] = field(default_factory=list)  # empty: the baseline Transformer
     merge: str = "sum"  # sum | average | gate | dropnet | direct
     position: str = "ffn"  # attn | add_norm1 | ffn | add_norm2 (encoder side)
-    side: str = "source"  # source | target | both
+    side: str = "source"  # source | target | both | target_flow | both_flow
     dropnet_p: float = 0.5
 
     def __post_init__(self):
@@ -219,7 +234,7 @@ class ModelConfig:
                 raise UserError("model config: merge 'direct' feeds PrLM features as the encoder input; add at least one PrLM")
             if self.side != "source":
                 raise UserError(f"model config: merge 'direct' replaces the source input, so side must be 'source', not {self.side!r}")
-        if self.pre_ln and self.encoder_prlms and self.position in ("add_norm1", "add_norm2"):
+        if self.pre_ln and (self.encoder_prlms or self.decoder_flow) and self.position in ("add_norm1", "add_norm2"):
             raise UserError(
                 f"model config: position {self.position!r} merges after an add&norm, which pre-LN layers do not have; "
                 "use position 'attn' or 'ffn', or pre_ln: false"
@@ -228,12 +243,17 @@ class ModelConfig:
     @property
     def encoder_prlms(self) -> bool:
         """Encoder layers carry PrLM branches."""
-        return bool(self.prlms) and self.merge != "direct" and self.side in ("source", "both")
+        return bool(self.prlms) and self.merge != "direct" and self.side in ("source", "both", "both_flow")
 
     @property
     def decoder_prlms(self) -> bool:
         """Decoder layers carry PrLM branches."""
-        return bool(self.prlms) and self.side in ("target", "both")
+        return bool(self.prlms) and self.side != "source"
+
+    @property
+    def decoder_flow(self) -> bool:
+        """Decoder layers carry PrLM flows merged at `position` (the authors' fork), not at the encoder attention."""
+        return self.decoder_prlms and self.side.endswith("_flow")
 
     @classmethod
     def from_preset(cls, name: str, **overrides) -> "ModelConfig":
@@ -494,22 +514,19 @@ class FixedLayer(nn.Module):
 
 
 class DynamicLayerWeights(nn.Module):
-    """Dyn[CLS] / Dyn[Aver]: a per-sentence softmax over layers scored from each layer's sentence vector."""
+    """Dyn[CLS] / Dyn[Aver]: a per-sentence softmax over layers scored from all layers' sentence vectors."""
 
     def __init__(self, spec: PrLMSpec):
         super().__init__()
         self.pooled_row = 0 if spec.layer_mode == "dyn_cls" else 1
         self.register_buffer("pooled_index", torch.tensor(spec.pooled_index, dtype=torch.long), persistent=False)
-        self.norm = nn.LayerNorm(spec.width)
-        # A learned projection with no fairseq counterpart: fairseq's `Linear` helper init.
-        self.score = xavier_linear(spec.width, 1, bias=False)
-        self.layer_bias = nn.Parameter(torch.zeros(spec.num_layers))
+        # The authors' fork scores with a plain nn.Linear (torch's default init) over the concatenation.
+        self.score = nn.Linear(spec.num_layers * spec.width, spec.num_layers)
 
     def layer_weights(self, pooled: Tensor) -> Tensor:
         """alpha [B, n_layers] from pooled [B, n_pooled, 2, d]."""
         sentence_vectors = pooled.index_select(1, self.pooled_index)[:, :, self.pooled_row]
-        scores = self.score(self.norm(sentence_vectors)).squeeze(-1) + self.layer_bias
-        return torch.softmax(scores.float(), dim=-1)
+        return torch.softmax(self.score(sentence_vectors.flatten(1)).float(), dim=-1)
 
     def forward(self, features: PrLMFeatures) -> Tensor:
         alpha = self.layer_weights(features.pooled).to(features.states.dtype)
@@ -591,24 +608,13 @@ def build_layer_selection(spec: PrLMSpec) -> nn.Module:
 # ----------------------------------------------------------------------------- layers
 
 
-class EncoderLayer(nn.Module):
-    """A Transformer encoder layer, with one PrLM branch per width in `prlm_widths` (see module docstring)."""
+class _FlowMerging(nn.Module):
+    """What an encoder layer and a `target_flow` decoder layer share: PrLM flows with their own
+    add&norm and FFN beside the layer's main attention, merged with it at `position`."""
 
-    def __init__(self, config: ModelConfig, prlm_widths: list[int]):
-        super().__init__()
-        d = config.d_model
-        self.pre_ln = config.pre_ln
-        self.dropout = nn.Dropout(config.dropout)
-        self.position = config.position
-        self.self_attn = MultiheadAttention(d, config.heads, config.attn_dropout)
-        self.self_attn_layer_norm = nn.LayerNorm(d)
-        self.ffn = FeedForward(d, config.ffn, config.activation, config.activation_dropout)
-        self.final_layer_norm = nn.LayerNorm(d)
-        self.num_prlms = len(prlm_widths)
-        if not prlm_widths:
-            return
+    def _build_flows(self, config: ModelConfig, prlm_widths: list[int]) -> None:
+        d, k = config.d_model, len(prlm_widths)
         self.prlm_attn = nn.ModuleList(MultiheadAttention(d, config.heads, config.attn_dropout, w) for w in prlm_widths)
-        k = len(prlm_widths)
         if not self.pre_ln and self.position != "attn":
             self.prlm_attn_layer_norm = nn.ModuleList(nn.LayerNorm(d) for _ in range(k))
         if self.position in ("ffn", "add_norm2"):
@@ -622,24 +628,17 @@ class EncoderLayer(nn.Module):
             return x + self.dropout(self.ffn(self.final_layer_norm(x)))
         return self.final_layer_norm(x + self.dropout(self.ffn(x)))
 
-    def forward(self, x: Tensor, mask: Tensor, prlm: list[tuple[Tensor, Tensor]]) -> Tensor:
-        """x [B, S, d], mask [B, S]; prlm: per branch (Z [B, M, d_p], mask [B, M])."""
-        residual = x
-        h = self.self_attn_layer_norm(x) if self.pre_ln else x
-        attn_s = self.dropout(self.self_attn(h, h, mask))
-        if not self.num_prlms:
-            x = residual + attn_s
-            return self._ffn_block(x if self.pre_ln else self.self_attn_layer_norm(x))
-
-        attn_p = [self.dropout(attn(h, z, z_mask)) for attn, (z, z_mask) in zip(self.prlm_attn, prlm)]
+    def _merge_flows(self, residual: Tensor, attn_s: Tensor, attn_p: list[Tensor], main_norm: nn.LayerNorm) -> Tensor:
+        """The rest of the layer from the main attention's output attn_s and the PrLM attentions' attn_p
+        (both after dropout); main_norm is the main attention's add&norm LayerNorm."""
         if self.position == "attn":
             x = residual + self.merge([attn_s, *attn_p])
-            return self._ffn_block(x if self.pre_ln else self.self_attn_layer_norm(x))
+            return self._ffn_block(x if self.pre_ln else main_norm(x))
 
         x_s = residual + attn_s
         x_p = [residual + a for a in attn_p]
         if not self.pre_ln:
-            x_s = self.self_attn_layer_norm(x_s)
+            x_s = main_norm(x_s)
             x_p = [norm(x) for norm, x in zip(self.prlm_attn_layer_norm, x_p)]
 
         if self.position == "add_norm1":  # post-LN only
@@ -660,14 +659,46 @@ class EncoderLayer(nn.Module):
         return self.merge([y_s, *y_p])
 
 
-class DecoderLayer(nn.Module):
-    """Causal self-attention, encoder attention (merged with PrLM attentions on the target side), FFN."""
+class EncoderLayer(_FlowMerging):
+    """A Transformer encoder layer, with one PrLM branch per width in `prlm_widths` (see module docstring)."""
 
     def __init__(self, config: ModelConfig, prlm_widths: list[int]):
         super().__init__()
         d = config.d_model
         self.pre_ln = config.pre_ln
         self.dropout = nn.Dropout(config.dropout)
+        self.position = config.position
+        self.self_attn = MultiheadAttention(d, config.heads, config.attn_dropout)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.ffn = FeedForward(d, config.ffn, config.activation, config.activation_dropout)
+        self.final_layer_norm = nn.LayerNorm(d)
+        self.num_prlms = len(prlm_widths)
+        if prlm_widths:
+            self._build_flows(config, prlm_widths)
+
+    def forward(self, x: Tensor, mask: Tensor, prlm: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """x [B, S, d], mask [B, S]; prlm: per branch (Z [B, M, d_p], mask [B, M])."""
+        residual = x
+        h = self.self_attn_layer_norm(x) if self.pre_ln else x
+        attn_s = self.dropout(self.self_attn(h, h, mask))
+        if not self.num_prlms:
+            x = residual + attn_s
+            return self._ffn_block(x if self.pre_ln else self.self_attn_layer_norm(x))
+        attn_p = [self.dropout(attn(h, z, z_mask)) for attn, (z, z_mask) in zip(self.prlm_attn, prlm)]
+        return self._merge_flows(residual, attn_s, attn_p, self.self_attn_layer_norm)
+
+
+class DecoderLayer(_FlowMerging):
+    """Causal self-attention, encoder attention and FFN; PrLM attentions on the target side merge with the
+    encoder attention (bert-nmt style) or, for a `*_flow` side, as flows of their own at `position`."""
+
+    def __init__(self, config: ModelConfig, prlm_widths: list[int]):
+        super().__init__()
+        d = config.d_model
+        self.pre_ln = config.pre_ln
+        self.dropout = nn.Dropout(config.dropout)
+        # bert-nmt style merges where the encoder attention's output is; a flow merges at `position`.
+        self.position = config.position if config.decoder_flow else "attn"
         self.self_attn = MultiheadAttention(d, config.heads, config.attn_dropout)
         self.self_attn_layer_norm = nn.LayerNorm(d)
         self.encoder_attn = MultiheadAttention(d, config.heads, config.attn_dropout)
@@ -676,8 +707,7 @@ class DecoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(d)
         self.num_prlms = len(prlm_widths)
         if prlm_widths:
-            self.prlm_attn = nn.ModuleList(MultiheadAttention(d, config.heads, config.attn_dropout, w) for w in prlm_widths)
-            self.merge = FlowMerge(config.merge, d, len(prlm_widths), config.dropnet_p)
+            self._build_flows(config, prlm_widths)
 
     def forward(
         self, x: Tensor, enc: EncoderOut, layer_index: int, past_kv: tuple[Tensor, Tensor] | None
@@ -697,26 +727,19 @@ class DecoderLayer(nn.Module):
         if not self.pre_ln:
             x = self.self_attn_layer_norm(x)
 
-        # Encoder attention, merged with the PrLM attentions on the target side (bert-nmt style).
+        # Encoder attention, and the PrLM attentions (same query) merged with it at self.position.
         residual = x
         h = self.encoder_attn_layer_norm(x) if self.pre_ln else x
         enc_k, enc_v = enc.cross_kv[layer_index]
         attended = self.dropout(self.encoder_attn.attend(h, enc_k, enc_v, enc.mask))
-        if self.num_prlms:
-            prlm_attended = [
-                self.dropout(attn.attend(h, k, v, m))
-                for attn, (k, v), m in zip(self.prlm_attn, enc.prlm_kv[layer_index], enc.prlm_masks)
-            ]
-            attended = self.merge([attended, *prlm_attended])
-        x = residual + attended
-        if not self.pre_ln:
-            x = self.encoder_attn_layer_norm(x)
-
-        if self.pre_ln:
-            x = x + self.dropout(self.ffn(self.final_layer_norm(x)))
-        else:
-            x = self.final_layer_norm(x + self.dropout(self.ffn(x)))
-        return x, (keys, values)
+        if not self.num_prlms:
+            x = residual + attended
+            return self._ffn_block(x if self.pre_ln else self.encoder_attn_layer_norm(x)), (keys, values)
+        prlm_attended = [
+            self.dropout(attn.attend(h, k, v, m))
+            for attn, (k, v), m in zip(self.prlm_attn, enc.prlm_kv[layer_index], enc.prlm_masks)
+        ]
+        return self._merge_flows(residual, attended, prlm_attended, self.encoder_attn_layer_norm), (keys, values)
 
 
 # ----------------------------------------------------------------------------- the model

@@ -10,6 +10,7 @@
     best.safetensors                          weights with the lowest dev loss so far
     average-last{K}.safetensors               average of the newest K checkpoints (evaluation), naming
                                               the sha256 of each file it averaged
+    average-epochs{K}.safetensors             the same over the newest K epoch-end checkpoints
 
 The trainer writes these (train_fused.checkpointing for the checkpoint files); the evaluator and
 the pipeline only read them, through the functions here.
@@ -30,6 +31,7 @@ from safetensors.torch import load_file, load_model, save_file
 
 import prlmfuse
 from prlmfuse.errors import UserError
+from prlmfuse.evaluate.settings import AVERAGE_CHOICES
 from prlmfuse.fileio import FileDigests, atomic_path, atomic_write_json, atomic_write_text, pid_lock, read_json
 from prlmfuse.train_fused.bpe import BPE
 from prlmfuse.train_fused.modeling import FusedTransformer, ModelConfig
@@ -53,14 +55,14 @@ _NAMED_FILE_RE = {
     "optimizer": re.compile(rf"^{CHECKPOINT_DIR}/optimizer-\d{{8}}\.safetensors$"),
 }
 # atomic_path's temp names (".<final name>.<random>.tmp") of the files training writes: what a kill -9
-# mid-save leaves behind. (average-last*.safetensors temps are not among them: evaluate may be
+# mid-save leaves behind. (average-*.safetensors temps are not among them: evaluate may be
 # writing one right now, without the training lock.)
 _STALE_TEMP_RE = re.compile(r"^\.(update-\d{8}\.(safetensors|json)|optimizer-\d{8}\.safetensors|"
                             r"trainer_state\.json|best\.safetensors|run\.json|bpe\.json|metrics\.jsonl)\..+\.tmp$")
 # RunConfig fields that only steer when to stop, how often to log, or how to feed data: a resumed
 # run may change them. Every other field defines the run and must match the run directory.
 RESUMABLE_FIELDS = frozenset({
-    "max_updates", "max_epochs", "patience", "save_every", "keep_last", "log_every",
+    "max_updates", "max_epochs", "patience", "min_epochs", "save_every", "keep_last", "keep_last_epochs", "log_every",
     "tensorboard", "num_workers", "in_memory_features", "compile",
 })
 
@@ -186,6 +188,24 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     return [weights_path(run_dir, u) for u in complete_checkpoints(run_dir)]
 
 
+def is_epoch_end(state: dict) -> bool:
+    """Whether a checkpoint's trainer state was saved at the end of an epoch (none of the next one begun)."""
+    return int(state.get("epoch") or 0) > 0 and int(state.get("batch_in_epoch") or 0) == 0
+
+
+def epoch_end_checkpoints(run_dir: str | os.PathLike) -> list[int]:
+    """Update counts of the complete checkpoints saved at an epoch end, ascending."""
+    updates = []
+    for u in complete_checkpoints(run_dir):
+        try:
+            state = json.loads(state_path(run_dir, u).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue  # unreadable: not a checkpoint an average may trust
+        if isinstance(state, dict) and is_epoch_end(state):
+            updates.append(u)
+    return updates
+
+
 def latest_trainer_state(run_dir: str | os.PathLike) -> dict | None:
     """The trainer state to resume from, or None for a fresh run.
 
@@ -224,14 +244,28 @@ def _checked_state(state: dict, path: Path) -> dict:
     return state
 
 
+def stop_reason(run, state: dict) -> str | None:
+    """Why training `run` is over at this trainer state ("max_updates", "max_epochs", "patience"), or None.
+
+    patience counts epochs: the run stops once the epoch-end dev loss has not improved on its best for
+    `patience` epochs in a row, and not before `min_epochs` epochs.
+    """
+    update, epoch = int(state.get("update", 0)), int(state.get("epoch", 0))
+    if run.max_updates is not None and update >= run.max_updates:
+        return "max_updates"
+    if run.max_epochs is not None and epoch >= run.max_epochs:
+        return "max_epochs"
+    if run.patience is not None and int(state.get("bad_epochs", 0)) >= run.patience and epoch >= (run.min_epochs or 0):
+        return "patience"
+    return None
+
+
 def training_progress(run, state: dict | None) -> tuple[str, int]:
     """What training `run` still has to do: ("new" | "resume at update N" | "done at update N", updates done)."""
     if state is None:
         return "new", 0
     update = int(state.get("update", 0))
-    if (run.max_updates is not None and update >= run.max_updates) or (
-        run.max_epochs is not None and int(state.get("epoch", 0)) >= run.max_epochs
-    ) or (run.patience is not None and int(state.get("bad_evals", 0)) >= run.patience):
+    if stop_reason(run, state) is not None:
         return f"done at update {update}", update
     return f"resume at update {update}", update
 
@@ -318,21 +352,35 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike) -> None:
         )
 
 
-def average_checkpoints(run_dir: str | os.PathLike, last: int = 5, out: str | os.PathLike | None = None) -> Path:
-    """Average the weights of the newest `last` saved checkpoints into one safetensors file.
+def average_checkpoints(
+    run_dir: str | os.PathLike, last: int = 5, out: str | os.PathLike | None = None, *, average: str = "saves"
+) -> Path:
+    """Average the weights of the newest `last` checkpoints into one safetensors file.
 
-    Default output: run_dir/average-last{K}.safetensors. Its metadata lists the averaged
-    checkpoints with their sha256, and an existing file over exactly those files is reused as is
-    (a run retrained in place writes checkpoints of the same names with other weights).
+    average: "saves" takes the newest saves, "epochs" the newest epoch-end saves (fewer if fewer exist).
+    Default output: run_dir/average-last{K}.safetensors (saves) or average-epochs{K}.safetensors.
+    Its metadata lists the averaged checkpoints with their sha256, and an existing file over exactly
+    those files is reused as is (a run retrained in place writes checkpoints of the same names with
+    other weights).
     """
     run_dir = Path(run_dir)
     if last < 1:
         raise UserError(f"average_checkpoints: last={last}; average at least 1 checkpoint")
-    updates = complete_checkpoints(run_dir)
-    if not updates:
-        raise UserError(f"no complete checkpoints under {run_dir / CHECKPOINT_DIR}; train the run first")
+    if average not in AVERAGE_CHOICES:
+        raise UserError(f"average={average!r}: choose {' or '.join(AVERAGE_CHOICES)}")
+    if average == "epochs":
+        updates = epoch_end_checkpoints(run_dir)
+        if not updates:
+            raise UserError(f"{run_dir} has no checkpoint saved at an epoch end; train at least one full epoch "
+                            "or average the last saves (average: saves)")
+        default_name = f"average-epochs{last}.safetensors"
+    else:
+        updates = complete_checkpoints(run_dir)
+        if not updates:
+            raise UserError(f"no complete checkpoints under {run_dir / CHECKPOINT_DIR}; train the run first")
+        default_name = f"average-last{last}.safetensors"
     chosen = updates[-last:]
-    out = Path(out) if out is not None else run_dir / f"average-last{last}.safetensors"
+    out = Path(out) if out is not None else run_dir / default_name
     digests = FileDigests()
     sources = json.dumps([[weights_path(run_dir, u).name, digests.sha256(weights_path(run_dir, u))] for u in chosen])
     digests.save()
@@ -369,11 +417,12 @@ def average_checkpoints(run_dir: str | os.PathLike, last: int = 5, out: str | os
 
 
 def load_run(
-    run_dir: str | os.PathLike, weights: str = "average", *, last: int = 5
+    run_dir: str | os.PathLike, weights: str = "average", *, last: int = 5, average: str = "saves"
 ) -> tuple[FusedTransformer, BPE, dict]:
     """(model in eval mode with the chosen weights, the run's BPE, run.json + "weights" path).
 
-    weights: "best" (lowest dev loss), "last" (newest checkpoint) or "average" (of the last `last`).
+    weights: "best" (lowest dev loss), "last" (newest checkpoint) or "average" (of the last `last`
+    saves, or epoch-end saves for average="epochs").
     """
     run_dir = Path(run_dir)
     if weights not in WEIGHTS_CHOICES:
@@ -389,7 +438,7 @@ def load_run(
             raise UserError(f"{run_dir} has no checkpoint yet; train the run first")
         path = run_dir / state["checkpoint"]
     else:
-        path = average_checkpoints(run_dir, last=last)
+        path = average_checkpoints(run_dir, last=last, average=average)
     load_weights(model, path)
     model.eval()
     info = dict(info)

@@ -8,9 +8,9 @@ batch ahead of the step that reads them.
 
 A checkpoint (weights + optimizer as safetensors, trainer state as JSON) is written every
 `save_every` updates and at every epoch end; the dev loss is computed at each of them
-(best.safetensors, patience). Resuming restores the update count, the learning rate, the position
-in the epoch's batch order and the RNG, so an interrupted run ends with the weights an
-uninterrupted one would have.
+(best.safetensors), and patience counts the epochs whose end-of-epoch dev loss beat no earlier
+one. Resuming restores the update count, the learning rate, the position in the epoch's batch
+order and the RNG, so an interrupted run ends with the weights an uninterrupted one would have.
 """
 
 from __future__ import annotations
@@ -165,8 +165,8 @@ class Trainer:
         # Dev is read in-process: it is small, and the loop waits for it anyway.
         self.dev_loader = make_loader(dev_set, self.dev_sampler, num_workers=0, pin_memory=on_gpu)
         self.state = {
-            "update": 0, "epoch": 0, "batch_in_epoch": 0, "best_dev_loss": None, "bad_evals": 0,
-            "last_dev_loss": None, "tokens_seen": 0, "wall_time": 0.0, "seed": run.seed,
+            "update": 0, "epoch": 0, "batch_in_epoch": 0, "best_dev_loss": None, "best_epoch_dev_loss": None,
+            "bad_epochs": 0, "last_dev_loss": None, "tokens_seen": 0, "wall_time": 0.0, "seed": run.seed,
             "batches_per_epoch": len(self.train_sampler.batches),
             "world_size": ctx.world_size,
         }
@@ -302,9 +302,13 @@ class Trainer:
         is_best = best is None or dev_loss < best
         if is_best:
             self.state["best_dev_loss"] = dev_loss
-            self.state["bad_evals"] = 0
-        else:
-            self.state["bad_evals"] += 1
+        if rundir.is_epoch_end(self.state):
+            best_epoch = self.state["best_epoch_dev_loss"]
+            if best_epoch is None or dev_loss < best_epoch:
+                self.state["best_epoch_dev_loss"] = dev_loss
+                self.state["bad_epochs"] = 0
+            else:
+                self.state["bad_epochs"] += 1
         self.state["last_dev_loss"] = dev_loss
         metrics.log({
             "update": self.state["update"], "epoch": self.state["epoch"], "dev_loss": dev_loss, "dev_nll_loss": dev_nll,
@@ -319,19 +323,13 @@ class Trainer:
             if self.scaler.is_enabled():
                 state["grad_scaler"] = self.scaler.state_dict()
             checkpointing.save_checkpoint(
-                self.run_dir, self.model, self.optimizer, state, is_best=is_best, keep_last=self.run.keep_last
+                self.run_dir, self.model, self.optimizer, state, is_best=is_best, keep_last=self.run.keep_last,
+                keep_last_epochs=self.run.keep_last_epochs,
             )
         barrier(self.ctx)
 
     def stop_reason(self) -> str | None:
-        run, s = self.run, self.state
-        if run.max_updates is not None and s["update"] >= run.max_updates:
-            return "max_updates"
-        if run.max_epochs is not None and s["epoch"] >= run.max_epochs:
-            return "max_epochs"
-        if run.patience is not None and s["bad_evals"] >= run.patience:
-            return "patience"
-        return None
+        return rundir.stop_reason(self.run, self.state)
 
     # -- the loop ----------------------------------------------------------------------------
 
