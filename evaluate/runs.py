@@ -169,7 +169,7 @@ def load_model(run: RunView, weights: Sequence[Path], average: str = AVERAGE):
         model, bpe, info = rundir.load_run(run.run_dir, "average", last=len(weights), average=average)
         # The average is picked again by name and count: it must hold exactly the checkpoints chosen.
         chosen = [Path(w).name for w in weights]
-        averaged = json.loads(_metadata(Path(info["weights"])).get("averaged", "[]"))
+        averaged = [name for name, _sha256 in json.loads(_metadata(Path(info["weights"])).get("averaged", "[]"))]
         if averaged != chosen:
             raise UserError(f"{info['weights']} averages {averaged}, not the checkpoints chosen for decoding {chosen}; "
                             "the run is still saving checkpoints, evaluate it once training is done")
