@@ -276,6 +276,12 @@ def _expand_runs(raw_runs: Any, defaults: dict, where: _Where, base_dir: Path) -
     runs: list[RunConfig] = []
     for name, overrides in raw_runs.items():
         keypath = ("train", "runs", name)
+        if str(name) in (".", "..") or "/" in str(name) or not str(name).strip():
+            # A run's name is its directory under runs/: "." or ".." would be the workdir itself.
+            raise where.error(keypath, f"{name!r} cannot name a run directory; use letters, digits, '-', '_' or '.'",
+                              at_key=True)
+        if overrides is not None and not isinstance(overrides, dict):
+            raise where.error(keypath, f"expected a mapping of run settings (e.g. `{name}: {{}}`), got {overrides!r}")
         overrides = dict(overrides or {})
         grid = overrides.pop("grid", None)
         combos: list[dict] = [{}]
@@ -304,6 +310,10 @@ def _expand_runs(raw_runs: Any, defaults: dict, where: _Where, base_dir: Path) -
                 raise where.error(keypath + ("update_freq",), f"expected a positive integer, got {run.update_freq}")
             if run.max_updates is None and run.max_epochs is None:
                 raise where.error(keypath, "set max_updates or max_epochs (or both)")
+            for key in ("max_updates", "max_epochs", "save_every", "log_every"):
+                value = getattr(run, key)
+                if value is not None and value < 1:
+                    raise where.error(keypath + (key,), f"expected a positive integer, got {value}")
             runs.append(run)
     names = [r.name for r in runs]
     dup = next((n for n in names if names.count(n) > 1), None)
@@ -387,6 +397,13 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
     train = TrainConfig(defaults=defaults, runs=runs)
 
     evaluate = _build(EvaluateConfig, raw.get("evaluate"), ("evaluate",), where, base_dir)
+    # The same bounds as the CLI's decode options.
+    for key, least in (("beam", 1), ("average_last", 0), ("min_len", 0), ("max_len_b", 0), ("max_len_a", 0)):
+        if getattr(evaluate, key) < least:
+            raise where.error(("evaluate", key), f"expected a number >= {least}, got {getattr(evaluate, key)}")
+    if evaluate.no_repeat_ngram_size is not None and evaluate.no_repeat_ngram_size < 0:
+        raise where.error(("evaluate", "no_repeat_ngram_size"),
+                          f"expected a number >= 0, got {evaluate.no_repeat_ngram_size}")
     if evaluate.baseline is not None and evaluate.baseline not in {r.name for r in runs}:
         close = difflib.get_close_matches(evaluate.baseline, [r.name for r in runs], n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
