@@ -376,15 +376,17 @@ def evaluate(runs, more_runs, out, baseline, device, **decoding) -> None:
 
 @cli.command()
 @click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False), help="A trained run directory.")
-@click.option("--input", "input_file", type=click.File("r", encoding="utf-8"), default="-", help="Text file (default: stdin).")
+@click.option("--input", "input_file", type=click.File("rb"), default="-", help="UTF-8 text file (default: stdin).")
 @_decode_options
 @click.option("--trust-remote-code", is_flag=True, help="Allow code shipped with the run's hub checkpoint to run.")
 @_device_option
 def translate(run_dir: str, input_file, trust_remote_code: bool, device: str | None, **decoding) -> None:
     """Translate raw text with a trained run, running its PrLM live on the input; one output line per input line."""
     from prlmfuse.evaluate import translate as translate_lines
+    from prlmfuse.fileio import decode_lines
 
-    lines = [line.rstrip("\n") for line in input_file]
+    # Checked like a corpus file: invalid UTF-8 or a control character is one line naming where it is.
+    lines = decode_lines(input_file.read(), "<stdin>" if input_file.name == "<stdin>" else input_file.name)
     for hyp in translate_lines(run_dir, lines, trust_remote_code=trust_remote_code, device=device or "auto", **decoding):
         click.echo(hyp)
 

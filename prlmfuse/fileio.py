@@ -9,6 +9,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Callable, Iterator
@@ -107,11 +108,18 @@ def read_json(path: str | os.PathLike, what: str = "file") -> dict:
         raise UserError(f"{what} {path} is corrupt or truncated ({e}); rebuild it") from None
 
 
-def read_lines(path: str | os.PathLike) -> list[str]:
+# Control characters a sentence never holds (tab is text): a NUL or an escape code would reach the
+# BPE and the PrLM as tokens, and a lone CR means the file's line endings are not '\n'.
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+
+
+def read_lines(path: str | os.PathLike, *, check_text: bool = True) -> list[str]:
     """Read a line-aligned UTF-8 corpus file; invalid UTF-8 is reported as file:line.
 
     Only '\\n' separates lines (str.splitlines would also split on U+2028 and friends,
-    which silently breaks line alignment between source and target files).
+    which silently breaks line alignment between source and target files). A UTF-8 byte-order
+    mark at the start is dropped, never passed on as U+FEFF. With `check_text`, CR-only line
+    endings and control characters inside a line are refused with file:line:column.
     """
     p = Path(path)
     try:
@@ -120,18 +128,44 @@ def read_lines(path: str | os.PathLike) -> list[str]:
         raise UserError(f"corpus file not found: {p}") from None
     except IsADirectoryError:
         raise UserError(f"corpus path is a directory, expected a text file: {p}") from None
+    return decode_lines(data, str(p), check_text=check_text)
+
+
+def decode_lines(data: bytes, where: str, *, check_text: bool = True) -> list[str]:
+    """read_lines on bytes already read (stdin, say); `where` names them in errors."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         line_no = data.count(b"\n", 0, e.start) + 1
         raise UserError(
-            f"{p}:{line_no}: invalid UTF-8 (byte 0x{data[e.start]:02x}); re-encode the file as UTF-8"
+            f"{where}:{line_no}: invalid UTF-8 (byte 0x{data[e.start]:02x}); re-encode the file as UTF-8"
         ) from None
+    text = text.removeprefix("\ufeff")
     if text.endswith("\n"):
         text = text[:-1]
     if text == "":
         return [] if not data else [""]
-    return [line.rstrip("\r") for line in text.split("\n")]
+    lines = [line.removesuffix("\r") for line in text.split("\n")]
+    if check_text and ("\r" in text or _CONTROL.search(text.replace("\n", " "))):
+        _check_control_characters(where, lines)
+    return lines
+
+
+def _check_control_characters(path: str, lines: list[str]) -> None:
+    for number, line in enumerate(lines, 1):
+        found = _CONTROL.search(line)
+        if found is None:
+            continue
+        column = found.start() + 1
+        if found.group() == "\r":
+            raise UserError(
+                f"{path}:{number}:{column}: carriage return inside a line (CR-only line endings?); "
+                "convert the file to '\\n' line endings (e.g. `tr '\\r' '\\n'`)"
+            )
+        raise UserError(
+            f"{path}:{number}:{column}: control character U+{ord(found.group()):04X} inside a line; "
+            "remove it or replace it with a space"
+        )
 
 
 @contextlib.contextmanager

@@ -103,6 +103,45 @@ def test_invalid_utf8_names_file_and_line(tmp_path, capsys, monkeypatch):
     assert_one_line_error(result, f"{tmp_path / 'test.tgt'}:2: invalid UTF-8")
 
 
+def test_a_byte_order_mark_is_dropped_never_passed_on(tmp_path, capsys, monkeypatch):
+    code, _, err = run_cli(["data", "text", tmp_path / "c", *_text_files(
+        tmp_path, train_src=b"\xef\xbb\xbfone sentence\nanother sentence\n")], capsys, monkeypatch)
+    assert code == 0, err
+    data = (tmp_path / "c" / "train.src").read_bytes()
+    assert data == b"one sentence\nanother sentence\n"
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"one sentence\ranother sentence\r", "train.src:1:13: carriage return inside a line (CR-only line endings?)"),
+    (b"one sentence\nano\x00ther sentence\n", "train.src:2:4: control character U+0000 inside a line"),
+    (b"one sentence\n\x1b[1manother sentence\n", "train.src:2:1: control character U+001B inside a line"),
+])
+def test_cr_only_line_endings_and_control_characters_are_refused(tmp_path, capsys, monkeypatch, content, needle):
+    result = run_cli(["data", "text", tmp_path / "c", *_text_files(tmp_path, train_src=content, train_tgt=content)],
+                     capsys, monkeypatch)
+    assert_one_line_error(result, f"{tmp_path}/{needle}")
+    assert not (tmp_path / "c").exists()
+
+
+def test_cache_build_reads_a_corpus_with_a_byte_order_mark_as_without(tmp_path, capsys, monkeypatch, world):
+    from prlmfuse.cache_features import CacheReader
+
+    plain = tiny_prlms.write_corpus(tmp_path / "plain.txt", ["in the beginning", "the light"])
+    marked = tmp_path / "marked.txt"
+    marked.write_bytes(b"\xef\xbb\xbf" + Path(plain).read_bytes())
+    for corpus, out in ((plain, "a"), (marked, "b")):
+        code, _, err = run_cli(["cache", "build", "--checkpoint", world["ckpt"], "--corpus", corpus,
+                                "--out", tmp_path / out], capsys, monkeypatch)
+        assert code == 0, err
+    a, b = CacheReader(tmp_path / "a"), CacheReader(tmp_path / "b")
+    assert a.lengths.tolist() == b.lengths.tolist() and torch.equal(a.features(0), b.features(0))
+    nul = tiny_prlms.write_corpus(tmp_path / "nul.txt", ["in the\x00 beginning"])
+    result = run_cli(["cache", "build", "--checkpoint", world["ckpt"], "--corpus", nul, "--out", tmp_path / "c"],
+                     capsys, monkeypatch)
+    assert_one_line_error(result, f"{nul}:1:7: control character U+0000")
+    assert not (tmp_path / "c").exists()
+
+
 def test_missing_input_file(tmp_path, capsys, monkeypatch, world):
     result = run_cli(["cache", "build", "--checkpoint", world["ckpt"], "--corpus", tmp_path / "nope.txt",
                       "--out", tmp_path / "c"], capsys, monkeypatch)
@@ -258,6 +297,20 @@ def test_evaluate_a_run_directory_without_checkpoints(tmp_path, capsys, monkeypa
     text.write_text("In the beginning\n")
     result = run_cli(["translate", "--run", run_dir, "--input", text], capsys, monkeypatch)
     assert_one_line_error(result, "has no checkpoints")
+
+
+def test_translate_input_that_is_not_utf8_is_one_line(tmp_path, capsys, monkeypatch):
+    text = tmp_path / "latin1.txt"
+    text.write_bytes("In the beginning\nCaf\u00e9 au lait\n".encode("latin-1"))
+    result = run_cli(["translate", "--run", tmp_path / "run", "--input", text], capsys, monkeypatch)
+    assert_one_line_error(result, f"{text}:2: invalid UTF-8 (byte 0xe9)", "re-encode the file as UTF-8")
+    # stdin, through a real process
+    done = subprocess.run([sys.executable, "-m", "prlmfuse.cli", "translate", "--run", str(tmp_path / "run")],
+                          input=b"\xff\xfeI\x00n\x00", capture_output=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    err = done.stderr.decode()
+    assert done.returncode == 2 and err.startswith("error: <stdin>:1: invalid UTF-8 (byte 0xff)"), err
+    assert err.count("\n") == 1 and done.stdout == b""
 
 
 # ------------------------------------------------------------------------------------------ slow: real processes
