@@ -65,6 +65,10 @@ def completed_records(location: Location, key: str, names: dict[int, str]) -> di
     return done
 
 
+def _has_shards(location: Location) -> bool:
+    return bool(location.listdir(SHARD_DIR) or location.listdir(PROGRESS_DIR))
+
+
 def _clear_build_state(location: Location) -> None:
     for name in (MANIFEST, BUILD_RECORD, PROGRESS_DIR, SHARD_DIR):
         location.remove(name)
@@ -114,6 +118,12 @@ def prepare_directory(location: Location, key: str, fields: dict, backend: str, 
                 _clear_build_state(location)
         elif found is None and entries & {SHARD_DIR, PROGRESS_DIR}:
             found = ("unknown", "unknown")
+        if found is not None and found != (key, backend) and MANIFEST not in entries and not _has_shards(location):
+            # A build that stopped before its first shard (a checkpoint that failed to load, say) leaves
+            # nothing to keep: the fixed rerun starts over instead of being refused.
+            logger.info("%s: an earlier build stopped before its first shard; starting over", location)
+            _clear_build_state(location)
+            found = None
         if found is not None and found != (key, backend):
             raise UserError(
                 f"output directory {location} holds a different cache (key {str(found[0])[:12]}, backend "

@@ -446,6 +446,31 @@ def _main() -> None:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
+    except OSError as e:
+        message = _os_error_line(e)
+        if message is None:
+            raise
+        click.echo(f"error: {message}", err=True)
+        sys.exit(UserError.exit_code)
+
+
+def _os_error_line(e: OSError) -> str | None:
+    """One line for the OSErrors that are the user's to fix (a full disk, a path that cannot be written,
+    a file where a directory belongs), wherever in a stage they happen; None for the others."""
+    import errno
+
+    from prlmfuse.fileio import is_disk_full
+
+    target = Path(e.filename) if e.filename else None
+    where = f" in {target.parent}" if target else ""
+    if is_disk_full(e):
+        return f"disk full while writing {target.name if target else 'a file'}{where}; free space and rerun to resume"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return (f"cannot write {target or 'the output'} ({e.strerror}); choose a writable location "
+                "or fix the permissions of the directory")
+    if e.errno in (errno.ENOTDIR, errno.EEXIST) and target is not None:
+        return f"{target} (or a folder above it) is a file where a directory is expected; choose a directory path"
+    return None
 
 
 if __name__ == "__main__":

@@ -44,6 +44,11 @@ def is_disk_full(error: BaseException) -> bool:
     return any(f"(os error {code})" in str(error) for code in codes)
 
 
+def disk_full_error(what: str, where: str | os.PathLike) -> UserError:
+    """The one line every stage gives when a write finds the disk full: what, where, and that a rerun resumes."""
+    return UserError(f"disk full while writing {what} in {where}; free space and rerun to resume")
+
+
 def fsync_dir(directory: Path) -> None:
     """Make a rename or a new file in `directory` durable."""
     with contextlib.suppress(OSError):
@@ -72,9 +77,12 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             os.fsync(f.fileno())
         os.replace(tmp_path, final)
         fsync_dir(final.parent)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
+        if isinstance(e, OSError) and e.errno is not None and e.filename in (None, tmp, str(tmp_path)):
+            # Name the file being written, not its temp name (OSError picks the subclass from errno).
+            raise OSError(e.errno, e.strerror, str(final)) from e
         raise
 
 

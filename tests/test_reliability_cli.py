@@ -175,6 +175,28 @@ def test_bad_cache_options(tmp_path, capsys, monkeypatch, world, option, value, 
     assert not (tmp_path / "c" / "manifest.json").exists()
 
 
+def test_a_checkpoint_directory_without_tokenizer_files(tmp_path, capsys, monkeypatch, world):
+    ckpt = tmp_path / "bert"
+    shutil.copytree(world["ckpt"], ckpt)
+    tokenizer_files = {p.name: p.read_bytes() for p in ckpt.iterdir() if p.name.startswith("tokenizer")}
+    for name in tokenizer_files:
+        (ckpt / name).unlink()
+    corpus = tiny_prlms.write_corpus(tmp_path / "c.txt", ["in the beginning", "the light"])
+    args = ["cache", "build", "--checkpoint", ckpt, "--corpus", corpus, "--out", tmp_path / "cache"]
+    assert_one_line_error(run_cli(args, capsys, monkeypatch), f"checkpoint directory {ckpt} has no tokenizer files",
+                          "tokenizer.save_pretrained")
+    assert not (tmp_path / "cache").exists()
+    # A tokenizer file that is there but unreadable fails only once the build has started ...
+    (ckpt / "tokenizer.json").write_text('{"model": "not a tokenizer"}')
+    for name in set(tokenizer_files) - {"tokenizer.json"}:
+        (ckpt / name).write_bytes(tokenizer_files[name])
+    assert_one_line_error(run_cli(args, capsys, monkeypatch), f"cannot load checkpoint '{ckpt}'")
+    # ... and the fixed checkpoint (another identity, so another key) builds there, not refused.
+    (ckpt / "tokenizer.json").write_bytes(tokenizer_files["tokenizer.json"])
+    code, out, err = run_cli(args, capsys, monkeypatch)
+    assert code == 0 and out.startswith("built: "), err
+
+
 def test_over_long_inputs_are_cut_and_counted_not_errors(tmp_path, capsys, monkeypatch, world):
     long_line = " ".join(["the light and the darkness"] * 60)  # far past the tiny BERT's 128 positions
     corpus = tiny_prlms.write_corpus(tmp_path / "c.txt", ["short", long_line, "also short"])

@@ -219,3 +219,73 @@ def test_several_kill_9_at_random_moments_then_resume(world, tmp_path):
     assert [r["update"] for r in resumed if "dev_loss" in r] == list(range(5, 41, 5))
     state = json.loads((killed / "trainer_state.json").read_text())
     assert state["update"] == 40 and state["lr"] == inverse_sqrt_lr(40, 7e-4, 4)
+
+
+# A child in its own mount namespace: for each case, train into a tmpfs too small for the file named,
+# then give the tmpfs room and train again (the "rerun once there is space").
+_TMPFS_TRAINER = r"""
+import json, os, subprocess, sys
+import torch
+torch.set_num_threads(1)
+from prlmfuse.corpora import load_corpus
+from prlmfuse.errors import UserError
+from prlmfuse.train_fused import train_run
+from prlmfuse.train_fused import run_dir as rundir
+sys.path.insert(0, {tests!r})
+from helpers import small_runs
+args = json.loads(sys.argv[1])
+corpus = load_corpus(args["corpus"])
+run = small_runs.tiny_run("full", max_updates=4, save_every=4)
+report = {{}}
+for case, size in args["sizes"].items():
+    mnt = os.path.join(args["root"], case)
+    os.makedirs(mnt)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={{size}}", "tmpfs", mnt], check=True)
+    out = os.path.join(mnt, "run")
+    entry = report[case] = {{}}
+    try:
+        train_run(run, corpus, [], out, progress=False)
+        entry["first"] = "completed"
+    except UserError as e:
+        entry["first"] = str(e)
+    entry["files"] = sorted(os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs)
+    metrics = os.path.join(out, rundir.METRICS)
+    entry["metrics"] = open(metrics, "rb").read().decode() if os.path.exists(metrics) else None
+    subprocess.run(["mount", "-o", "remount,size=64m", mnt], check=True)  # space is back
+    train_run(run, corpus, [], out, progress=False)
+    entry["resumed_update"] = rundir.latest_trainer_state(out)["update"]
+print(json.dumps(report))
+"""
+
+
+def test_real_full_disk_while_writing_bpe_run_json_and_metrics(world, tmp_path):
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    probe = subprocess.run(["unshare", "-Urm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {tmp_path}"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no private mount namespace here ({probe.stderr.decode().strip()[:80]})")
+    # Room for exactly the files written before the one named (tmpfs counts whole pages).
+    reference = train_run(small_runs.tiny_run("full", max_updates=4, save_every=4), world["corpus"], [],
+                          tmp_path / "reference", progress=False)
+    pages = {name: -(-(reference / name).stat().st_size // 4096) for name in (".lock", "bpe.json", "run.json")}
+    pages[".lock"] = max(pages[".lock"], 1)
+    sizes = {"bpe.json": pages[".lock"], "run.json": pages[".lock"] + pages["bpe.json"],
+             "metrics.jsonl": pages[".lock"] + pages["bpe.json"] + pages["run.json"]}
+    args = {"corpus": str(world["corpus"].root), "root": str(tmp_path / "mnt"),
+            "sizes": {case: f"{n * 4}k" for case, n in sizes.items()}}
+    done = subprocess.run(["unshare", "-Urm", sys.executable, "-c",
+                           textwrap.dedent(_TMPFS_TRAINER.format(tests=str(reliability.TESTS))), json.dumps(args)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    for case, entry in report.items():
+        assert entry["first"] == (f"disk full while writing {case} in {tmp_path / 'mnt' / case / 'run'}; "
+                                  "free space and rerun to resume"), (case, entry)
+        assert not any(Path(f).name.startswith(".") and f != ".lock" for f in entry["files"]), entry  # no temp file
+        assert case not in entry["files"] or case == "metrics.jsonl", entry  # no torn bpe.json or run.json
+        assert entry["metrics"] in (None, ""), entry  # no torn record
+        assert entry["resumed_update"] == 4

@@ -18,7 +18,7 @@ import torch
 
 from prlmfuse.distributed import DistContext, barrier, broadcast_parameters, init_distributed
 from prlmfuse.errors import UserError
-from prlmfuse.fileio import read_lines
+from prlmfuse.fileio import disk_full_error, is_disk_full, read_lines
 from prlmfuse.precision import Runtime, resolve_runtime
 from prlmfuse.train_fused import run_dir as rundir
 from prlmfuse.train_fused.bpe import BPE, train_bpe
@@ -139,7 +139,13 @@ def train_run(
             stack.enter_context(rundir.training_lock(run_dir))
             # Safe only under the lock: a killed save's temp file is nobody's now.
             rundir.remove_stale_temps(run_dir)
-        return _train_locked(run, corpus, branches, run_dir, ctx, resume=resume, progress=progress, runtime=runtime)
+        try:
+            return _train_locked(run, corpus, branches, run_dir, ctx, resume=resume, progress=progress, runtime=runtime)
+        except OSError as e:
+            # run.json, bpe.json and the like are written atomically (fileio.atomic_path names the file).
+            if is_disk_full(e) and e.filename:
+                raise disk_full_error(Path(e.filename).name, Path(e.filename).parent) from None
+            raise
 
 
 def _train_locked(run: RunConfig, corpus, branches: dict[str, list[PrLMBranch]], run_dir: Path, ctx: DistContext, *,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from prlmfuse import __version__
 from prlmfuse.errors import UserError
-from prlmfuse.fileio import fsync_dir, read_json, sha256_file
+from prlmfuse.fileio import disk_full_error, fsync_dir, is_disk_full, read_json, sha256_file
 
 SPLITS = ("train", "dev", "test")
 SIDES = ("src", "tgt")
@@ -265,8 +265,10 @@ def install_corpus(
                     f"{out} appeared while the corpus was being built (another run?); run again"
                 ) from None
         fsync_dir(out.parent)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and is_disk_full(e):
+            raise disk_full_error(f"corpus {name}", out.parent) from None
         raise
     return load_corpus(out)
 
