@@ -183,6 +183,8 @@ def build_cache(
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise UserError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     location = Location(out)
+    if not location.url and (location.path.exists() or location.path.is_symlink()) and not location.path.is_dir():
+        raise UserError(f"output {out} is a file, not a directory; a cache is a directory: choose a new or empty one")
     if backend == "hdf5" and location.url:
         raise UserError(f"the hdf5 backend needs a local directory, got {out}; use --backend zarr for URLs")
     lines = read_lines(corpus_file)

@@ -90,6 +90,8 @@ def read_json_at(location: Location, name: str, what: str) -> dict:
         data = location.read_bytes(name)
     except (FileNotFoundError, IsADirectoryError):
         raise UserError(f"{what} not found: {location.full(name)}; build the cache first (prlmfuse cache build)") from None
+    except NotADirectoryError:
+        raise UserError(f"{location} is a file, not a cache directory; give the directory that holds {MANIFEST}") from None
     try:
         obj = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:

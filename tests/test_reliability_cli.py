@@ -335,6 +335,85 @@ def test_translate_input_that_is_not_utf8_is_one_line(tmp_path, capsys, monkeypa
     assert err.count("\n") == 1 and done.stdout == b""
 
 
+def test_a_file_where_a_cache_directory_is_expected(tmp_path, capsys, monkeypatch, world):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a cache\n")
+    for command in (["cache", "verify", a_file], ["cache", "inspect", a_file]):
+        assert_one_line_error(run_cli(command, capsys, monkeypatch), f"{a_file} is a file, not a cache directory")
+    corpus = tiny_prlms.write_corpus(tmp_path / "c.txt", ["in the beginning"])
+    result = run_cli(["cache", "build", "--checkpoint", world["ckpt"], "--corpus", corpus, "--out", a_file],
+                     capsys, monkeypatch)
+    assert_one_line_error(result, f"output {a_file} is a file, not a directory")
+    assert a_file.read_text() == "not a cache\n"
+    # a file further up the path: the generic one-line answer, whichever command meets it
+    result = run_cli(["data", "text", a_file / "corpus", *_text_files(tmp_path)], capsys, monkeypatch)
+    assert_one_line_error(result, "is a file where a directory is expected")
+
+
+# Runs prlmfuse commands in a private mount namespace: FULL is a tmpfs with room for a few pages,
+# RO a read-only tmpfs. Prints, per command, its exit status, stderr and what it left in the mounts.
+_FULL_AND_READ_ONLY = r"""
+import json, os, subprocess, sys
+args = json.loads(sys.argv[1])
+for name, options in (("full", "size=8k"), ("ro", "ro,size=64k")):
+    os.makedirs(args[name], exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", args[name]], check=True)
+report = {}
+for case, argv in args["commands"].items():
+    done = subprocess.run([sys.executable, "-m", "prlmfuse.cli", *argv], capture_output=True, text=True)
+    left = sorted(os.path.relpath(os.path.join(d, f), args[m]) for m in ("full", "ro")
+                  for d, ds, fs in os.walk(args[m]) for f in fs + ds)
+    report[case] = {"code": done.returncode, "stderr": done.stderr, "left": left}
+    for m in ("full",):  # empty the full disk for the next command
+        subprocess.run(["sh", "-c", f"rm -rf {args[m]}/* {args[m]}/.[!.]*"], check=False)
+print(json.dumps(report))
+"""
+
+
+def test_a_full_disk_or_a_read_only_directory_is_one_line_and_leaves_nothing(world, tmp_path):
+    from prlmfuse.corpora import load_corpus
+    from prlmfuse.train_fused import train_run
+
+    probe = subprocess.run(["unshare", "-Urm", "sh", "-c", f"mount -t tmpfs -o ro tmpfs {tmp_path}"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no private mount namespace here ({probe.stderr.decode().strip()[:80]})")
+    corpus = load_corpus(world["root"] / "work" / "data" / "text")
+    run_dir = train_run(small_runs.tiny_run("base", max_updates=2, save_every=2), corpus, [], tmp_path / "base",
+                        progress=False)
+    full, ro = tmp_path / "full", tmp_path / "ro"
+    raw = world["raw"]
+    files = [f"--{split}-{side}={raw / f'{split}.{side}'}" for split in ("train", "dev", "test") for side in ("src", "tgt")]
+    commands = {
+        "data full": ["data", "text", full / "mycorpus", *files, "--src-lang", "en", "--tgt-lang", "ja"],
+        "evaluate full": ["evaluate", "--runs", run_dir, "--out", full / "results", "--beam", "1", "--average-last", "1"],
+        "data read-only": ["data", "text", ro / "corpus", *files, "--src-lang", "en", "--tgt-lang", "ja"],
+        "cache read-only": ["cache", "build", "--checkpoint", world["ckpt"], "--corpus", raw / "test.src",
+                            "--out", ro / "cache"],
+        "evaluate read-only": ["evaluate", "--runs", run_dir, "--out", ro / "results", "--beam", "1"],
+    }
+    args = {"full": str(full), "ro": str(ro), "commands": {k: [str(a) for a in v] for k, v in commands.items()}}
+    done = subprocess.run(["unshare", "-Urm", sys.executable, "-c", _FULL_AND_READ_ONLY, json.dumps(args)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    needles = {
+        "data full": f"disk full while writing corpus mycorpus in {full}; free space and rerun to resume",
+        "evaluate full": f"in {full / 'results'}; free space and rerun to resume",
+        "data read-only": f"cannot write {ro / 'corpus'}",
+        "cache read-only": f"cannot write {ro / 'cache'}",
+        "evaluate read-only": f"cannot write {ro / 'results'}",
+    }
+    for case, entry in report.items():
+        assert_one_line_error((entry["code"], "", entry["stderr"]), needles[case])
+        # No temp file; what a stage finished before the disk filled (a hypothesis file) is whole and reused
+        assert not any(Path(p).name.startswith(".") for p in entry["left"]), (case, entry)
+        if case != "evaluate full":
+            assert entry["left"] == [], (case, entry)
+        if "read-only" in case:
+            assert "Read-only file system" in entry["stderr"] and "choose a writable location" in entry["stderr"]
+
+
 # ------------------------------------------------------------------------------------------ slow: real processes
 
 

@@ -241,7 +241,10 @@ def install_corpus(
 
     # mkdir (not mkdtemp, which makes it 0700) so the corpus gets the usual umask permissions.
     tmp = out.parent / f".{out.name}.{uuid.uuid4().hex[:12]}.tmp"
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(out)) from None  # name the corpus, not its temp name
     try:
         for (split, side), data in blobs.items():
             _write_synced(tmp / f"{split}.{side}", data)
