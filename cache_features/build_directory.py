@@ -16,7 +16,7 @@ from prlmfuse.errors import UserError
 from prlmfuse.fileio import is_disk_full, pid_lock
 
 from .location import Location
-from .manifest import BUILD_RECORD, MANIFEST, PROGRESS_DIR, SHARD_DIR, read_json_at, write_json_at
+from .manifest import BUILD_RECORD, MANIFEST, PROGRESS_DIR, SHARD_DIR, load_manifest, read_json_at, write_json_at
 
 logger = logging.getLogger(__name__)
 
@@ -106,10 +106,11 @@ def prepare_directory(location: Location, key: str, fields: dict, backend: str, 
             try:
                 manifest = read_json_at(location, MANIFEST, "cache manifest")
                 if manifest.get("key") == key and manifest.get("backend") == backend and manifest.get("complete") is True:
-                    return manifest
+                    return load_manifest(location)[1]  # reused only when its shard list is sound
                 found = (manifest.get("key"), manifest.get("backend"))
-            except UserError:
-                pass  # a torn manifest is rewritten at the end of the resumed build, if build.json agrees
+            except UserError as e:
+                # a torn or malformed manifest is rewritten at the end of the resumed build, if build.json agrees
+                logger.info("%s: %s; resuming the build to rewrite it", location, e)
         if found is None and BUILD_RECORD in entries:
             record = read_json_at(location, BUILD_RECORD, "build record")
             found = (record.get("key"), record.get("backend"))

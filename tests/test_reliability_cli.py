@@ -242,6 +242,31 @@ def test_cache_verify_names_the_problem(tmp_path, capsys, monkeypatch, world, re
     assert_one_line_error(run_cli(["cache", "verify", cache], capsys, monkeypatch), needle, str(cache))
 
 
+@pytest.mark.parametrize("shards, needle", [
+    ('"shard-00000.zarr"', "'shards' is not a list of shard records"),
+    ("[1, 2]", "'shards' is not a list of shard records"),
+    ("dict(first, num_sentences='3')", "shard 0 (shard-00000.zarr) has no valid num_sentences"),
+    ("dict(first, sha256=None, num_tokens=-1)", "shard 0 (shard-00000.zarr) has no valid num_tokens, sha256"),
+])
+def test_a_manifest_whose_shard_list_is_malformed_while_its_key_matches(tmp_path, capsys, monkeypatch, world,
+                                                                        shards, needle):
+    cache = tmp_path / "cache"
+    shutil.copytree(world["caches"]["test"], cache)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    first = manifest["shards"][0]
+    manifest["shards"] = eval(shards if not shards.startswith("dict") else f"[{shards}] + manifest['shards'][1:]")
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    for command in ("verify", "inspect"):
+        assert_one_line_error(run_cli(["cache", command, cache], capsys, monkeypatch), needle, str(cache),
+                              "rebuild with --force")
+    # The same build is not "cached" on the strength of the key: it resumes and rewrites the manifest.
+    code, out, err = run_cli(["cache", "build", "--checkpoint", world["ckpt"], "--corpus", world["raw"] / "test.src",
+                              "--out", cache, "--dtype", "float16"], capsys, monkeypatch)
+    assert code == 0 and out.startswith("built: "), err
+    assert run_cli(["cache", "verify", cache], capsys, monkeypatch)[0] == 0
+    assert json.loads((cache / "manifest.json").read_text())["shards"][0] == first
+
+
 @pytest.fixture
 def damaged_train_cache(world):
     """Damage the pipeline's train cache for one test, then put the good one back."""
@@ -291,6 +316,32 @@ def test_train_resume_and_fresh_reach_train_runs(world, capsys, monkeypatch, fla
     code, _, err = run_cli(["train", "-p", world["pipeline"], "--runs", "fused", *flags], capsys, monkeypatch)
     assert code == 0, err
     assert calls == [{"names": ["fused"], "resume": resume, "parallel": 1}]
+
+
+def test_train_fresh_starts_trained_runs_over_with_jobs_too(world, tmp_path, capsys, monkeypatch):
+    pipeline = tmp_path / "pipeline.yaml"
+    text = world["pipeline"].read_text().replace(f"workdir: {world['root'] / 'work'}", f"workdir: {tmp_path / 'work'}")
+    pipeline.write_text(text.replace("    fused:\n", "    base: {}\n    fused:\n"))
+    shutil.copytree(world["root"] / "work", tmp_path / "work")
+    runs = tmp_path / "work" / "runs"
+
+    def states() -> dict:
+        return {name: (runs / name / "trainer_state.json").stat().st_ino for name in ("base", "fused")}
+
+    assert run_cli(["train", "-p", pipeline], capsys, monkeypatch)[0] == 0
+    first = states()
+    code, _, err = run_cli(["train", "-p", pipeline, "--fresh", "--runs", "base"], capsys, monkeypatch)
+    assert code == 0 and "starting over (--fresh)" in err, err
+    second = states()
+    assert second["base"] != first["base"] and second["fused"] == first["fused"]
+    code, _, err = run_cli(["train", "-p", pipeline, "--fresh", "--jobs", "2"], capsys, monkeypatch)
+    assert code == 0, err
+    third = states()
+    assert all(third[name] != second[name] for name in third), (second, third)
+    for name in ("base", "fused"):
+        assert "starting over (--fresh)" in (runs / name / "train.log").read_text()
+        assert not (runs / name / ".previous-run").exists()
+        assert [p.name for p in (runs / name / "checkpoints").iterdir()] != []
 
 
 def test_train_help_says_resuming_is_the_default(capsys, monkeypatch):

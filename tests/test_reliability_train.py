@@ -289,3 +289,41 @@ def test_real_full_disk_while_writing_bpe_run_json_and_metrics(world, tmp_path):
         assert case not in entry["files"] or case == "metrics.jsonl", entry  # no torn bpe.json or run.json
         assert entry["metrics"] in (None, ""), entry  # no torn record
         assert entry["resumed_update"] == 4
+
+
+# ------------------------------------------------------------------------------------------ --fresh
+
+
+def test_fresh_starts_over_and_keeps_the_old_run_until_the_new_one_saves(world, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    old = train_run(small_runs.tiny_run("r", max_updates=8, save_every=4, lr=1e-3), world["corpus"], [], out,
+                    progress=False)
+    old_weights = _weights(old, 8)
+
+    # A fresh start (another lr: another run) that fails before its first checkpoint ...
+    original = checkpointing.save_model
+
+    def save_model(model, filename, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(checkpointing, "save_model", save_model)
+    fresh = small_runs.tiny_run("r", max_updates=4, save_every=4)
+    with pytest.raises(UserError, match="disk full while writing checkpoint update-00000004"):
+        train_run(fresh, world["corpus"], [], out, resume=False, progress=False)
+    # ... has lost nothing: the old run is set aside whole, and resuming brings it back.
+    assert rundir.latest_trainer_state(out) is None
+    assert rundir.latest_trainer_state(out / rundir.PREVIOUS_RUN)["update"] == 8
+    monkeypatch.setattr(checkpointing, "save_model", original)
+    train_run(small_runs.tiny_run("r", max_updates=8, save_every=4, lr=1e-3), world["corpus"], [], out, progress=False)
+    assert not (out / rundir.PREVIOUS_RUN).exists() and rundir.complete_checkpoints(out) == [4, 8]
+    assert all(torch.equal(t, _weights(out, 8)[n]) for n, t in old_weights.items())
+
+    # A fresh start that saves: the new run's files only, the old run gone.
+    train_run(fresh, world["corpus"], [], out, resume=False, progress=False)
+    assert rundir.complete_checkpoints(out) == [4] and rundir.latest_trainer_state(out)["update"] == 4
+    assert not (out / rundir.PREVIOUS_RUN).exists() and reliability.temp_leftovers(out) == []
+    assert json.loads((out / "run.json").read_text())["train"]["lr"] == fresh.lr
+    assert [r["update"] for r in _metrics(out)] == sorted(r["update"] for r in _metrics(out))
+    assert max(r["update"] for r in _metrics(out)) == 4
+    straight = train_run(fresh, world["corpus"], [], tmp_path / "straight", progress=False)
+    assert all(torch.equal(t, _weights(out, 4)[n]) for n, t in _weights(straight, 4).items())

@@ -198,8 +198,6 @@ def test_refusals_are_one_line_user_errors(world, tmp_path):
                   tmp_path / "e", progress=False)
 
     done = train_run(small_runs.tiny_run(max_updates=2, save_every=2), corpus, [], tmp_path / "f", progress=False)
-    with pytest.raises(UserError, match="already holds a trained run"):
-        train_run(small_runs.tiny_run(max_updates=4), corpus, [], done, resume=False, progress=False)
     with pytest.raises(UserError, match=r"different configuration \(train\.lr"):
         train_run(small_runs.tiny_run(max_updates=4, lr=1e-3), corpus, [], done, progress=False)
     with pytest.raises(UserError, match="best, last or average"):

@@ -9,6 +9,7 @@
     trainer_state.json                        names the newest complete checkpoint; written after it
     best.safetensors                          weights with the lowest dev loss so far
     average-last{K}.safetensors               average of the newest K checkpoints (evaluation)
+    .previous-run/                            the run `train --fresh` replaces, until the new one saves
 
 The trainer writes these (train_fused.checkpointing for the checkpoint files); the evaluator and
 the pipeline only read them, through the functions here.
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Iterator
 
@@ -29,9 +32,11 @@ from safetensors.torch import load_file, load_model, save_file
 
 import prlmfuse
 from prlmfuse.errors import UserError
-from prlmfuse.fileio import atomic_path, atomic_write_json, atomic_write_text, pid_lock, read_json
+from prlmfuse.fileio import atomic_path, atomic_write_json, atomic_write_text, fsync_dir, pid_lock, read_json
 from prlmfuse.train_fused.bpe import BPE
 from prlmfuse.train_fused.modeling import FusedTransformer, ModelConfig
+
+logger = logging.getLogger(__name__)
 
 RUN_JSON = "run.json"
 BPE_JSON = "bpe.json"
@@ -42,6 +47,8 @@ BEST = "best.safetensors"
 LOCK = ".lock"
 TRAIN_LOG = "train.log"  # a training child's output under `prlmfuse train --jobs N`
 TENSORBOARD_DIR = "tensorboard"
+# `train --fresh` moves the run it replaces here; deleted once the new run has saved its first checkpoint.
+PREVIOUS_RUN = ".previous-run"
 WEIGHTS_CHOICES = ("best", "last", "average")
 
 _WEIGHTS_RE = re.compile(r"^update-(\d{8})\.safetensors$")
@@ -247,6 +254,66 @@ def training_lock(run_dir: Path) -> Iterator[None]:
 
     with pid_lock(Path(run_dir) / LOCK, when_held=refuse):
         yield
+
+
+def _run_files(run_dir: Path) -> list[Path]:
+    """What a run consists of: everything in its directory but the lock, a training child's log
+    (being written by this very process under --jobs) and a run set aside."""
+    keep = {LOCK, TRAIN_LOG, PREVIOUS_RUN}
+    return [entry for entry in run_dir.iterdir() if entry.name not in keep] if run_dir.is_dir() else []
+
+
+def _remove(entries: list[Path]) -> None:
+    for entry in entries:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink(missing_ok=True)
+
+
+def settle_previous_run(run_dir: str | os.PathLike, *, resume: bool) -> None:
+    """Before training starts (under `training_lock`): resolve a run an earlier `--fresh` set aside.
+
+    If the fresh run saved a checkpoint, the old one is deleted. If it never did, resuming brings
+    the old run back (nothing a fresh start left behind is worth more than it); `--fresh` again
+    keeps it aside and clears the unsaved attempt.
+    """
+    run_dir = Path(run_dir)
+    previous = run_dir / PREVIOUS_RUN
+    if not previous.is_dir():
+        return
+    if (run_dir / TRAINER_STATE).is_file() or complete_checkpoints(run_dir):
+        shutil.rmtree(previous)
+        return
+    _remove(_run_files(run_dir))
+    if resume:
+        for entry in previous.iterdir():
+            os.replace(entry, run_dir / entry.name)
+        previous.rmdir()
+        fsync_dir(run_dir)
+        logger.info("%s: the fresh start never saved a checkpoint; resuming the run it was to replace", run_dir)
+
+
+def set_aside_for_fresh_start(run_dir: str | os.PathLike) -> None:
+    """`train --fresh` on a run directory with checkpoints: move the old run into PREVIOUS_RUN; it is
+    deleted only once the new run has saved its first checkpoint (discard_previous_run), so a fresh
+    start killed early loses nothing."""
+    run_dir = Path(run_dir)
+    previous = run_dir / PREVIOUS_RUN
+    previous.mkdir()
+    for entry in _run_files(run_dir):
+        os.replace(entry, previous / entry.name)
+    fsync_dir(previous)
+    fsync_dir(run_dir)
+    logger.info("%s: starting over (--fresh); the previous run is kept in %s until the first checkpoint",
+                run_dir, previous)
+
+
+def discard_previous_run(run_dir: str | os.PathLike) -> None:
+    """The new run has a checkpoint of its own: the run it replaced goes."""
+    previous = Path(run_dir) / PREVIOUS_RUN
+    if previous.is_dir():
+        shutil.rmtree(previous)
 
 
 def remove_stale_temps(run_dir: str | os.PathLike) -> list[str]:

@@ -150,11 +150,13 @@ def train_run(
 
 def _train_locked(run: RunConfig, corpus, branches: dict[str, list[PrLMBranch]], run_dir: Path, ctx: DistContext, *,
                   resume: bool, progress: bool, runtime: Runtime) -> Path:
+    if ctx.is_main:
+        rundir.settle_previous_run(run_dir, resume=resume)
+        # Not read first: --fresh also starts over from a trainer state too damaged to resume.
+        if not resume and any((run_dir / name).exists() for name in (rundir.TRAINER_STATE, rundir.CHECKPOINT_DIR)):
+            rundir.set_aside_for_fresh_start(run_dir)
+    barrier(ctx)
     existing = rundir.latest_trainer_state(run_dir)
-    if existing is not None and not resume:
-        raise UserError(
-            f"{run_dir} already holds a trained run (update {existing['update']}); resume it or choose a new directory"
-        )
 
     bpe_path = run_dir / rundir.BPE_JSON
     if ctx.is_main and (existing is None or not bpe_path.is_file()):
