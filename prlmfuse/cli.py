@@ -386,7 +386,8 @@ def translate(run_dir: str, input_file, trust_remote_code: bool, device: str | N
     from prlmfuse.fileio import decode_lines
 
     # Checked like a corpus file: invalid UTF-8 or a control character is one line naming where it is.
-    lines = decode_lines(input_file.read(), "<stdin>" if input_file.name == "<stdin>" else input_file.name)
+    name = getattr(input_file, "name", "<stdin>")
+    lines = decode_lines(input_file.read(), name if isinstance(name, str) else "<stdin>")
     for hyp in translate_lines(run_dir, lines, trust_remote_code=trust_remote_code, device=device or "auto", **decoding):
         click.echo(hyp)
 

@@ -177,12 +177,12 @@ def _check_control_characters(path: str, lines: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def pid_lock(lock_path: Path, *, when_held: Callable[[str], None]) -> Iterator[None]:
-    """An exclusive flock on `lock_path` that records the holder's pid.
+def pid_lock(lock_path: Path, *, when_held: Callable[[str], None], purpose: str = "") -> Iterator[None]:
+    """An exclusive flock on `lock_path` that records the holder's pid (and `purpose`, after a space).
 
-    When another process holds it, `when_held(holder_pid)` decides: return to wait for the lock,
-    or raise (e.g. a UserError naming the holder) to give up. The kernel drops the lock when its
-    holder dies, so a kill -9 never leaves a stale lock behind.
+    When another process holds it, `when_held(holder)` decides, given what the holder recorded:
+    return to wait for the lock, or raise (e.g. a UserError naming the holder) to give up. The
+    kernel drops the lock when its holder dies, so a kill -9 never leaves a stale lock behind.
     """
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "a+") as f:
@@ -194,7 +194,7 @@ def pid_lock(lock_path: Path, *, when_held: Callable[[str], None]) -> Iterator[N
             fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         f.seek(0)
         f.truncate()
-        f.write(str(os.getpid()))
+        f.write(f"{os.getpid()} {purpose}".strip())
         f.flush()
         try:
             yield

@@ -18,6 +18,7 @@ the pipeline only read them, through the functions here.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -58,11 +59,11 @@ _NAMED_FILE_RE = {
     "checkpoint": re.compile(rf"^{CHECKPOINT_DIR}/update-\d{{8}}\.safetensors$"),
     "optimizer": re.compile(rf"^{CHECKPOINT_DIR}/optimizer-\d{{8}}\.safetensors$"),
 }
-# atomic_path's temp names (".<final name>.<random>.tmp") of the files training writes: what a kill -9
-# mid-save leaves behind. (average-last*.safetensors temps are not among them: evaluate may be
-# writing one right now, without the training lock.)
+# atomic_path's temp names (".<final name>.<random>.tmp") of the files training and averaging write:
+# what a kill -9 mid-save leaves behind (both write under the run directory's lock).
 _STALE_TEMP_RE = re.compile(r"^\.(update-\d{8}\.(safetensors|json)|optimizer-\d{8}\.safetensors|"
-                            r"trainer_state\.json|best\.safetensors|run\.json|bpe\.json|metrics\.jsonl)\..+\.tmp$")
+                            r"trainer_state\.json|best\.safetensors|run\.json|bpe\.json|metrics\.jsonl|"
+                            r"average-last\d+\.safetensors)\..+\.tmp$")
 # RunConfig fields that only steer when to stop, how often to log, or how to feed data: a resumed
 # run may change them. Every other field defines the run and must match the run directory.
 RESUMABLE_FIELDS = frozenset({
@@ -246,13 +247,39 @@ def training_progress(run, state: dict | None) -> tuple[str, int]:
 def training_lock(run_dir: Path) -> Iterator[None]:
     """One training process per run directory: a second one would interleave checkpoints."""
 
-    def refuse(pid: str) -> None:
+    def wait_or_refuse(holder: str) -> None:
+        pid, _, purpose = holder.partition(" ")
+        if purpose == _AVERAGING:  # seconds: wait for it
+            logger.info("%s: waiting for pid %s to finish averaging checkpoints", run_dir, pid)
+            return
         raise UserError(
             f"{run_dir} is being trained by another process (pid {pid}); wait for it to finish "
             "(a rerun then resumes or finds the run done) or choose another directory"
         )
 
-    with pid_lock(Path(run_dir) / LOCK, when_held=refuse):
+    with pid_lock(Path(run_dir) / LOCK, when_held=wait_or_refuse):
+        yield
+
+
+_AVERAGING = "averaging"
+
+
+@contextlib.contextmanager
+def averaging_lock(run_dir: Path) -> Iterator[None]:
+    """Writing an average into (or from) a run directory: never while a trainer writes and prunes its
+    checkpoints (refused), one averager at a time (the second waits)."""
+
+    def wait_or_refuse(holder: str) -> None:
+        pid, _, purpose = holder.partition(" ")
+        if purpose == _AVERAGING:
+            logger.info("%s: waiting for pid %s to finish averaging checkpoints", run_dir, pid)
+            return
+        raise UserError(
+            f"{run_dir} is being trained by another process (pid {pid}); average or evaluate it once "
+            "training has finished (or stop it: a rerun resumes)"
+        )
+
+    with pid_lock(Path(run_dir) / LOCK, when_held=wait_or_refuse, purpose=_AVERAGING):
         yield
 
 
@@ -388,8 +415,27 @@ def average_checkpoints(run_dir: str | os.PathLike, last: int = 5, out: str | os
     """Average the weights of the newest `last` saved checkpoints into one safetensors file.
 
     Default output: run_dir/average-last{K}.safetensors. Its metadata lists the averaged
-    checkpoints, and an existing file over the same checkpoints is reused as is.
+    checkpoints, and an existing file over the same checkpoints is reused as is. Done under the
+    run directory's lock (averaging_lock): a trainer pruning checkpoints meanwhile is refused.
     """
+    if not Path(run_dir).is_dir():
+        raise UserError(f"no complete checkpoints under {Path(run_dir) / CHECKPOINT_DIR}; train the run first")
+    try:
+        with averaging_lock(Path(run_dir)):
+            return _average_checkpoints(run_dir, last, out)
+    except OSError as e:
+        # A run directory this process may not write (shared, read-only) still serves an average made before.
+        found = _average_checkpoints(run_dir, last, out, reuse_only=True) if e.errno in _NOT_WRITABLE else None
+        if found is None:
+            raise
+        return found
+
+
+_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _average_checkpoints(run_dir: str | os.PathLike, last: int, out: str | os.PathLike | None, *,
+                         reuse_only: bool = False) -> Path | None:
     run_dir = Path(run_dir)
     if last < 1:
         raise UserError(f"average_checkpoints: last={last}; average at least 1 checkpoint")
@@ -406,6 +452,8 @@ def average_checkpoints(run_dir: str | os.PathLike, last: int = 5, out: str | os
                     return out
         except SafetensorError:
             pass  # corrupt: rebuild below
+    if reuse_only:
+        return None
     total: dict[str, torch.Tensor] = {}
     dtypes: dict[str, torch.dtype] = {}
     for u in chosen:
