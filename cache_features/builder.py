@@ -42,7 +42,7 @@ from .extract import (
     plan_shards,
 )
 from .background_writer import BackgroundWriter
-from .build_directory import completed_records, directory_lock, disk_full_error, prepare_directory
+from .build_directory import LOCK_WAIT_TIMEOUT, completed_records, directory_lock, disk_full_error, prepare_directory
 from .codecs import check_dtype, encode, pooled_storage_dtype, token_bytes_per_row, token_numpy_dtype
 from .location import Location
 from .compat import precision_of, stored_fields
@@ -163,6 +163,7 @@ def build_cache(
     progress: bool = True,
     trust_remote_code: bool = False,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
+    lock_timeout: float = LOCK_WAIT_TIMEOUT,
 ) -> CacheResult:
     """Run `checkpoint` once over `corpus_file` and store its hidden states in `out` (dir or fsspec URL).
 
@@ -172,6 +173,8 @@ def build_cache(
     precision: bf16 | fp16 | fp32 autocast; None (or auto) takes the precision of a cache already in
     `out` that matches in all else, else the device's fast one (prlmfuse.precision.compute_dtype).
     shard_bytes: target size of one shard's token features (a bound on memory is one batch, not this).
+    lock_timeout: a build waiting for another build of `out` gives up once that one has finished no
+    shard for this many seconds.
     Under torchrun each rank builds its share of the shards; rank 0 writes the manifest.
     """
     check_dtype(dtype)
@@ -210,7 +213,7 @@ def build_cache(
         logger.info("cache: %s -> %s (%s)", checkpoint, out, runtime.describe())
     try:
         return _locked_build(info, load_prlm, lines, location, out, selection, fields, key, plan_params, backend,
-                             dtype, max_tokens, shard_bytes, runtime, force, progress, dist)
+                             dtype, max_tokens, shard_bytes, runtime, force, progress, dist, lock_timeout)
     except OSError as e:
         # anything not already named (the lock file, a directory): still one actionable line
         if is_disk_full(e):
@@ -222,9 +225,10 @@ def build_cache(
 
 
 def _locked_build(info, load_prlm, lines, location, out, selection, fields, key, plan_params, backend, dtype,
-                  max_tokens, shard_bytes, runtime, force, progress, dist: DistContext) -> CacheResult:
+                  max_tokens, shard_bytes, runtime, force, progress, dist: DistContext,
+                  lock_timeout: float) -> CacheResult:
     """Reuse, resume or build `location`: rank 0 decides under the lock; the other ranks follow its verdict."""
-    with directory_lock(location, enabled=dist.is_main):
+    with directory_lock(location, enabled=dist.is_main, wait_timeout=lock_timeout):
         verdict, error = 0, None  # 0 build, 1 reuse, 2 failed
         manifest = None
         if dist.is_main:

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -177,12 +178,14 @@ def _check_control_characters(path: str, lines: list[str]) -> None:
 
 
 @contextlib.contextmanager
-def pid_lock(lock_path: Path, *, when_held: Callable[[str], None], purpose: str = "") -> Iterator[None]:
+def pid_lock(lock_path: Path, *, when_held: Callable[[str], None], purpose: str = "",
+             while_waiting: Callable[[str], None] | None = None) -> Iterator[None]:
     """An exclusive flock on `lock_path` that records the holder's pid (and `purpose`, after a space).
 
     When another process holds it, `when_held(holder)` decides, given what the holder recorded:
-    return to wait for the lock, or raise (e.g. a UserError naming the holder) to give up. The
-    kernel drops the lock when its holder dies, so a kill -9 never leaves a stale lock behind.
+    return to wait for the lock, or raise (e.g. a UserError naming the holder) to give up. While
+    waiting, `while_waiting(holder)` (if given) is called about once a second and may raise to give
+    up. The kernel drops the lock when its holder dies, so a kill -9 never leaves a stale lock behind.
     """
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "a+") as f:
@@ -190,8 +193,18 @@ def pid_lock(lock_path: Path, *, when_held: Callable[[str], None], purpose: str 
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
-            when_held(f.read().strip() or "?")
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            holder = f.read().strip() or "?"
+            when_held(holder)
+            if while_waiting is None:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            else:
+                while True:
+                    try:
+                        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        while_waiting(holder)
+                        time.sleep(1.0)
         f.seek(0)
         f.truncate()
         f.write(f"{os.getpid()} {purpose}".strip())

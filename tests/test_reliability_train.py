@@ -332,33 +332,13 @@ def test_fresh_starts_over_and_keeps_the_old_run_until_the_new_one_saves(world, 
 # ------------------------------------------------------------------------------------------ averages and the lock
 
 
-_HOLD_LOCK = r"""
-import fcntl, os, sys, time
-with open(sys.argv[1], "a+") as f:
-    fcntl.flock(f.fileno(), fcntl.LOCK_EX)
-    f.seek(0); f.truncate(); f.write(f"{os.getpid()} {sys.argv[2]}".strip()); f.flush()
-    print("held", flush=True)
-    time.sleep(float(sys.argv[3]))
-"""
-
-
-def _hold_lock(run_dir: Path, purpose: str, seconds: float):
-    import subprocess
-    import sys
-
-    proc = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(run_dir / ".lock"), purpose, str(seconds)],
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "held"
-    return proc
-
-
 def test_averages_are_written_under_the_run_directory_lock(world, tmp_path, capsys, monkeypatch, caplog):
     import logging
 
     run_dir = train_run(small_runs.tiny_run("base", max_updates=4, save_every=2), world["corpus"], [],
                         tmp_path / "base", progress=False)
     # A trainer holds the run (another process): `train average` and evaluate refuse, writing nothing.
-    trainer = _hold_lock(run_dir, "", 120)
+    trainer = reliability.hold_lock(run_dir / ".lock", "", 120)
     try:
         result = reliability.run_cli(["train", "average", run_dir, "--last", "2"], capsys, monkeypatch)
         reliability.assert_one_line_error(result, f"{run_dir} is being trained by another process (pid {trainer.pid})",
@@ -371,14 +351,14 @@ def test_averages_are_written_under_the_run_directory_lock(world, tmp_path, caps
         trainer.kill()
         trainer.wait()
     # Another averager holds it: this one waits for it, then averages.
-    averager = _hold_lock(run_dir, "averaging", 1.5)
+    averager = reliability.hold_lock(run_dir / ".lock", "averaging", 1.5)
     caplog.set_level(logging.INFO, logger="prlmfuse")
     path = rundir.average_checkpoints(run_dir, last=2)
     averager.wait()
     assert f"waiting for pid {averager.pid} to finish averaging" in caplog.text
     assert path == run_dir / "average-last2.safetensors" and path.is_file()
     # A trainer waits for an averager too (averaging takes seconds), then resumes.
-    averager = _hold_lock(run_dir, "averaging", 1.5)
+    averager = reliability.hold_lock(run_dir / ".lock", "averaging", 1.5)
     train_run(small_runs.tiny_run("base", max_updates=6, save_every=2), world["corpus"], [], run_dir, progress=False)
     averager.wait()
     assert rundir.latest_trainer_state(run_dir)["update"] == 6
