@@ -5,7 +5,7 @@ A cache directory (a local path or an fsspec URL) holds:
   build.json                 written first: key and plan parameters, so a rerun resumes or refuses
   progress/<shard>.json      one record (name, counts, sha256) per finished shard
   shards/shard-NNNNN.zarr|.h5  the features (arrays in shards.py)
-  .lock                      local paths only: one build at a time
+  .lock                      one build at a time (an flock; on remote URLs a renewed lock object)
 key_fields["format"] is FORMAT_VERSION; a cache of any other format is refused, never converted.
 """
 
