@@ -302,8 +302,7 @@ def cache_inspect(path: str, as_json: bool, scale_sample: int) -> None:
 @click.option(
     "--resume/--fresh", "resume", default=True, show_default=True,
     help="Resume each run from its last checkpoint (the default: update count, learning-rate schedule and "
-    "data order continue), or start runs over; the old run is kept in RUN_DIR/.previous-run until the new one "
-    "saves its first checkpoint.",
+    "data order continue), or start runs over (the old run is kept until the new one saves a checkpoint).",
 )
 @_jobs_option
 @_device_option
