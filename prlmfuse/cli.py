@@ -470,7 +470,9 @@ def _os_error_line(e: OSError) -> str | None:
         return (f"cannot write {target or 'the output'} ({e.strerror}); choose a writable location "
                 "or fix the permissions of the directory")
     if e.errno in (errno.ENOTDIR, errno.EEXIST) and target is not None:
-        return f"{target} (or a folder above it) is a file where a directory is expected; choose a directory path"
+        blocking = next((p for p in (target, *target.parents) if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            return f"{blocking} is a file where a directory is expected; choose another path or move the file"
     return None
 
 

@@ -405,7 +405,7 @@ def test_a_file_where_a_cache_directory_is_expected(tmp_path, capsys, monkeypatc
     assert a_file.read_text() == "not a cache\n"
     # a file further up the path: the generic one-line answer, whichever command meets it
     result = run_cli(["data", "text", a_file / "corpus", *_text_files(tmp_path)], capsys, monkeypatch)
-    assert_one_line_error(result, "is a file where a directory is expected")
+    assert_one_line_error(result, f"{a_file} is a file where a directory is expected")
 
 
 # Runs prlmfuse commands in a private mount namespace: FULL is a tmpfs with room for a few pages,
