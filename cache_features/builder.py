@@ -2,7 +2,7 @@
 
 Life of a build (directory layout in manifest.py):
   1. check inputs, hash corpus and checkpoint -> key; a complete cache with this key is reused as is
-  2. lock the directory (local paths), record build.json (key + plan parameters)
+  2. lock the directory, record build.json (key + plan parameters)
   3. tokenize, middle-cut, plan batches by token budget, group batches into shards
   4. for every shard not yet recorded complete (this rank's share under torchrun): forward each batch,
      hand the rows to a background writer thread that appends them to the shard under a temp name,
@@ -11,8 +11,10 @@ Life of a build (directory layout in manifest.py):
 A killed build resumes at step 4 with the shards it had finished, so the result is byte-identical
 to an uninterrupted run: shard bounds are a function of the plan only.
 
-Lock policy: a second build of the same local directory waits for the first (with a message) and
-then, seeing the finished cache, reuses it. URLs are not locked (object stores have no flock).
+Lock policy (build_directory.directory_lock): a second build of the same local directory or file://
+URL waits for the first (with a message) and then, seeing the finished cache, reuses it; it gives up
+when the first finishes no shard for `lock_timeout` seconds. Other URLs (object stores have no flock)
+hold a renewed lock object, and a second build is refused while it is live.
 """
 
 from __future__ import annotations
