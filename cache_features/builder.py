@@ -2,7 +2,7 @@
 
 Life of a build (directory layout in manifest.py):
   1. check inputs, hash corpus and checkpoint -> key; a complete cache with this key is reused as is
-  2. lock the directory (local paths), record build.json (key + plan parameters)
+  2. lock the directory, record build.json (key + plan parameters)
   3. tokenize, middle-cut, plan batches by token budget, group batches into shards
   4. for every shard not yet recorded complete (this rank's share under torchrun): forward each batch,
      hand the rows to a background writer thread that appends them to the shard under a temp name,
@@ -11,8 +11,10 @@ Life of a build (directory layout in manifest.py):
 A killed build resumes at step 4 with the shards it had finished, so the result is byte-identical
 to an uninterrupted run: shard bounds are a function of the plan only.
 
-Lock policy: a second build of the same local directory waits for the first (with a message) and
-then, seeing the finished cache, reuses it. URLs are not locked (object stores have no flock).
+Lock policy (build_directory.directory_lock): a second build of the same local directory or file://
+URL waits for the first (with a message) and then, seeing the finished cache, reuses it; it gives up
+when the first finishes no shard for `lock_timeout` seconds. Other URLs (object stores have no flock)
+hold a renewed lock object, and a second build is refused while it is live.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from .extract import (
     plan_shards,
 )
 from .background_writer import BackgroundWriter
-from .build_directory import completed_records, directory_lock, disk_full_error, prepare_directory
+from .build_directory import LOCK_WAIT_TIMEOUT, completed_records, directory_lock, disk_full_error, prepare_directory
 from .codecs import check_dtype, check_fits, encode, pooled_storage_dtype, side_arrays, token_bytes_per_row, token_numpy_dtype
 from .location import Location
 from .compat import precision_of, stored_fields
@@ -165,6 +167,7 @@ def build_cache(
     progress: bool = True,
     trust_remote_code: bool = False,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
+    lock_timeout: float = LOCK_WAIT_TIMEOUT,
 ) -> CacheResult:
     """Run `checkpoint` once over `corpus_file` and store its hidden states in `out` (dir or fsspec URL).
 
@@ -174,6 +177,8 @@ def build_cache(
     precision: bf16 | fp16 | fp32 autocast; None (or auto) takes the precision of a cache already in
     `out` that matches in all else, else the device's fast one (prlmfuse.precision.compute_dtype).
     shard_bytes: target size of one shard's token features (a bound on memory is one batch, not this).
+    lock_timeout: a build waiting for another build of `out` gives up once that one has finished no
+    shard for this many seconds.
     Under torchrun each rank builds its share of the shards; rank 0 writes the manifest.
     """
     check_dtype(dtype)
@@ -185,6 +190,8 @@ def build_cache(
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise UserError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     location = Location(out)
+    if not location.url and (location.path.exists() or location.path.is_symlink()) and not location.path.is_dir():
+        raise UserError(f"output {out} is a file, not a directory; a cache is a directory: choose a new or empty one")
     if backend == "hdf5" and location.url:
         raise UserError(f"the hdf5 backend needs a local directory, got {out}; use --backend zarr for URLs")
     lines = read_lines(corpus_file)
@@ -210,7 +217,7 @@ def build_cache(
         logger.info("cache: %s -> %s (%s)", checkpoint, out, runtime.describe())
     try:
         return _locked_build(info, load_prlm, lines, location, out, selection, fields, key, plan_params, backend,
-                             dtype, max_tokens, shard_bytes, runtime, force, progress, dist)
+                             dtype, max_tokens, shard_bytes, runtime, force, progress, dist, lock_timeout)
     except OSError as e:
         # anything not already named (the lock file, a directory): still one actionable line
         if is_disk_full(e):
@@ -222,9 +229,10 @@ def build_cache(
 
 
 def _locked_build(info, load_prlm, lines, location, out, selection, fields, key, plan_params, backend, dtype,
-                  max_tokens, shard_bytes, runtime, force, progress, dist: DistContext) -> CacheResult:
+                  max_tokens, shard_bytes, runtime, force, progress, dist: DistContext,
+                  lock_timeout: float) -> CacheResult:
     """Reuse, resume or build `location`: rank 0 decides under the lock; the other ranks follow its verdict."""
-    with directory_lock(location, enabled=dist.is_main):
+    with directory_lock(location, enabled=dist.is_main, wait_timeout=lock_timeout):
         verdict, error = 0, None  # 0 build, 1 reuse, 2 failed
         manifest = None
         if dist.is_main:

@@ -5,7 +5,7 @@ A cache directory (a local path or an fsspec URL) holds:
   build.json                 written first: key and plan parameters, so a rerun resumes or refuses
   progress/<shard>.json      one record (name, counts, sha256) per finished shard
   shards/shard-NNNNN.zarr|.h5  the features (arrays in shards.py)
-  .lock                      local paths only: one build at a time
+  .lock                      one build at a time (an flock; on remote URLs a renewed lock object)
 key_fields["format"] is format_version(dtype); a cache of any other format is refused, never converted.
 """
 
@@ -100,6 +100,8 @@ def read_json_at(location: Location, name: str, what: str) -> dict:
         data = location.read_bytes(name)
     except (FileNotFoundError, IsADirectoryError):
         raise UserError(f"{what} not found: {location.full(name)}; build the cache first (prlmfuse cache build)") from None
+    except NotADirectoryError:
+        raise UserError(f"{location} is a file, not a cache directory; give the directory that holds {MANIFEST}") from None
     try:
         obj = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -137,11 +139,30 @@ def load_manifest(path_or_url) -> tuple[Location, dict]:
         raise UserError(f"{where}: unknown dtype/backend {manifest['dtype']}/{manifest['backend']}; rebuild the cache")
     if key_hash(manifest["key_fields"]) != manifest["key"]:
         raise UserError(f"{where}: key does not match its key_fields (edited by hand?); rebuild with --force")
-    for shard in manifest["shards"]:
+    shards = manifest["shards"]
+    if not isinstance(shards, list) or not all(isinstance(x, dict) for x in shards):
+        raise UserError(f"{where}: 'shards' is not a list of shard records; the manifest is corrupt, rebuild with --force")
+    for i, shard in enumerate(shards):
         check_shard_name(shard.get("name"), where)
+        bad = [k for k in ("num_sentences", "num_tokens") if not _count(shard.get(k))]
+        if not isinstance(shard.get("sha256"), str):
+            bad.append("sha256")
+        if bad:
+            raise UserError(f"{where}: shard {i} ({shard['name']}) has no valid {', '.join(bad)}; "
+                            "the manifest is corrupt, rebuild with --force")
+    for k in ("num_sentences", "num_tokens", "hidden_size"):
+        if not _count(manifest[k]):
+            raise UserError(f"{where}: {k} is not a count ({manifest[k]!r}); the manifest is corrupt, rebuild with --force")
+    for k in ("layers", "pooled_layers"):
+        if not isinstance(manifest[k], list) or not all(_count(x) for x in manifest[k]):
+            raise UserError(f"{where}: {k} is not a list of layer indices; the manifest is corrupt, rebuild with --force")
     if sum(s["num_sentences"] for s in manifest["shards"]) != manifest["num_sentences"]:
         raise UserError(f"{where}: shard sentence counts do not add up to num_sentences; rebuild with --force")
     return location, manifest
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def expected_arrays(manifest: dict, shard: dict) -> dict[str, tuple[tuple[int, ...], np.dtype]]:

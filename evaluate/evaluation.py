@@ -59,7 +59,7 @@ def _reuse_hypotheses(hyp_path: Path, meta_path: Path, key: str, num_lines: int)
         return None
     if meta.get("key") != key or meta.get("hyp_sha256") != sha256_file(hyp_path):
         return None
-    hyps = read_lines(hyp_path) if num_lines else []
+    hyps = read_lines(hyp_path, check_text=False) if num_lines else []  # our own output, any text
     if len(hyps) != num_lines:
         return None
     return hyps, meta

@@ -309,7 +309,7 @@ def cache_inspect(path: str, as_json: bool, scale_sample: int) -> None:
 @click.option(
     "--resume/--fresh", "resume", default=True, show_default=True,
     help="Resume each run from its last checkpoint (the default: update count, learning-rate schedule and "
-    "data order continue), or start runs from scratch.",
+    "data order continue), or start runs over (the old run is kept until the new one saves a checkpoint).",
 )
 @_jobs_option
 @_device_option
@@ -387,15 +387,18 @@ def evaluate(runs, more_runs, out, baseline, device, **decoding) -> None:
 
 @cli.command()
 @click.option("--run", "run_dir", required=True, type=click.Path(file_okay=False), help="A trained run directory.")
-@click.option("--input", "input_file", type=click.File("r", encoding="utf-8"), default="-", help="Text file (default: stdin).")
+@click.option("--input", "input_file", type=click.File("rb"), default="-", help="UTF-8 text file (default: stdin).")
 @_decode_options
 @click.option("--trust-remote-code", is_flag=True, help="Allow code shipped with the run's hub checkpoint to run.")
 @_device_option
 def translate(run_dir: str, input_file, trust_remote_code: bool, device: str | None, **decoding) -> None:
     """Translate raw text with a trained run, running its PrLM live on the input; one output line per input line."""
     from prlmfuse.evaluate import translate as translate_lines
+    from prlmfuse.fileio import decode_lines
 
-    lines = [line.rstrip("\n") for line in input_file]
+    # Checked like a corpus file: invalid UTF-8 or a control character is one line naming where it is.
+    name = getattr(input_file, "name", "<stdin>")
+    lines = decode_lines(input_file.read(), name if isinstance(name, str) else "<stdin>")
     for hyp in translate_lines(run_dir, lines, trust_remote_code=trust_remote_code, device=device or "auto", **decoding):
         click.echo(hyp)
 
@@ -455,6 +458,33 @@ def _main() -> None:
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
         sys.exit(130)
+    except OSError as e:
+        message = _os_error_line(e)
+        if message is None:
+            raise
+        click.echo(f"error: {message}", err=True)
+        sys.exit(UserError.exit_code)
+
+
+def _os_error_line(e: OSError) -> str | None:
+    """One line for the OSErrors that are the user's to fix (a full disk, a path that cannot be written,
+    a file where a directory belongs), wherever in a stage they happen; None for the others."""
+    import errno
+
+    from prlmfuse.fileio import is_disk_full
+
+    target = Path(e.filename) if e.filename else None
+    where = f" in {target.parent}" if target else ""
+    if is_disk_full(e):
+        return f"disk full while writing {target.name if target else 'a file'}{where}; free space and rerun to resume"
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return (f"cannot write {target or 'the output'} ({e.strerror}); choose a writable location "
+                "or fix the permissions of the directory")
+    if e.errno in (errno.ENOTDIR, errno.EEXIST) and target is not None:
+        blocking = next((p for p in (target, *target.parents) if p.exists() and not p.is_dir()), None)
+        if blocking is not None:
+            return f"{blocking} is a file where a directory is expected; choose another path or move the file"
+    return None
 
 
 if __name__ == "__main__":

@@ -277,6 +277,12 @@ def _expand_runs(raw_runs: Any, defaults: dict, where: _Where, base_dir: Path) -
     runs: list[RunConfig] = []
     for name, overrides in raw_runs.items():
         keypath = ("train", "runs", name)
+        if str(name) in (".", "..") or "/" in str(name) or not str(name).strip():
+            # A run's name is its directory under runs/: "." or ".." would be the workdir itself.
+            raise where.error(keypath, f"{name!r} cannot name a run directory; use letters, digits, '-', '_' or '.'",
+                              at_key=True)
+        if overrides is not None and not isinstance(overrides, dict):
+            raise where.error(keypath, f"expected a mapping of run settings (e.g. `{name}: {{}}`), got {overrides!r}")
         overrides = dict(overrides or {})
         grid = overrides.pop("grid", None)
         combos: list[dict] = [{}]
@@ -305,9 +311,12 @@ def _expand_runs(raw_runs: Any, defaults: dict, where: _Where, base_dir: Path) -
                 raise where.error(keypath + ("update_freq",), f"expected a positive integer, got {run.update_freq}")
             if run.max_updates is None and run.max_epochs is None:
                 raise where.error(keypath, "set max_updates or max_epochs (or both)")
-            for key, lowest in (("patience", 1), ("min_epochs", 0), ("keep_last_epochs", 0)):
-                if getattr(run, key) is not None and getattr(run, key) < lowest:
-                    raise where.error(keypath + (key,), f"expected an integer >= {lowest}, got {getattr(run, key)}")
+            for key, lowest in (("max_updates", 1), ("max_epochs", 1), ("save_every", 1), ("log_every", 1),
+                                ("patience", 1), ("min_epochs", 0), ("keep_last_epochs", 0)):
+                value = getattr(run, key)
+                if value is not None and value < lowest:
+                    wanted = "a positive integer" if lowest == 1 else f"an integer >= {lowest}"
+                    raise where.error(keypath + (key,), f"expected {wanted}, got {value}")
             if run.min_epochs is not None and run.max_epochs is not None and run.min_epochs > run.max_epochs:
                 raise where.error(keypath + ("min_epochs",), f"min_epochs {run.min_epochs} exceeds max_epochs "
                                   f"{run.max_epochs}; lower it or raise max_epochs")
@@ -402,6 +411,13 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
             raise where.error(("evaluate", "average_last"), f"averages {evaluate.average_last} epoch-end checkpoints "
                               f"but run {short.name!r} keeps only keep_last_epochs {short.keep_last_epochs}; "
                               "raise keep_last_epochs or lower average_last")
+    # The same bounds as the CLI's decode options.
+    for key, least in (("beam", 1), ("average_last", 0), ("min_len", 0), ("max_len_b", 0), ("max_len_a", 0)):
+        if getattr(evaluate, key) < least:
+            raise where.error(("evaluate", key), f"expected a number >= {least}, got {getattr(evaluate, key)}")
+    if evaluate.no_repeat_ngram_size is not None and evaluate.no_repeat_ngram_size < 0:
+        raise where.error(("evaluate", "no_repeat_ngram_size"),
+                          f"expected a number >= 0, got {evaluate.no_repeat_ngram_size}")
     if evaluate.baseline is not None and evaluate.baseline not in {r.name for r in runs}:
         close = difflib.get_close_matches(evaluate.baseline, [r.name for r in runs], n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""

@@ -9,6 +9,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -105,6 +106,11 @@ def is_disk_full(error: BaseException) -> bool:
     return any(f"(os error {code})" in str(error) for code in codes)
 
 
+def disk_full_error(what: str, where: str | os.PathLike) -> UserError:
+    """The one line every stage gives when a write finds the disk full: what, where, and that a rerun resumes."""
+    return UserError(f"disk full while writing {what} in {where}; free space and rerun to resume")
+
+
 def fsync_dir(directory: Path) -> None:
     """Make a rename or a new file in `directory` durable."""
     with contextlib.suppress(OSError):
@@ -133,9 +139,12 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
             os.fsync(f.fileno())
         os.replace(tmp_path, final)
         fsync_dir(final.parent)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(FileNotFoundError):
             tmp_path.unlink()
+        if isinstance(e, OSError) and e.errno is not None and e.filename in (None, tmp, str(tmp_path)):
+            # Name the file being written, not its temp name (OSError picks the subclass from errno).
+            raise OSError(e.errno, e.strerror, str(final)) from e
         raise
 
 
@@ -169,11 +178,18 @@ def read_json(path: str | os.PathLike, what: str = "file") -> dict:
         raise UserError(f"{what} {path} is corrupt or truncated ({e}); rebuild it") from None
 
 
-def read_lines(path: str | os.PathLike) -> list[str]:
+# Control characters a sentence never holds (tab is text): a NUL or an escape code would reach the
+# BPE and the PrLM as tokens, and a lone CR means the file's line endings are not '\n'.
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+
+
+def read_lines(path: str | os.PathLike, *, check_text: bool = True) -> list[str]:
     """Read a line-aligned UTF-8 corpus file; invalid UTF-8 is reported as file:line.
 
     Only '\\n' separates lines (str.splitlines would also split on U+2028 and friends,
-    which silently breaks line alignment between source and target files).
+    which silently breaks line alignment between source and target files). A UTF-8 byte-order
+    mark at the start is dropped, never passed on as U+FEFF. With `check_text`, CR-only line
+    endings and control characters inside a line are refused with file:line:column.
     """
     p = Path(path)
     try:
@@ -182,27 +198,55 @@ def read_lines(path: str | os.PathLike) -> list[str]:
         raise UserError(f"corpus file not found: {p}") from None
     except IsADirectoryError:
         raise UserError(f"corpus path is a directory, expected a text file: {p}") from None
+    return decode_lines(data, str(p), check_text=check_text)
+
+
+def decode_lines(data: bytes, where: str, *, check_text: bool = True) -> list[str]:
+    """read_lines on bytes already read (stdin, say); `where` names them in errors."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         line_no = data.count(b"\n", 0, e.start) + 1
         raise UserError(
-            f"{p}:{line_no}: invalid UTF-8 (byte 0x{data[e.start]:02x}); re-encode the file as UTF-8"
+            f"{where}:{line_no}: invalid UTF-8 (byte 0x{data[e.start]:02x}); re-encode the file as UTF-8"
         ) from None
+    text = text.removeprefix("\ufeff")
     if text.endswith("\n"):
         text = text[:-1]
     if text == "":
         return [] if not data else [""]
-    return [line.rstrip("\r") for line in text.split("\n")]
+    lines = [line.removesuffix("\r") for line in text.split("\n")]
+    if check_text and ("\r" in text or _CONTROL.search(text.replace("\n", " "))):
+        _check_control_characters(where, lines)
+    return lines
+
+
+def _check_control_characters(path: str, lines: list[str]) -> None:
+    for number, line in enumerate(lines, 1):
+        found = _CONTROL.search(line)
+        if found is None:
+            continue
+        column = found.start() + 1
+        if found.group() == "\r":
+            raise UserError(
+                f"{path}:{number}:{column}: carriage return inside a line (CR-only line endings?); "
+                "convert the file to '\\n' line endings (e.g. `tr '\\r' '\\n'`)"
+            )
+        raise UserError(
+            f"{path}:{number}:{column}: control character U+{ord(found.group()):04X} inside a line; "
+            "remove it or replace it with a space"
+        )
 
 
 @contextlib.contextmanager
-def pid_lock(lock_path: Path, *, when_held: Callable[[str], None]) -> Iterator[None]:
-    """An exclusive flock on `lock_path` that records the holder's pid.
+def pid_lock(lock_path: Path, *, when_held: Callable[[str], None], purpose: str = "",
+             while_waiting: Callable[[str], None] | None = None) -> Iterator[None]:
+    """An exclusive flock on `lock_path` that records the holder's pid (and `purpose`, after a space).
 
-    When another process holds it, `when_held(holder_pid)` decides: return to wait for the lock,
-    or raise (e.g. a UserError naming the holder) to give up. The kernel drops the lock when its
-    holder dies, so a kill -9 never leaves a stale lock behind.
+    When another process holds it, `when_held(holder)` decides, given what the holder recorded:
+    return to wait for the lock, or raise (e.g. a UserError naming the holder) to give up. While
+    waiting, `while_waiting(holder)` (if given) is called about once a second and may raise to give
+    up. The kernel drops the lock when its holder dies, so a kill -9 never leaves a stale lock behind.
     """
     lock_path.parent.mkdir(parents=True, exist_ok=True)
     with open(lock_path, "a+") as f:
@@ -210,11 +254,21 @@ def pid_lock(lock_path: Path, *, when_held: Callable[[str], None]) -> Iterator[N
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             f.seek(0)
-            when_held(f.read().strip() or "?")
-            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            holder = f.read().strip() or "?"
+            when_held(holder)
+            if while_waiting is None:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+            else:
+                while True:
+                    try:
+                        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        while_waiting(holder)
+                        time.sleep(1.0)
         f.seek(0)
         f.truncate()
-        f.write(str(os.getpid()))
+        f.write(f"{os.getpid()} {purpose}".strip())
         f.flush()
         try:
             yield

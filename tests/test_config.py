@@ -182,3 +182,35 @@ def test_device_and_precision_are_top_level_runtime_settings(tmp_path):
 ])
 def test_bad_runtime_settings_are_located_one_line_errors(tmp_path, text, needle):
     assert needle in error_of(write(tmp_path, text))
+
+
+@pytest.mark.parametrize("text,needle", [
+    # a run whose value is not a mapping of settings
+    ("train:\n  defaults: {max_updates: 1}\n  runs:\n    baseline: yes\n",
+     "p.yaml:4:15: train.runs.baseline: expected a mapping of run settings"),
+    ("train:\n  defaults: {max_updates: 1}\n  runs:\n    baseline: [1, 2]\n", "train.runs.baseline: expected a mapping"),
+    # settings that would stop nothing, save or log never, or decode nothing
+    ("train:\n  runs:\n    b: {save_every: 0, max_updates: 4}\n", "train.runs.b.save_every: expected a positive integer, got 0"),
+    ("train:\n  runs:\n    b: {log_every: 0, max_updates: 4}\n", "train.runs.b.log_every: expected a positive integer, got 0"),
+    ("train:\n  runs:\n    b: {max_updates: 0}\n", "train.runs.b.max_updates: expected a positive integer, got 0"),
+    ("train:\n  defaults: {max_updates: -3}\n  runs:\n    b: {}\n", "train.runs.b.max_updates: expected a positive integer, got -3"),
+    ("train:\n  runs:\n    b: {max_updates: 2, max_epochs: 0}\n", "train.runs.b.max_epochs: expected a positive integer"),
+    ("evaluate: {beam: 0}\n", "p.yaml:1:18: evaluate.beam: expected a number >= 1, got 0"),
+    ("evaluate: {average_last: -1}\n", "evaluate.average_last: expected a number >= 0, got -1"),
+    # a run name that is no directory of its own
+    ("train:\n  defaults: {max_updates: 1}\n  runs:\n    '..': {}\n", "p.yaml:4:5: train.runs...: '..' cannot name a run directory"),
+    ("train:\n  defaults: {max_updates: 1}\n  runs:\n    '.': {}\n", "'.' cannot name a run directory"),
+    ("train:\n  defaults: {max_updates: 1}\n  runs:\n    a/b: {}\n", "'a/b' cannot name a run directory"),
+])
+def test_values_that_cannot_work_are_refused_when_the_file_is_read(tmp_path, text, needle):
+    p = write(tmp_path, text)
+    assert needle in error_of(p)
+
+
+def test_a_bad_run_value_is_one_line_through_the_cli_before_any_work(tmp_path):
+    p = write(tmp_path, f"workdir: {tmp_path / 'work'}\ntrain:\n  defaults: {{max_updates: 1}}\n  runs:\n    baseline: yes\n")
+    out = subprocess.run([sys.executable, "-m", "prlmfuse.cli", "run", str(p)], capture_output=True, text=True)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1, out.stderr
+    assert "train.runs.baseline: expected a mapping of run settings" in out.stderr
+    assert not (tmp_path / "work").exists()

@@ -295,3 +295,55 @@ def test_real_full_disk_on_a_small_tmpfs(world, tmp_path):
         assert f" in {tmp_path / 'mnt'}-{backend};" in message and "\n" not in message
         assert 0 < len(entry["progress_after_failure"]) < len(world["references"][backend].manifest["shards"])
         reliability.assert_same_cache(tmp_path / f"copy-{backend}", Path(world["references"][backend].path))
+
+
+# ------------------------------------------------------------------------------------ waiting builds and URL locks
+
+
+@pytest.mark.parametrize("as_url", [False, True])
+def test_a_waiting_build_gives_up_on_a_build_that_finishes_no_shard(world, tmp_path, as_url):
+    out = tmp_path / "cache"
+    holder = reliability.hold_lock(out / ".lock", "", 120)  # a build that hangs before its first shard
+    try:
+        with pytest.raises(UserError) as gave_up:
+            build_cache(world["checkpoint"], world["corpus"], f"file://{out}" if as_url else out, progress=False,
+                        lock_timeout=2, **BUILD_ARGS)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert str(gave_up.value) == (
+        f"gave up waiting for {out / '.lock'}: the build holding it (pid {holder.pid}) finished no shard in 2 s; "
+        "if that process is stuck, stop it and rerun (the build resumes)")
+    assert sorted(p.name for p in out.iterdir()) == [".lock"]  # nothing written meanwhile
+    built = build_cache(world["checkpoint"], world["corpus"], out, progress=False, lock_timeout=2, **BUILD_ARGS)
+    assert built.key == world["references"]["zarr"].key
+
+
+def test_url_caches_take_a_lock_object_and_refuse_a_live_one(world, tmp_path):
+    import socket
+    import time
+
+    import fsspec
+
+    url = f"memory://prlmfuse-lock-{tmp_path.name}/cache"
+    fs = fsspec.filesystem("memory")
+    lock = f"/prlmfuse-lock-{tmp_path.name}/cache/.lock"
+    fs.makedirs(lock.rsplit("/", 1)[0], exist_ok=True)
+    fs.pipe(lock, json.dumps({"host": "elsewhere", "pid": 7, "token": "x", "time": time.time()}).encode())
+    with pytest.raises(UserError) as refused:
+        build_cache(world["checkpoint"], world["corpus"], url, progress=False, **BUILD_ARGS)
+    assert str(refused.value).startswith(f"cache {url} is being built by another process (pid 7 on elsewhere, ")
+    assert f"delete {lock}" in str(refused.value)
+    assert sorted(p.rsplit("/", 1)[-1] for p in fs.ls(lock.rsplit("/", 1)[0], detail=False)) == [".lock"]
+    # A lock object nobody renewed (a build that died elsewhere), or one of a dead process on this
+    # machine, is taken over; the build's own lock object is gone once it finishes.
+    for stale in ({"host": "elsewhere", "pid": 7, "time": time.time() - 3600},
+                  {"host": socket.gethostname(), "pid": _dead_pid(), "time": time.time()}):
+        fs.pipe(lock, json.dumps({**stale, "token": "x"}).encode())
+        built = build_cache(world["checkpoint"], world["corpus"], url, progress=False, **BUILD_ARGS)
+        assert built.key == world["references"]["zarr"].key and not fs.exists(lock)
+
+
+def _dead_pid() -> int:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)

@@ -103,6 +103,45 @@ def test_invalid_utf8_names_file_and_line(tmp_path, capsys, monkeypatch):
     assert_one_line_error(result, f"{tmp_path / 'test.tgt'}:2: invalid UTF-8")
 
 
+def test_a_byte_order_mark_is_dropped_never_passed_on(tmp_path, capsys, monkeypatch):
+    code, _, err = run_cli(["data", "text", tmp_path / "c", *_text_files(
+        tmp_path, train_src=b"\xef\xbb\xbfone sentence\nanother sentence\n")], capsys, monkeypatch)
+    assert code == 0, err
+    data = (tmp_path / "c" / "train.src").read_bytes()
+    assert data == b"one sentence\nanother sentence\n"
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"one sentence\ranother sentence\r", "train.src:1:13: carriage return inside a line (CR-only line endings?)"),
+    (b"one sentence\nano\x00ther sentence\n", "train.src:2:4: control character U+0000 inside a line"),
+    (b"one sentence\n\x1b[1manother sentence\n", "train.src:2:1: control character U+001B inside a line"),
+])
+def test_cr_only_line_endings_and_control_characters_are_refused(tmp_path, capsys, monkeypatch, content, needle):
+    result = run_cli(["data", "text", tmp_path / "c", *_text_files(tmp_path, train_src=content, train_tgt=content)],
+                     capsys, monkeypatch)
+    assert_one_line_error(result, f"{tmp_path}/{needle}")
+    assert not (tmp_path / "c").exists()
+
+
+def test_cache_build_reads_a_corpus_with_a_byte_order_mark_as_without(tmp_path, capsys, monkeypatch, world):
+    from prlmfuse.cache_features import CacheReader
+
+    plain = tiny_prlms.write_corpus(tmp_path / "plain.txt", ["in the beginning", "the light"])
+    marked = tmp_path / "marked.txt"
+    marked.write_bytes(b"\xef\xbb\xbf" + Path(plain).read_bytes())
+    for corpus, out in ((plain, "a"), (marked, "b")):
+        code, _, err = run_cli(["cache", "build", "--checkpoint", world["ckpt"], "--corpus", corpus,
+                                "--out", tmp_path / out], capsys, monkeypatch)
+        assert code == 0, err
+    a, b = CacheReader(tmp_path / "a"), CacheReader(tmp_path / "b")
+    assert a.lengths.tolist() == b.lengths.tolist() and torch.equal(a.features(0), b.features(0))
+    nul = tiny_prlms.write_corpus(tmp_path / "nul.txt", ["in the\x00 beginning"])
+    result = run_cli(["cache", "build", "--checkpoint", world["ckpt"], "--corpus", nul, "--out", tmp_path / "c"],
+                     capsys, monkeypatch)
+    assert_one_line_error(result, f"{nul}:1:7: control character U+0000")
+    assert not (tmp_path / "c").exists()
+
+
 def test_missing_input_file(tmp_path, capsys, monkeypatch, world):
     result = run_cli(["cache", "build", "--checkpoint", world["ckpt"], "--corpus", tmp_path / "nope.txt",
                       "--out", tmp_path / "c"], capsys, monkeypatch)
@@ -134,6 +173,28 @@ def test_bad_cache_options(tmp_path, capsys, monkeypatch, world, option, value, 
                       option, value], capsys, monkeypatch)
     assert_one_line_error(result, needle)
     assert not (tmp_path / "c" / "manifest.json").exists()
+
+
+def test_a_checkpoint_directory_without_tokenizer_files(tmp_path, capsys, monkeypatch, world):
+    ckpt = tmp_path / "bert"
+    shutil.copytree(world["ckpt"], ckpt)
+    tokenizer_files = {p.name: p.read_bytes() for p in ckpt.iterdir() if p.name.startswith("tokenizer")}
+    for name in tokenizer_files:
+        (ckpt / name).unlink()
+    corpus = tiny_prlms.write_corpus(tmp_path / "c.txt", ["in the beginning", "the light"])
+    args = ["cache", "build", "--checkpoint", ckpt, "--corpus", corpus, "--out", tmp_path / "cache"]
+    assert_one_line_error(run_cli(args, capsys, monkeypatch), f"checkpoint directory {ckpt} has no tokenizer files",
+                          "tokenizer.save_pretrained")
+    assert not (tmp_path / "cache").exists()
+    # A tokenizer file that is there but unreadable fails only once the build has started ...
+    (ckpt / "tokenizer.json").write_text('{"model": "not a tokenizer"}')
+    for name in set(tokenizer_files) - {"tokenizer.json"}:
+        (ckpt / name).write_bytes(tokenizer_files[name])
+    assert_one_line_error(run_cli(args, capsys, monkeypatch), f"cannot load checkpoint '{ckpt}'")
+    # ... and the fixed checkpoint (another identity, so another key) builds there, not refused.
+    (ckpt / "tokenizer.json").write_bytes(tokenizer_files["tokenizer.json"])
+    code, out, err = run_cli(args, capsys, monkeypatch)
+    assert code == 0 and out.startswith("built: "), err
 
 
 def test_over_long_inputs_are_cut_and_counted_not_errors(tmp_path, capsys, monkeypatch, world):
@@ -179,6 +240,31 @@ def test_cache_verify_names_the_problem(tmp_path, capsys, monkeypatch, world, re
     assert run_cli(["cache", "verify", cache], capsys, monkeypatch)[0] == 0
     needle = reliability.damage_cache(kind, cache)
     assert_one_line_error(run_cli(["cache", "verify", cache], capsys, monkeypatch), needle, str(cache))
+
+
+@pytest.mark.parametrize("shards, needle", [
+    ('"shard-00000.zarr"', "'shards' is not a list of shard records"),
+    ("[1, 2]", "'shards' is not a list of shard records"),
+    ("dict(first, num_sentences='3')", "shard 0 (shard-00000.zarr) has no valid num_sentences"),
+    ("dict(first, sha256=None, num_tokens=-1)", "shard 0 (shard-00000.zarr) has no valid num_tokens, sha256"),
+])
+def test_a_manifest_whose_shard_list_is_malformed_while_its_key_matches(tmp_path, capsys, monkeypatch, world,
+                                                                        shards, needle):
+    cache = tmp_path / "cache"
+    shutil.copytree(world["caches"]["test"], cache)
+    manifest = json.loads((cache / "manifest.json").read_text())
+    first = manifest["shards"][0]
+    manifest["shards"] = eval(shards if not shards.startswith("dict") else f"[{shards}] + manifest['shards'][1:]")
+    (cache / "manifest.json").write_text(json.dumps(manifest))
+    for command in ("verify", "inspect"):
+        assert_one_line_error(run_cli(["cache", command, cache], capsys, monkeypatch), needle, str(cache),
+                              "rebuild with --force")
+    # The same build is not "cached" on the strength of the key: it resumes and rewrites the manifest.
+    code, out, err = run_cli(["cache", "build", "--checkpoint", world["ckpt"], "--corpus", world["raw"] / "test.src",
+                              "--out", cache, "--dtype", "float16"], capsys, monkeypatch)
+    assert code == 0 and out.startswith("built: "), err
+    assert run_cli(["cache", "verify", cache], capsys, monkeypatch)[0] == 0
+    assert json.loads((cache / "manifest.json").read_text())["shards"][0] == first
 
 
 @pytest.fixture
@@ -232,9 +318,42 @@ def test_train_resume_and_fresh_reach_train_runs(world, capsys, monkeypatch, fla
     assert calls == [{"names": ["fused"], "resume": resume, "parallel": 1}]
 
 
+def test_train_fresh_starts_trained_runs_over_with_jobs_too(world, tmp_path, capsys, monkeypatch):
+    pipeline = tmp_path / "pipeline.yaml"
+    text = world["pipeline"].read_text().replace(f"workdir: {world['root'] / 'work'}", f"workdir: {tmp_path / 'work'}")
+    pipeline.write_text(text.replace("    fused:\n", "    base: {}\n    fused:\n"))
+    shutil.copytree(world["root"] / "work", tmp_path / "work")
+    runs = tmp_path / "work" / "runs"
+
+    def states() -> dict:
+        return {name: (runs / name / "trainer_state.json").stat().st_ino for name in ("base", "fused")}
+
+    assert run_cli(["train", "-p", pipeline], capsys, monkeypatch)[0] == 0
+    first = states()
+    code, _, err = run_cli(["train", "-p", pipeline, "--fresh", "--runs", "base"], capsys, monkeypatch)
+    assert code == 0 and "starting over (--fresh)" in err, err
+    second = states()
+    assert second["base"] != first["base"] and second["fused"] == first["fused"]
+    code, _, err = run_cli(["train", "-p", pipeline, "--fresh", "--jobs", "2"], capsys, monkeypatch)
+    assert code == 0, err
+    third = states()
+    assert all(third[name] != second[name] for name in third), (second, third)
+    for name in ("base", "fused"):
+        assert "starting over (--fresh)" in (runs / name / "train.log").read_text()
+        assert not (runs / name / ".previous-run").exists()
+        assert [p.name for p in (runs / name / "checkpoints").iterdir()] != []
+
+
 def test_train_help_says_resuming_is_the_default(capsys, monkeypatch):
     code, out, _ = run_cli(["train", "--help"], capsys, monkeypatch)
     assert code == 0 and "--resume / --fresh" in out and "[default: resume]" in out, out
+
+
+def test_readme_and_help_say_what_fresh_does(capsys, monkeypatch):
+    code, out, _ = run_cli(["train", "--help"], capsys, monkeypatch)
+    assert code == 0 and "start runs over" in " ".join(out.split()) and "refuses" not in out, out
+    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    assert "`--fresh` starts each run over" in readme and "`--fresh` refuses" not in readme
 
 
 def test_train_refuses_a_cache_of_another_corpus(world, damaged_train_cache, capsys, monkeypatch):
@@ -258,6 +377,99 @@ def test_evaluate_a_run_directory_without_checkpoints(tmp_path, capsys, monkeypa
     text.write_text("In the beginning\n")
     result = run_cli(["translate", "--run", run_dir, "--input", text], capsys, monkeypatch)
     assert_one_line_error(result, "has no checkpoints")
+
+
+def test_translate_input_that_is_not_utf8_is_one_line(tmp_path, capsys, monkeypatch):
+    text = tmp_path / "latin1.txt"
+    text.write_bytes("In the beginning\nCaf\u00e9 au lait\n".encode("latin-1"))
+    result = run_cli(["translate", "--run", tmp_path / "run", "--input", text], capsys, monkeypatch)
+    assert_one_line_error(result, f"{text}:2: invalid UTF-8 (byte 0xe9)", "re-encode the file as UTF-8")
+    # stdin, through a real process
+    done = subprocess.run([sys.executable, "-m", "prlmfuse.cli", "translate", "--run", str(tmp_path / "run")],
+                          input=b"\xff\xfeI\x00n\x00", capture_output=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    err = done.stderr.decode()
+    assert done.returncode == 2 and err.startswith("error: <stdin>:1: invalid UTF-8 (byte 0xff)"), err
+    assert err.count("\n") == 1 and done.stdout == b""
+
+
+def test_a_file_where_a_cache_directory_is_expected(tmp_path, capsys, monkeypatch, world):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a cache\n")
+    for command in (["cache", "verify", a_file], ["cache", "inspect", a_file]):
+        assert_one_line_error(run_cli(command, capsys, monkeypatch), f"{a_file} is a file, not a cache directory")
+    corpus = tiny_prlms.write_corpus(tmp_path / "c.txt", ["in the beginning"])
+    result = run_cli(["cache", "build", "--checkpoint", world["ckpt"], "--corpus", corpus, "--out", a_file],
+                     capsys, monkeypatch)
+    assert_one_line_error(result, f"output {a_file} is a file, not a directory")
+    assert a_file.read_text() == "not a cache\n"
+    # a file further up the path: the generic one-line answer, whichever command meets it
+    result = run_cli(["data", "text", a_file / "corpus", *_text_files(tmp_path)], capsys, monkeypatch)
+    assert_one_line_error(result, f"{a_file} is a file where a directory is expected")
+
+
+# Runs prlmfuse commands in a private mount namespace: FULL is a tmpfs with room for a few pages,
+# RO a read-only tmpfs. Prints, per command, its exit status, stderr and what it left in the mounts.
+_FULL_AND_READ_ONLY = r"""
+import json, os, subprocess, sys
+args = json.loads(sys.argv[1])
+for name, options in (("full", "size=8k"), ("ro", "ro,size=64k")):
+    os.makedirs(args[name], exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", args[name]], check=True)
+report = {}
+for case, argv in args["commands"].items():
+    done = subprocess.run([sys.executable, "-m", "prlmfuse.cli", *argv], capture_output=True, text=True)
+    left = sorted(os.path.relpath(os.path.join(d, f), args[m]) for m in ("full", "ro")
+                  for d, ds, fs in os.walk(args[m]) for f in fs + ds)
+    report[case] = {"code": done.returncode, "stderr": done.stderr, "left": left}
+    for m in ("full",):  # empty the full disk for the next command
+        subprocess.run(["sh", "-c", f"rm -rf {args[m]}/* {args[m]}/.[!.]*"], check=False)
+print(json.dumps(report))
+"""
+
+
+def test_a_full_disk_or_a_read_only_directory_is_one_line_and_leaves_nothing(world, tmp_path):
+    from prlmfuse.corpora import load_corpus
+    from prlmfuse.train_fused import train_run
+
+    probe = subprocess.run(["unshare", "-Urm", "sh", "-c", f"mount -t tmpfs -o ro tmpfs {tmp_path}"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no private mount namespace here ({probe.stderr.decode().strip()[:80]})")
+    corpus = load_corpus(world["root"] / "work" / "data" / "text")
+    run_dir = train_run(small_runs.tiny_run("base", max_updates=2, save_every=2), corpus, [], tmp_path / "base",
+                        progress=False)
+    full, ro = tmp_path / "full", tmp_path / "ro"
+    raw = world["raw"]
+    files = [f"--{split}-{side}={raw / f'{split}.{side}'}" for split in ("train", "dev", "test") for side in ("src", "tgt")]
+    commands = {
+        "data full": ["data", "text", full / "mycorpus", *files, "--src-lang", "en", "--tgt-lang", "ja"],
+        "evaluate full": ["evaluate", "--runs", run_dir, "--out", full / "results", "--beam", "1", "--average-last", "1"],
+        "data read-only": ["data", "text", ro / "corpus", *files, "--src-lang", "en", "--tgt-lang", "ja"],
+        "cache read-only": ["cache", "build", "--checkpoint", world["ckpt"], "--corpus", raw / "test.src",
+                            "--out", ro / "cache"],
+        "evaluate read-only": ["evaluate", "--runs", run_dir, "--out", ro / "results", "--beam", "1"],
+    }
+    args = {"full": str(full), "ro": str(ro), "commands": {k: [str(a) for a in v] for k, v in commands.items()}}
+    done = subprocess.run(["unshare", "-Urm", sys.executable, "-c", _FULL_AND_READ_ONLY, json.dumps(args)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    needles = {
+        "data full": f"disk full while writing corpus mycorpus in {full}; free space and rerun to resume",
+        "evaluate full": f"in {full / 'results'}; free space and rerun to resume",
+        "data read-only": f"cannot write {ro / 'corpus'}",
+        "cache read-only": f"cannot write {ro / 'cache'}",
+        "evaluate read-only": f"cannot write {ro / 'results'}",
+    }
+    for case, entry in report.items():
+        assert_one_line_error((entry["code"], "", entry["stderr"]), needles[case])
+        # No temp file; what a stage finished before the disk filled (a hypothesis file) is whole and reused
+        assert not any(Path(p).name.startswith(".") for p in entry["left"]), (case, entry)
+        if case != "evaluate full":
+            assert entry["left"] == [], (case, entry)
+        if "read-only" in case:
+            assert "Read-only file system" in entry["stderr"] and "choose a writable location" in entry["stderr"]
 
 
 # ------------------------------------------------------------------------------------------ slow: real processes

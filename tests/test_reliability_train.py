@@ -219,3 +219,146 @@ def test_several_kill_9_at_random_moments_then_resume(world, tmp_path):
     assert [r["update"] for r in resumed if "dev_loss" in r] == list(range(5, 41, 5))
     state = json.loads((killed / "trainer_state.json").read_text())
     assert state["update"] == 40 and state["lr"] == inverse_sqrt_lr(40, 7e-4, 4)
+
+
+# A child in its own mount namespace: for each case, train into a tmpfs too small for the file named,
+# then give the tmpfs room and train again (the "rerun once there is space").
+_TMPFS_TRAINER = r"""
+import json, os, subprocess, sys
+import torch
+torch.set_num_threads(1)
+from prlmfuse.corpora import load_corpus
+from prlmfuse.errors import UserError
+from prlmfuse.train_fused import train_run
+from prlmfuse.train_fused import run_dir as rundir
+sys.path.insert(0, {tests!r})
+from helpers import small_runs
+args = json.loads(sys.argv[1])
+corpus = load_corpus(args["corpus"])
+run = small_runs.tiny_run("full", max_updates=4, save_every=4)
+report = {{}}
+for case, size in args["sizes"].items():
+    mnt = os.path.join(args["root"], case)
+    os.makedirs(mnt)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={{size}}", "tmpfs", mnt], check=True)
+    out = os.path.join(mnt, "run")
+    entry = report[case] = {{}}
+    try:
+        train_run(run, corpus, [], out, progress=False)
+        entry["first"] = "completed"
+    except UserError as e:
+        entry["first"] = str(e)
+    entry["files"] = sorted(os.path.relpath(os.path.join(d, f), out) for d, _, fs in os.walk(out) for f in fs)
+    metrics = os.path.join(out, rundir.METRICS)
+    entry["metrics"] = open(metrics, "rb").read().decode() if os.path.exists(metrics) else None
+    subprocess.run(["mount", "-o", "remount,size=64m", mnt], check=True)  # space is back
+    train_run(run, corpus, [], out, progress=False)
+    entry["resumed_update"] = rundir.latest_trainer_state(out)["update"]
+print(json.dumps(report))
+"""
+
+
+def test_real_full_disk_while_writing_bpe_run_json_and_metrics(world, tmp_path):
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    probe = subprocess.run(["unshare", "-Urm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {tmp_path}"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no private mount namespace here ({probe.stderr.decode().strip()[:80]})")
+    # Room for exactly the files written before the one named (tmpfs counts whole pages).
+    reference = train_run(small_runs.tiny_run("full", max_updates=4, save_every=4), world["corpus"], [],
+                          tmp_path / "reference", progress=False)
+    pages = {name: -(-(reference / name).stat().st_size // 4096) for name in (".lock", "bpe.json", "run.json")}
+    pages[".lock"] = max(pages[".lock"], 1)
+    sizes = {"bpe.json": pages[".lock"], "run.json": pages[".lock"] + pages["bpe.json"],
+             "metrics.jsonl": pages[".lock"] + pages["bpe.json"] + pages["run.json"]}
+    args = {"corpus": str(world["corpus"].root), "root": str(tmp_path / "mnt"),
+            "sizes": {case: f"{n * 4}k" for case, n in sizes.items()}}
+    done = subprocess.run(["unshare", "-Urm", sys.executable, "-c",
+                           textwrap.dedent(_TMPFS_TRAINER.format(tests=str(reliability.TESTS))), json.dumps(args)],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    for case, entry in report.items():
+        assert entry["first"] == (f"disk full while writing {case} in {tmp_path / 'mnt' / case / 'run'}; "
+                                  "free space and rerun to resume"), (case, entry)
+        assert not any(Path(f).name.startswith(".") and f != ".lock" for f in entry["files"]), entry  # no temp file
+        assert case not in entry["files"] or case == "metrics.jsonl", entry  # no torn bpe.json or run.json
+        assert entry["metrics"] in (None, ""), entry  # no torn record
+        assert entry["resumed_update"] == 4
+
+
+# ------------------------------------------------------------------------------------------ --fresh
+
+
+def test_fresh_starts_over_and_keeps_the_old_run_until_the_new_one_saves(world, tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    old = train_run(small_runs.tiny_run("r", max_updates=8, save_every=4, lr=1e-3), world["corpus"], [], out,
+                    progress=False)
+    old_weights = _weights(old, 8)
+
+    # A fresh start (another lr: another run) that fails before its first checkpoint ...
+    original = checkpointing.save_model
+
+    def save_model(model, filename, metadata=None):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(checkpointing, "save_model", save_model)
+    fresh = small_runs.tiny_run("r", max_updates=4, save_every=4)
+    with pytest.raises(UserError, match="disk full while writing checkpoint update-00000004"):
+        train_run(fresh, world["corpus"], [], out, resume=False, progress=False)
+    # ... has lost nothing: the old run is set aside whole, and resuming brings it back.
+    assert rundir.latest_trainer_state(out) is None
+    assert rundir.latest_trainer_state(out / rundir.PREVIOUS_RUN)["update"] == 8
+    monkeypatch.setattr(checkpointing, "save_model", original)
+    train_run(small_runs.tiny_run("r", max_updates=8, save_every=4, lr=1e-3), world["corpus"], [], out, progress=False)
+    assert not (out / rundir.PREVIOUS_RUN).exists() and rundir.complete_checkpoints(out) == [4, 8]
+    assert all(torch.equal(t, _weights(out, 8)[n]) for n, t in old_weights.items())
+
+    # A fresh start that saves: the new run's files only, the old run gone.
+    train_run(fresh, world["corpus"], [], out, resume=False, progress=False)
+    assert rundir.complete_checkpoints(out) == [4] and rundir.latest_trainer_state(out)["update"] == 4
+    assert not (out / rundir.PREVIOUS_RUN).exists() and reliability.temp_leftovers(out) == []
+    assert json.loads((out / "run.json").read_text())["train"]["lr"] == fresh.lr
+    assert [r["update"] for r in _metrics(out)] == sorted(r["update"] for r in _metrics(out))
+    assert max(r["update"] for r in _metrics(out)) == 4
+    straight = train_run(fresh, world["corpus"], [], tmp_path / "straight", progress=False)
+    assert all(torch.equal(t, _weights(out, 4)[n]) for n, t in _weights(straight, 4).items())
+
+
+# ------------------------------------------------------------------------------------------ averages and the lock
+
+
+def test_averages_are_written_under_the_run_directory_lock(world, tmp_path, capsys, monkeypatch, caplog):
+    import logging
+
+    run_dir = train_run(small_runs.tiny_run("base", max_updates=4, save_every=2), world["corpus"], [],
+                        tmp_path / "base", progress=False)
+    # A trainer holds the run (another process): `train average` and evaluate refuse, writing nothing.
+    trainer = reliability.hold_lock(run_dir / ".lock", "", 120)
+    try:
+        result = reliability.run_cli(["train", "average", run_dir, "--last", "2"], capsys, monkeypatch)
+        reliability.assert_one_line_error(result, f"{run_dir} is being trained by another process (pid {trainer.pid})",
+                                          "once training has finished")
+        result = reliability.run_cli(["evaluate", "--runs", run_dir, "--out", tmp_path / "results", "--beam", "1",
+                                      "--average-last", "2"], capsys, monkeypatch)
+        reliability.assert_one_line_error(result, f"{run_dir} is being trained by another process")
+        assert not (run_dir / "average-last2.safetensors").exists() and reliability.temp_leftovers(run_dir) == []
+    finally:
+        trainer.kill()
+        trainer.wait()
+    # Another averager holds it: this one waits for it, then averages.
+    averager = reliability.hold_lock(run_dir / ".lock", "averaging", 1.5)
+    caplog.set_level(logging.INFO, logger="prlmfuse")
+    path = rundir.average_checkpoints(run_dir, last=2)
+    averager.wait()
+    assert f"waiting for pid {averager.pid} to finish averaging" in caplog.text
+    assert path == run_dir / "average-last2.safetensors" and path.is_file()
+    # A trainer waits for an averager too (averaging takes seconds), then resumes.
+    averager = reliability.hold_lock(run_dir / ".lock", "averaging", 1.5)
+    train_run(small_runs.tiny_run("base", max_updates=6, save_every=2), world["corpus"], [], run_dir, progress=False)
+    averager.wait()
+    assert rundir.latest_trainer_state(run_dir)["update"] == 6

@@ -24,6 +24,7 @@ from prlmfuse.train_fused.run_dir import (
     TRAINER_STATE,
     checkpoint_file_update,
     complete_checkpoints,
+    discard_previous_run,
     epoch_end_checkpoints,
     latest_trainer_state,
     load_weights,
@@ -116,6 +117,7 @@ def _save_checkpoint(run_dir: Path, update: int, model, optimizer, trainer_state
     if is_best:
         save_weights(model, run_dir / BEST, metadata={"update": str(update)})
     atomic_write_json(run_dir / TRAINER_STATE, state)
+    discard_previous_run(run_dir)  # a run `--fresh` replaced goes once this one has a state of its own
     prune_checkpoints(run_dir, keep_last, keep_last_epochs)
     return weights
 

@@ -11,6 +11,7 @@
     average-last{K}.safetensors               average of the newest K checkpoints (evaluation), naming
                                               the sha256 of each file it averaged
     average-epochs{K}.safetensors             the same over the newest K epoch-end checkpoints
+    .previous-run/                            the run `train --fresh` replaces, until the new one saves
 
 The trainer writes these (train_fused.checkpointing for the checkpoint files); the evaluator and
 the pipeline only read them, through the functions here.
@@ -19,9 +20,12 @@ the pipeline only read them, through the functions here.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
+import logging
 import os
 import re
+import shutil
 from pathlib import Path
 from typing import Iterator
 
@@ -32,9 +36,11 @@ from safetensors.torch import load_file, load_model, save_file
 import prlmfuse
 from prlmfuse.errors import UserError
 from prlmfuse.evaluate.settings import AVERAGE_CHOICES
-from prlmfuse.fileio import FileDigests, atomic_path, atomic_write_json, atomic_write_text, pid_lock, read_json
+from prlmfuse.fileio import FileDigests, atomic_path, atomic_write_json, atomic_write_text, fsync_dir, pid_lock, read_json
 from prlmfuse.train_fused.bpe import BPE
 from prlmfuse.train_fused.modeling import FusedTransformer, ModelConfig
+
+logger = logging.getLogger(__name__)
 
 RUN_JSON = "run.json"
 BPE_JSON = "bpe.json"
@@ -45,6 +51,8 @@ BEST = "best.safetensors"
 LOCK = ".lock"
 TRAIN_LOG = "train.log"  # a training child's output under `prlmfuse train --jobs N`
 TENSORBOARD_DIR = "tensorboard"
+# `train --fresh` moves the run it replaces here; deleted once the new run has saved its first checkpoint.
+PREVIOUS_RUN = ".previous-run"
 WEIGHTS_CHOICES = ("best", "last", "average")
 
 _WEIGHTS_RE = re.compile(r"^update-(\d{8})\.safetensors$")
@@ -54,11 +62,11 @@ _NAMED_FILE_RE = {
     "checkpoint": re.compile(rf"^{CHECKPOINT_DIR}/update-\d{{8}}\.safetensors$"),
     "optimizer": re.compile(rf"^{CHECKPOINT_DIR}/optimizer-\d{{8}}\.safetensors$"),
 }
-# atomic_path's temp names (".<final name>.<random>.tmp") of the files training writes: what a kill -9
-# mid-save leaves behind. (average-*.safetensors temps are not among them: evaluate may be
-# writing one right now, without the training lock.)
+# atomic_path's temp names (".<final name>.<random>.tmp") of the files training and averaging write:
+# what a kill -9 mid-save leaves behind (both write under the run directory's lock).
 _STALE_TEMP_RE = re.compile(r"^\.(update-\d{8}\.(safetensors|json)|optimizer-\d{8}\.safetensors|"
-                            r"trainer_state\.json|best\.safetensors|run\.json|bpe\.json|metrics\.jsonl)\..+\.tmp$")
+                            r"trainer_state\.json|best\.safetensors|run\.json|bpe\.json|metrics\.jsonl|"
+                            r"average-(last|epochs)\d+\.safetensors)\..+\.tmp$")
 # RunConfig fields that only steer when to stop, how often to log, or how to feed data: a resumed
 # run may change them. Every other field defines the run and must match the run directory.
 RESUMABLE_FIELDS = frozenset({
@@ -274,14 +282,100 @@ def training_progress(run, state: dict | None) -> tuple[str, int]:
 def training_lock(run_dir: Path) -> Iterator[None]:
     """One training process per run directory: a second one would interleave checkpoints."""
 
-    def refuse(pid: str) -> None:
+    def wait_or_refuse(holder: str) -> None:
+        pid, _, purpose = holder.partition(" ")
+        if purpose == _AVERAGING:  # seconds: wait for it
+            logger.info("%s: waiting for pid %s to finish averaging checkpoints", run_dir, pid)
+            return
         raise UserError(
             f"{run_dir} is being trained by another process (pid {pid}); wait for it to finish "
             "(a rerun then resumes or finds the run done) or choose another directory"
         )
 
-    with pid_lock(Path(run_dir) / LOCK, when_held=refuse):
+    with pid_lock(Path(run_dir) / LOCK, when_held=wait_or_refuse):
         yield
+
+
+_AVERAGING = "averaging"
+
+
+@contextlib.contextmanager
+def averaging_lock(run_dir: Path) -> Iterator[None]:
+    """Writing an average into (or from) a run directory: never while a trainer writes and prunes its
+    checkpoints (refused), one averager at a time (the second waits)."""
+
+    def wait_or_refuse(holder: str) -> None:
+        pid, _, purpose = holder.partition(" ")
+        if purpose == _AVERAGING:
+            logger.info("%s: waiting for pid %s to finish averaging checkpoints", run_dir, pid)
+            return
+        raise UserError(
+            f"{run_dir} is being trained by another process (pid {pid}); average or evaluate it once "
+            "training has finished (or stop it: a rerun resumes)"
+        )
+
+    with pid_lock(Path(run_dir) / LOCK, when_held=wait_or_refuse, purpose=_AVERAGING):
+        yield
+
+
+def _run_files(run_dir: Path) -> list[Path]:
+    """What a run consists of: everything in its directory but the lock, a training child's log
+    (being written by this very process under --jobs) and a run set aside."""
+    keep = {LOCK, TRAIN_LOG, PREVIOUS_RUN}
+    return [entry for entry in run_dir.iterdir() if entry.name not in keep] if run_dir.is_dir() else []
+
+
+def _remove(entries: list[Path]) -> None:
+    for entry in entries:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink(missing_ok=True)
+
+
+def settle_previous_run(run_dir: str | os.PathLike, *, resume: bool) -> None:
+    """Before training starts (under `training_lock`): resolve a run an earlier `--fresh` set aside.
+
+    If the fresh run saved a checkpoint, the old one is deleted. If it never did, resuming brings
+    the old run back (nothing a fresh start left behind is worth more than it); `--fresh` again
+    keeps it aside and clears the unsaved attempt.
+    """
+    run_dir = Path(run_dir)
+    previous = run_dir / PREVIOUS_RUN
+    if not previous.is_dir():
+        return
+    if (run_dir / TRAINER_STATE).is_file() or complete_checkpoints(run_dir):
+        shutil.rmtree(previous)
+        return
+    _remove(_run_files(run_dir))
+    if resume:
+        for entry in previous.iterdir():
+            os.replace(entry, run_dir / entry.name)
+        previous.rmdir()
+        fsync_dir(run_dir)
+        logger.info("%s: the fresh start never saved a checkpoint; resuming the run it was to replace", run_dir)
+
+
+def set_aside_for_fresh_start(run_dir: str | os.PathLike) -> None:
+    """`train --fresh` on a run directory with checkpoints: move the old run into PREVIOUS_RUN; it is
+    deleted only once the new run has saved its first checkpoint (discard_previous_run), so a fresh
+    start killed early loses nothing."""
+    run_dir = Path(run_dir)
+    previous = run_dir / PREVIOUS_RUN
+    previous.mkdir()
+    for entry in _run_files(run_dir):
+        os.replace(entry, previous / entry.name)
+    fsync_dir(previous)
+    fsync_dir(run_dir)
+    logger.info("%s: starting over (--fresh); the previous run is kept in %s until the first checkpoint",
+                run_dir, previous)
+
+
+def discard_previous_run(run_dir: str | os.PathLike) -> None:
+    """The new run has a checkpoint of its own: the run it replaced goes."""
+    previous = Path(run_dir) / PREVIOUS_RUN
+    if previous.is_dir():
+        shutil.rmtree(previous)
 
 
 def remove_stale_temps(run_dir: str | os.PathLike) -> list[str]:
@@ -361,8 +455,27 @@ def average_checkpoints(
     Default output: run_dir/average-last{K}.safetensors (saves) or average-epochs{K}.safetensors.
     Its metadata lists the averaged checkpoints with their sha256, and an existing file over exactly
     those files is reused as is (a run retrained in place writes checkpoints of the same names with
-    other weights).
+    other weights). Done under the run directory's lock (averaging_lock): a trainer pruning
+    checkpoints meanwhile is refused.
     """
+    if not Path(run_dir).is_dir():
+        raise UserError(f"no complete checkpoints under {Path(run_dir) / CHECKPOINT_DIR}; train the run first")
+    try:
+        with averaging_lock(Path(run_dir)):
+            return _average_checkpoints(run_dir, last, out, average)
+    except OSError as e:
+        # A run directory this process may not write (shared, read-only) still serves an average made before.
+        found = _average_checkpoints(run_dir, last, out, average, reuse_only=True) if e.errno in _NOT_WRITABLE else None
+        if found is None:
+            raise
+        return found
+
+
+_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def _average_checkpoints(run_dir: str | os.PathLike, last: int, out: str | os.PathLike | None, average: str, *,
+                         reuse_only: bool = False) -> Path | None:
     run_dir = Path(run_dir)
     if last < 1:
         raise UserError(f"average_checkpoints: last={last}; average at least 1 checkpoint")
@@ -391,6 +504,8 @@ def average_checkpoints(
                     return out
         except SafetensorError:
             pass  # corrupt: rebuild below
+    if reuse_only:
+        return None
     total: dict[str, torch.Tensor] = {}
     dtypes: dict[str, torch.dtype] = {}
     for u in chosen:

@@ -18,7 +18,7 @@ import torch
 
 from prlmfuse.distributed import DistContext, barrier, broadcast_parameters, init_distributed
 from prlmfuse.errors import UserError
-from prlmfuse.fileio import read_lines
+from prlmfuse.fileio import disk_full_error, is_disk_full, read_lines
 from prlmfuse.precision import Runtime, resolve_runtime
 from prlmfuse.train_fused import run_dir as rundir
 from prlmfuse.train_fused.bpe import BPE, train_bpe
@@ -59,6 +59,10 @@ def build_model_config(run: RunConfig, vocab_size: int, specs: list[PrLMSpec]) -
 def _check_run(run: RunConfig, caches: list[dict[str, str]]) -> None:
     if run.max_updates is None and run.max_epochs is None:
         raise UserError(f"run {run.name}: set max_updates or max_epochs, or training never stops")
+    for key in ("max_updates", "max_epochs", "save_every", "log_every"):
+        value = getattr(run, key)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise UserError(f"run {run.name}: {key}={value!r}; it must be a positive integer")
     if len(caches) != len(run.prlms):
         raise UserError(
             f"run {run.name} fuses {len(run.prlms)} PrLM(s) but {len(caches)} cache set(s) were given; "
@@ -149,16 +153,24 @@ def train_run(
             stack.enter_context(rundir.training_lock(run_dir))
             # Safe only under the lock: a killed save's temp file is nobody's now.
             rundir.remove_stale_temps(run_dir)
-        return _train_locked(run, corpus, branches, run_dir, ctx, resume=resume, progress=progress, runtime=runtime)
+        try:
+            return _train_locked(run, corpus, branches, run_dir, ctx, resume=resume, progress=progress, runtime=runtime)
+        except OSError as e:
+            # run.json, bpe.json and the like are written atomically (fileio.atomic_path names the file).
+            if is_disk_full(e) and e.filename:
+                raise disk_full_error(Path(e.filename).name, Path(e.filename).parent) from None
+            raise
 
 
 def _train_locked(run: RunConfig, corpus, branches: dict[str, list[PrLMBranch]], run_dir: Path, ctx: DistContext, *,
                   resume: bool, progress: bool, runtime: Runtime) -> Path:
+    if ctx.is_main:
+        rundir.settle_previous_run(run_dir, resume=resume)
+        # Not read first: --fresh also starts over from a trainer state too damaged to resume.
+        if not resume and any((run_dir / name).exists() for name in (rundir.TRAINER_STATE, rundir.CHECKPOINT_DIR)):
+            rundir.set_aside_for_fresh_start(run_dir)
+    barrier(ctx)
     existing = rundir.latest_trainer_state(run_dir)
-    if existing is not None and not resume:
-        raise UserError(
-            f"{run_dir} already holds a trained run (update {existing['update']}); resume it or choose a new directory"
-        )
 
     bpe_path = run_dir / rundir.BPE_JSON
     if ctx.is_main and (existing is None or not bpe_path.is_file()):

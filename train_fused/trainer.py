@@ -15,9 +15,11 @@ order and the RNG, so an interrupted run ends with the weights an uninterrupted 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -28,6 +30,7 @@ import torch.nn.functional as F
 
 from prlmfuse.distributed import DistContext, all_reduce_sum, barrier, reduce_gradients
 from prlmfuse.errors import UserError
+from prlmfuse.fileio import disk_full_error, is_disk_full
 from prlmfuse.precision import Runtime, grad_scaler, resolve_runtime
 from prlmfuse.train_fused import checkpointing, run_dir as rundir
 from prlmfuse.train_fused.bpe import PAD_ID
@@ -95,13 +98,24 @@ class _MetricsLog:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, initial=initial, desc=run.name, unit="upd", dynamic_ncols=True, file=sys.stderr)
-        self.file = open(self.path, "a", encoding="utf-8")
+        # Unbuffered bytes: a record either reaches the file whole or is cut back off it.
+        self.file = open(self.path, "ab", buffering=0)
 
     def log(self, record: dict) -> None:
         if not self.enabled:
             return
-        self.file.write(json.dumps(record, sort_keys=True) + "\n")
-        self.file.flush()
+        data = (json.dumps(record, sort_keys=True) + "\n").encode("utf-8")
+        size = os.fstat(self.file.fileno()).st_size
+        try:
+            written = 0
+            while written < len(data):
+                written += self.file.write(data[written:])
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self.file.fileno(), size)
+            if is_disk_full(e):
+                raise disk_full_error(rundir.METRICS, self.path.parent) from None
+            raise
         if self.tb is not None:
             for k, v in record.items():
                 if k != "update" and isinstance(v, (int, float)):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from prlmfuse import __version__
 from prlmfuse.errors import UserError
-from prlmfuse.fileio import FileDigests, atomic_write_json, fsync_dir, read_json, sha256_file
+from prlmfuse.fileio import FileDigests, atomic_write_json, disk_full_error, fsync_dir, is_disk_full, read_json, sha256_file
 
 SPLITS = ("train", "dev", "test")
 SIDES = ("src", "tgt")
@@ -246,7 +246,10 @@ def install_corpus(
 
     # mkdir (not mkdtemp, which makes it 0700) so the corpus gets the usual umask permissions.
     tmp = out.parent / f".{out.name}.{uuid.uuid4().hex[:12]}.tmp"
-    tmp.mkdir()
+    try:
+        tmp.mkdir()
+    except OSError as e:
+        raise OSError(e.errno, e.strerror, str(out)) from None  # name the corpus, not its temp name
     try:
         for (split, side), data in blobs.items():
             _write_synced(tmp / f"{split}.{side}", data)
@@ -270,8 +273,10 @@ def install_corpus(
                     f"{out} appeared while the corpus was being built (another run?); run again"
                 ) from None
         fsync_dir(out.parent)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and is_disk_full(e):
+            raise disk_full_error(f"corpus {name}", out.parent) from None
         raise
     return load_corpus(out)
 

@@ -54,6 +54,11 @@ def load_prlm(info: CheckpointInfo) -> tuple["PreTrainedModel", "PreTrainedToken
         )
     except OSError as e:
         raise UserError(f"cannot load checkpoint '{info.name}' from {info.path}: {str(e).splitlines()[0]}") from None
+    except (ValueError, TypeError, KeyError, AttributeError, ImportError) as e:
+        # What transformers and tokenizers raise for a tokenizer or weights they cannot make sense of.
+        first = (str(e).splitlines() or [type(e).__name__])[0]
+        raise UserError(f"cannot load checkpoint '{info.name}' from {info.path} ({type(e).__name__}: {first}); "
+                        "check that its model and tokenizer files are complete") from None
     finally:
         hf_logging.set_verbosity(verbosity)
     model.eval()

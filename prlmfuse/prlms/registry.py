@@ -14,6 +14,7 @@ huggingface_hub and transformers are imported inside the functions that use them
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import fcntl
 import importlib.metadata
 import importlib.util
@@ -239,12 +240,30 @@ def _info_from_dir(name: str, directory: Path, *, trust_remote_code: bool) -> Ch
             f"checkpoint directory {directory} has no config.json; point to a directory written by "
             "save_pretrained, or use an alias: " + _alias_list()
         )
+    _check_tokenizer_files(directory, trust_remote_code)
     identity = checkpoint_identity(directory)
     try:
         config = load_config(str(directory), name, trust_remote_code)
     except OSError as e:
         raise UserError(f"cannot read checkpoint directory {directory}: {str(e).splitlines()[0]}") from None
     return describe(name, str(directory), config, directory, identity, trust_remote_code)
+
+
+# A tokenizer's vocabulary is in one of these; without them transformers builds an empty tokenizer
+# that maps every word to the unknown token, and the cache would hold features of nothing.
+_TOKENIZER_FILES = ("tokenizer.json", "vocab.*", "*.model", "*.tiktoken")
+
+
+def _check_tokenizer_files(directory: Path, trust_remote_code: bool) -> None:
+    names = [p.name for p in directory.iterdir() if p.is_file()]
+    if any(fnmatch.fnmatch(n, pattern) for n in names for pattern in _TOKENIZER_FILES):
+        return
+    if trust_remote_code and "tokenizer_config.json" in names:
+        return  # a custom tokenizer class may keep its vocabulary anywhere
+    raise UserError(
+        f"checkpoint directory {directory} has no tokenizer files (tokenizer.json, vocab.txt/vocab.json or a "
+        "*.model); save the tokenizer beside the model (tokenizer.save_pretrained(DIR)) and rerun"
+    )
 
 
 def _unknown(name: str, why: str) -> UserError:

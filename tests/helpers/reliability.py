@@ -183,6 +183,25 @@ class Zygote:
             self.proc.wait(timeout=60)
 
 
+_HOLD_LOCK = r"""
+import fcntl, os, sys, time
+with open(sys.argv[1], "a+") as f:
+    fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+    f.seek(0); f.truncate(); f.write(f"{os.getpid()} {sys.argv[2]}".strip()); f.flush()
+    print("held", flush=True)
+    time.sleep(float(sys.argv[3]))
+"""
+
+
+def hold_lock(lock_path: Path, purpose: str, seconds: float) -> subprocess.Popen:
+    """Another process holding `lock_path` as prlmfuse's locks do (pid and purpose inside) for `seconds`."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(lock_path), purpose, str(seconds)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
 # ------------------------------------------------------------------------------------------ caches
 
 
