@@ -133,7 +133,7 @@ def test_patience_and_epoch_settings_are_checked_where_they_stand(tmp_path):
                                    "evaluate: {average: epochs, average_last: 3}\n", "k.yaml"))
     assert "evaluate.average_last: averages 3 epoch-end checkpoints but run 'f' keeps only keep_last_epochs 2" in msg
     msg = error_of(write(tmp_path, "train:\n  runs:\n    g: {max_epochs: 5, patience: 0}\n", "c.yaml"))
-    assert "c.yaml:3:34: train.runs.g.patience: expected an integer >= 1, got 0" in msg
+    assert "c.yaml:3:34: train.runs.g.patience: expected a positive integer, got 0" in msg
 
 
 def test_missing_file_names_key_path(tmp_path):
