@@ -45,6 +45,11 @@ def _say(msg: str) -> None:
 
 def corpus_dir(cfg: PipelineConfig) -> Path:
     d = cfg.data
+    if d.kind == "hf":
+        # Named by what selects the rows, so that pointing the file at other data builds a new corpus.
+        fields = {k: getattr(d, k) for k in ("dataset", "subset", "revision", "src_field", "tgt_field",
+                                               "translation_field", "splits", "src", "tgt", "task")}
+        return cfg.workdir / "data" / f"hf-{hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]}"
     name = {"bible": f"bible-{d.src}-{d.tgt}", "debian-descriptions": "debian-descriptions"}.get(d.kind, "text")
     return cfg.workdir / "data" / name
 
@@ -67,6 +72,12 @@ def ensure_data(cfg: PipelineConfig, *, build: bool = True):
             corpora.build_bible(root, src=d.src, tgt=d.tgt)
         elif d.kind == "debian-descriptions":
             corpora.build_debian_descriptions(root, lists_dir=d.lists_dir)
+        elif d.kind == "hf":
+            corpora.build_hf(
+                root, dataset=d.dataset, src_lang=d.src, tgt_lang=d.tgt, src_field=d.src_field, tgt_field=d.tgt_field,
+                translation_field=d.translation_field, splits=d.splits, subset=d.subset, revision=d.revision,
+                task=d.task, name=f"hf-{Path(d.dataset).name}",
+            )
         else:
             f = d.files
             corpora.register_text(
