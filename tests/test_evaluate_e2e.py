@@ -221,3 +221,43 @@ def test_translate_command_reads_stdin_and_passes_every_decoding_option(world):
     _, bpe = load_model(run, select_weights(run, 2))
     assert [len(bpe.encode(h)) for h in result.stdout.splitlines()] == [4] * len(lines)
     assert all(len(bpe.encode(h)) < 4 for h in translate(world["fused"], lines, average_last=2))
+
+
+def test_reports_list_the_baseline_first_mark_significant_deltas_and_name_settings(world, tmp_path):
+    import dataclasses
+
+    from prlmfuse.evaluate import evaluate_runs
+    from prlmfuse.evaluate.plots import plot_scores
+    from prlmfuse.evaluate.results import EvaluationResults, results_markdown
+
+    out = world["root"] / "eval-order"
+    # Directories in the other order: the reports still start with the baseline.
+    results = evaluate_runs([world["fused"], world["baseline"]], out=out, beam=2, average_last=3, progress=False)
+    assert [r.run for r in results.rows] == ["baseline", "fused"]
+    md = (out / "results.md").read_text()
+    assert md.index("| baseline |") < md.index("| fused |")
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [r["run"] for r in rows] == ["baseline", "fused"]
+    assert "* marks p < 0.05" in md
+
+    # The same rows with a significant and a non-significant p: only the first is marked.
+    fused = results.row("fused")
+    marked = {}
+    for p in (0.01, 0.2):
+        row = dataclasses.replace(fused, p_value={"bleu": p}, delta={"bleu": 1.5})
+        text = results_markdown(EvaluationResults(out, "baseline", [results.row("baseline"), row], results.settings))
+        marked[p] = next(line for line in text.splitlines() if line.startswith("| fused |"))
+    assert "p=0.010*)" in marked[0.01] and "p=0.200)" in marked[0.2]
+    plot_scores(EvaluationResults(out, "baseline", [results.row("baseline"), dataclasses.replace(
+        fused, p_value={"bleu": 0.01}, delta={"bleu": 1.5})], results.settings), tmp_path / "scores-significant.png")
+    assert (tmp_path / "scores-significant.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_setting_labels_name_prlm_layer_merge_position_side():
+    from prlmfuse.evaluate.results import setting_label
+
+    assert setting_label("baseline", {"prlm": "-", "layer": "-"}) == "baseline: no PrLM"
+    fused = {"prlm": "minilm-l6", "layer": "-2", "merge": "sum", "position": "ffn", "side": "source"}
+    assert setting_label("fused", fused) == "fused: minilm-l6 L-2, sum/ffn/source"
+    two = {"prlm": "minilm-l6 + e5", "layer": "-2 + dyn_cls", "merge": "gate", "position": "attn", "side": "both"}
+    assert setting_label("two", two) == "two: minilm-l6 L-2 + e5 dyn_cls, gate/attn/both"
