@@ -434,8 +434,15 @@ def evaluate(runs, more_runs, out, baseline, device, **decoding) -> None:
     """Stage three: decode and score every run on its test set; write results.md and plots."""
     from prlmfuse.evaluate import evaluate_runs
 
-    evaluate_runs(_variadic(runs, more_runs), out=out, baseline=baseline, device=device or "auto", **decoding)
-    click.echo(f"results: {Path(out) / 'results.md'}")
+    results = evaluate_runs(_variadic(runs, more_runs), out=out, baseline=baseline, device=device or "auto", **decoding)
+    _print_summary(results)
+
+
+def _print_summary(results) -> None:
+    from prlmfuse.evaluate import summary_lines
+
+    for line in summary_lines(results):
+        click.echo(line)
 
 
 @cli.command()
@@ -469,7 +476,9 @@ def run(pipeline, only, runs, more_runs, dry_run, parallel, device, precision) -
     """Run a whole pipeline file: data -> cache -> train -> evaluate -> report.
 
     Finished steps are skipped, so running it again when all is done takes seconds.
-    PIPELINE defaults to ./pipeline.yaml, else the demo shipped with prlmfuse.
+    PIPELINE defaults to ./pipeline.yaml, else the demo shipped with prlmfuse. After an evaluation it
+    prints a summary: where results.md is, each run's score with delta and p, two test sentences
+    translated by every run beside the reference, and the plots.
     """
     from prlmfuse.config import load_pipeline
     from prlmfuse.pipeline import plan_lines, run_pipeline
@@ -480,7 +489,10 @@ def run(pipeline, only, runs, more_runs, dry_run, parallel, device, precision) -
         for line in plan_lines(cfg, names):
             click.echo(line)
         return
-    run_pipeline(cfg, only=only, names=names, parallel=parallel)
+    results = run_pipeline(cfg, only=only, names=names, parallel=parallel)
+    if results is not None:
+        click.echo("")
+        _print_summary(results)
 
 
 def main() -> None:

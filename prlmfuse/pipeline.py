@@ -387,8 +387,11 @@ def plan_lines(cfg: PipelineConfig, names: list[str] | None) -> list[str]:
 
 
 def run_pipeline(cfg: PipelineConfig, *, only: str | None = None, names: list[str] | None = None,
-                 parallel: int = 1) -> None:
-    """Every stage of the pipeline file (or `only` one), skipping what is already done."""
+                 parallel: int = 1):
+    """Every stage of the pipeline file (or `only` one), skipping what is already done.
+
+    Returns the EvaluationResults when the evaluate stage ran here (rank 0), else None.
+    """
     from prlmfuse.precision import resolve_runtime
 
     resolve_runtime(cfg.device, cfg.precision)  # a device this machine lacks fails before any work
@@ -402,4 +405,5 @@ def run_pipeline(cfg: PipelineConfig, *, only: str | None = None, names: list[st
     if only in (None, "train"):
         train_runs(cfg, names, jobs=jobs, parallel=parallel)
     if only in (None, "evaluate"):
-        evaluate_pipeline(cfg, names, jobs=jobs)
+        return evaluate_pipeline(cfg, names, jobs=jobs)
+    return None

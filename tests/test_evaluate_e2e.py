@@ -261,3 +261,29 @@ def test_setting_labels_name_prlm_layer_merge_position_side():
     assert setting_label("fused", fused) == "fused: minilm-l6 L-2, sum/ffn/source"
     two = {"prlm": "minilm-l6 + e5", "layer": "-2 + dyn_cls", "merge": "gate", "position": "attn", "side": "both"}
     assert setting_label("two", two) == "two: minilm-l6 L-2 + e5 dyn_cls, gate/attn/both"
+
+
+def test_evaluate_command_ends_with_a_summary_a_person_reads(world, capsys, monkeypatch):
+    from helpers.reliability import run_cli
+    from prlmfuse.fileio import read_lines
+
+    out = world["root"] / "eval-summary"
+    code, stdout, err = run_cli(["evaluate", "--runs", world["fused"], world["baseline"], "--out", out, "--beam", "2",
+                                 "--average-last", "3"], capsys, monkeypatch)
+    assert code == 0, err
+    lines = stdout.splitlines()
+    assert lines[0] == f"results: {out / 'results.md'}"
+    assert lines[1] == "BLEU on test (10 sentences):"
+    assert lines[2].lstrip().startswith("baseline: no PrLM") and lines[2].endswith("(baseline)")
+    assert lines[3].lstrip().startswith("fused: tiny-bert L-2, sum/ffn/source") and " Δ " in lines[3] and " p=" in lines[3]
+    sources = read_lines(world["corpus"].src_path("test"))
+    refs = read_lines(world["corpus"].tgt_path("test"))
+    hyps = read_lines(out / "hyp.fused.test.txt")
+    examples = [i for i, line in enumerate(lines) if line.startswith("example: test line ")]
+    assert len(examples) == 2
+    for at in examples:
+        n = int(lines[at].rsplit(" ", 1)[1]) - 1
+        block = [line.split(None, 1) for line in lines[at + 1:at + 5]]
+        assert [b[0] for b in block] == ["source", "reference", "baseline", "fused"]
+        assert block[0][1] == sources[n] and block[1][1] == refs[n] and block[3][1:] == ([hyps[n]] if hyps[n] else [])
+    assert lines[-1] == f"plots: {out / 'scores.png'}, {out / 'dev_loss.png'}"
