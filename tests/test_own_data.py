@@ -3,8 +3,20 @@ corpus, and the README's "Your own data" pipeline runs as written (only its path
 
 from __future__ import annotations
 
-from prlmfuse.corpora import load_corpus
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+from pathlib import Path
 
+import pytest
+
+from prlmfuse.corpora import load_corpus
+from prlmfuse.fileio import read_lines
+
+from helpers import small_runs
 from helpers.reliability import run_cli
 
 
@@ -45,3 +57,67 @@ def test_data_text_prints_the_lines_that_build_the_same_corpus(tmp_path, capsys,
         assert built.src_sha256(split) == registered.src_sha256(split)
         assert built.tgt_sha256(split) == registered.tgt_sha256(split)
     assert (built.src_lang, built.tgt_lang, built.task) == ("en", "ja", "translation")
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def _readme_blocks() -> list[str]:
+    """The YAML blocks of README.md's "Your own data" section, as written."""
+    text = README.read_text(encoding="utf-8")
+    start = text.index("\n## Your own data\n")
+    section = text[start:text.index("\n## ", start + 1)]
+    return re.findall(r"```yaml\n(.*?)```", section, re.S)
+
+
+def _readme_pipeline(root: Path) -> Path:
+    """README's complete pipeline.yaml beside the six files it names, with only its PrLM pointed at a
+    tiny local checkpoint directory (the README says a local directory goes where the hub id is)."""
+    full = _readme_blocks()[0]
+    assert full.count(HUB_ID) == 2
+    prlm = small_runs.tiny_prlm(root / "tiny-prlm", layers=3, width=32)
+    rng = random.Random(0)
+    words = "the a dog cat sees big small red house tree river near".split()
+    for split, n in (("train", 30), ("dev", 4), ("test", 4)):
+        pairs = [[rng.choice(words) for _ in range(rng.randint(4, 9))] for _ in range(n)]
+        _write(root / "corpus" / f"{split}.en", [" ".join(p) for p in pairs])
+        _write(root / "corpus" / f"{split}.de", [" ".join(reversed(p)).upper() for p in pairs])
+    path = root / "pipeline.yaml"
+    path.write_text(full.replace(HUB_ID, str(prlm)), encoding="utf-8")
+    return path
+
+
+def test_readme_own_data_pipeline_runs_as_written(tmp_path):
+    path = _readme_pipeline(tmp_path)
+    env = dict(os.environ, PRLMFUSE_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, "-m", "prlmfuse.cli", "run", "pipeline.yaml"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = tmp_path / "work" / "my-corpus" / "results"
+    rows = {r["run"]: r for r in json.loads((results / "results.json").read_text())["rows"]}
+    assert set(rows) == {"baseline", "fused"} and rows["fused"]["compared_with"] == "baseline"
+    assert rows["fused"]["num_sentences"] == 4 and rows["fused"]["updates"] == 20  # one batch an epoch, 20 epochs
+    assert done.stdout.splitlines()[-1].startswith("plots: ")
+
+
+def test_readme_hf_data_section_builds_its_corpus(tmp_path):
+    from prlmfuse.config import load_pipeline
+    from prlmfuse.pipeline import ensure_data
+
+    datasets = pytest.importorskip("datasets")
+    full, hf_data = _readme_blocks()[:2]
+    # The hf block stands in place of the complete pipeline's data section, as the README says.
+    start = full.index("\ndata:\n")
+    end = full.index("\ncache:\n")
+    text = full[:start + 1] + hf_data.rstrip("\n") + full[end:]
+    datasets.DatasetDict({
+        "train": datasets.Dataset.from_list([{"translation": {"en": f"sentence {i} here", "ja": f"文 {i}"}} for i in range(200)]),
+        "validation": datasets.Dataset.from_list([{"translation": {"en": f"dev {i}", "ja": f"開発 {i}"}} for i in range(5)]),
+    }).save_to_disk(str(tmp_path / "my-dataset"))
+    (tmp_path / "pipeline.yaml").write_text(text, encoding="utf-8")
+    cfg = load_pipeline(tmp_path / "pipeline.yaml")
+    assert cfg.data.kind == "hf" and cfg.data.dataset == str(tmp_path / "my-dataset")
+    corpus = ensure_data(cfg)
+    assert read_lines(corpus.src_path("dev")) == [f"dev {i}" for i in range(5)]
+    assert corpus.num_pairs("train") + corpus.num_pairs("test") == 200 and corpus.num_pairs("test") >= 1
