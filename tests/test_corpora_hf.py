@@ -27,6 +27,9 @@ def offline(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_datasets_cache")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
 
 
 def _pairs(n: int, start: int = 0) -> list[tuple[str, str]]:
@@ -140,9 +143,12 @@ def test_bad_rows_and_settings_are_one_clear_error_and_leave_no_corpus(tmp_path,
     assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".corpus")]
 
 
-def test_missing_local_path_and_missing_datasets_package(tmp_path, monkeypatch):
+def test_missing_local_path_unreachable_hub_id_and_missing_datasets_package(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="no such file or directory"):
         build_hf(tmp_path / "c", dataset=str(tmp_path / "nowhere" / "ds"), src_lang="en", tgt_lang="ja")
+    with pytest.raises(UserError, match=r"^dataset someone/no-such-dataset: `datasets` could not load it \(") as e:
+        build_hf(tmp_path / "c", dataset="someone/no-such-dataset", src_lang="en", tgt_lang="ja")
+    assert "\n" not in str(e.value) and not (tmp_path / "c").exists()
     _save_train_only(tmp_path / "saved")
     monkeypatch.setitem(sys.modules, "datasets", None)  # what `import datasets` meets where it is not installed
     with pytest.raises(UserError, match=r"needs the `datasets` package.*pip install 'prlmfuse\[hf\]'"):

@@ -88,6 +88,19 @@ def _readme_pipeline(root: Path) -> Path:
     return path
 
 
+def test_readme_own_data_pipeline_loads_and_builds_its_corpus(tmp_path):
+    from prlmfuse.config import load_pipeline
+    from prlmfuse.pipeline import ensure_data, plan_lines
+
+    cfg = load_pipeline(_readme_pipeline(tmp_path))
+    assert [r.name for r in cfg.train.runs] == ["baseline", "fused"] and cfg.evaluate.baseline == "baseline"
+    corpus = ensure_data(cfg)
+    assert read_lines(corpus.src_path("test")) == read_lines(tmp_path / "corpus" / "test.en")
+    assert read_lines(corpus.tgt_path("train")) == read_lines(tmp_path / "corpus" / "train.de")
+    assert any(line.startswith("train: fused") for line in plan_lines(cfg, None))
+
+
+@pytest.mark.slow
 def test_readme_own_data_pipeline_runs_as_written(tmp_path):
     path = _readme_pipeline(tmp_path)
     env = dict(os.environ, PRLMFUSE_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
