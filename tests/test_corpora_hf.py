@@ -126,6 +126,7 @@ def test_local_jsonl_csv_and_parquet_files(tmp_path):
     ([{"en": "a b", "ja": "x"}], {"src_field": "en"}, ["give both src_field and tgt_field"]),
     ([{"en": "a b", "ja": "x"}], {"splits": {"test": "test"}}, ["no split 'test'", "its splits are train", "fraction"]),
     ([{"en": "a b", "ja": "x"}], {"splits": {"dev": 0.9}}, ["splits.dev", "at most 0.5"]),
+    ([{"en": "a b", "ja": "x"}], {"splits": {"test": "train"}}, ["train and test would both be its split 'train'"]),
     ([{"en": "a b", "ja": "x"}], {"splits": {"dev": 0.01, "test": 0.01}}, ["dev split is empty", "raise its fraction"]),
     ([{"translation": {"en": "a", "de": "b"}}], {}, ["row 0", "translation holds {en, de}", "keys en and ja"]),
     ([{"text": "a"}], {}, ["has columns text", "src_field and tgt_field", "translation_field"]),

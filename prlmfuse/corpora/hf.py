@@ -128,6 +128,15 @@ def _choose_splits(available: list[str], splits: dict | None, dataset: str) -> d
                 f"name the training split with splits: {{train: NAME}}"
             )
         chosen[split] = found if found is not None else DEFAULT_HOLDOUT
+    named = [(s, v) for s, v in chosen.items() if isinstance(v, str)]
+    for i, (split, value) in enumerate(named):
+        twin = next((other for other, v in named[:i] if v == value), None)
+        if twin is not None:
+            # The same rows on two sides would score the model on what it trained or was selected on.
+            raise UserError(
+                f"dataset {dataset}: {twin} and {split} would both be its split {value!r}; name another split "
+                f"for {split}, or give a fraction such as {DEFAULT_HOLDOUT} to carve it out of train"
+            )
     return chosen
 
 
