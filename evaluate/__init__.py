@@ -6,6 +6,7 @@
     evaluate_runs(run_dirs, *, out, test_sets=None, baseline=None, <decode settings>, batch_tokens,
                   progress=True) -> EvaluationResults
         results.md / results.csv / results.json, hyp.<run>.<test>.txt, scores.png, dev_loss.png in `out`
+    summary_lines(results) -> list[str]   what to print after an evaluation: scores, delta and p, examples, plots
     translate(run_dir, lines, *, <decode settings>, ...) -> list[str]   (PrLM features computed live)
     beam_search(model, src_tokens, prlm, ...), greedy(model, src_tokens, prlm, ...) -> list[list[int]]
     DecodeSettings: beam, lenpen, max_len_a/b, min_len, no_repeat_ngram_size and their defaults
@@ -13,7 +14,7 @@
 Modules: settings (decode settings and defaults), runs (a run directory as evaluation reads it),
 corpus_decode (decoding a whole test set), decode (beam search), metrics (scores, bootstrap
 statistics), bootstrap (comparisons between runs), results (result rows and files), plots,
-evaluation (evaluate_runs), live (translate).
+evaluation (evaluate_runs), summary (the printed summary), live (translate).
 Everything is imported on first use, so `import prlmfuse.evaluate` stays cheap.
 """
 
@@ -28,6 +29,7 @@ _LAZY = {
     "RunResult": "prlmfuse.evaluate.results",
     "DecodeSettings": "prlmfuse.evaluate.settings",
     "translate": "prlmfuse.evaluate.live",
+    "summary_lines": "prlmfuse.evaluate.summary",
     "beam_search": "prlmfuse.evaluate.decode",
     "greedy": "prlmfuse.evaluate.decode",
 }

@@ -26,7 +26,7 @@ from prlmfuse.evaluate.bootstrap import BOOTSTRAP_SAMPLES, add_bootstrap, matche
 from prlmfuse.evaluate.corpus_decode import decode_corpus, encode_sources, note_truncated
 from prlmfuse.evaluate.metrics import DEFAULT_SEED, corpus_scores, sentence_stats
 from prlmfuse.evaluate.plots import plot_dev_loss, plot_scores
-from prlmfuse.evaluate.results import EvaluationResults, RunResult, write_results
+from prlmfuse.evaluate.results import EvaluationResults, RunResult, stable_order, write_results
 from prlmfuse.evaluate.runs import RunView, load_model, open_run, select_weights, weights_fingerprint
 from prlmfuse.evaluate.settings import AVERAGE, AVERAGE_LAST, BATCH_TOKENS, DEFAULTS, DecodeSettings
 from prlmfuse.fileio import atomic_write_json, atomic_write_text, read_lines, sha256_file
@@ -211,6 +211,10 @@ def evaluate_runs(
 
     add_bootstrap(rows, sentence_level, refs_sha, matched_baselines(runs, baseline_name),
                   n_samples=bootstrap_samples, seed=seed)
+    # Reports list runs in one order whatever order the directories were given in.
+    order = {name: i for i, name in enumerate(stable_order(names, baseline_name))}
+    rows.sort(key=lambda r: (splits.index(r.test_set), order[r.run]))
+    runs.sort(key=lambda r: order[r.name])
     settings_record = {
         "beam": beam, "lenpen": lenpen, "average_last": average_last, "average": average, "max_len_a": max_len_a,
         "max_len_b": max_len_b, "min_len": min_len, "no_repeat_ngram_size": no_repeat_ngram_size, "bf16": bf16,
@@ -220,7 +224,7 @@ def evaluate_runs(
     results = EvaluationResults(out=out, baseline=baseline_name, rows=rows, settings=settings_record)
     write_results(results)
     plot_scores(results, out / "scores.png")
-    plot_dev_loss(runs, out / "dev_loss.png")
+    plot_dev_loss(runs, out / "dev_loss.png", baseline_name)
     return results
 
 

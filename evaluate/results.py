@@ -81,6 +81,37 @@ class EvaluationResults:
         }
 
 
+# A delta whose paired-bootstrap p is below this is marked significant (`*`) in results.md and the summary.
+SIGNIFICANCE = 0.05
+
+
+def setting_label(run: str, desc: dict) -> str:
+    """A run's name with what it is: `fused: minilm-l6 L-2, sum/ffn/source`, `baseline: no PrLM`.
+
+    desc holds the table columns prlm, layer, merge, position, side (RunView.describe, RunResult).
+    """
+    if desc.get("prlm", "-") == "-":
+        return f"{run}: no PrLM"
+    names, layers = desc["prlm"].split(" + "), str(desc["layer"]).split(" + ")
+    branches = " + ".join(f"{n} L{layer}" if layer.lstrip("-").isdigit() else f"{n} {layer}"
+                          for n, layer in zip(names, layers))
+    return f"{run}: {branches}, {desc['merge']}/{desc['position']}/{desc['side']}"
+
+
+def row_label(row: RunResult) -> str:
+    return setting_label(row.run, {k: getattr(row, k) for k in ("prlm", "layer", "merge", "position", "side")})
+
+
+def stable_order(names: list[str], baseline: str | None) -> list[str]:
+    """Runs as every report lists them: the baseline first, then the others by name."""
+    return sorted(dict.fromkeys(names), key=lambda n: (n != baseline, n))
+
+
+def is_significant(row: RunResult, metric: str) -> bool:
+    p = row.p_value.get(metric)
+    return p is not None and p < SIGNIFICANCE
+
+
 def _fmt(x: float, digits: int = 2) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
@@ -91,7 +122,8 @@ def _with_delta(row: RunResult, metric: str, baseline: str | None) -> str:
         return f"{score} (-)"
     if metric in row.delta:
         versus = f" vs {row.compared_with}" if row.compared_with not in (None, baseline) else ""
-        return f"{score} ({row.delta[metric]:+.2f}, p={row.p_value[metric]:.3f}{versus})"
+        mark = "*" if is_significant(row, metric) else ""
+        return f"{score} ({row.delta[metric]:+.2f}, p={row.p_value[metric]:.3f}{mark}{versus})"
     return score
 
 
@@ -104,7 +136,8 @@ def results_markdown(results: EvaluationResults) -> str:
         f"{'epoch-end ' if s.get('average') == 'epochs' else ''}checkpoints "
         f"(0 = best), paired bootstrap {s['bootstrap_samples']} samples (seed {s['seed']}); "
         f"baseline: {results.baseline or 'none'}. Δ and p are against the baseline (two-sided paired bootstrap), "
-        f"or against the baseline run of the same seed where it names one."
+        f"or against the baseline run of the same seed where it names one; * marks p < {SIGNIFICANCE:g}. "
+        f"The baseline comes first, then the other runs by name."
     )
     for split in dict.fromkeys(r.test_set for r in results.rows):
         rows = [r for r in results.rows if r.test_set == split]

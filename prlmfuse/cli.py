@@ -186,14 +186,78 @@ def data_debian(out: str, lists_dir: str | None, force: bool) -> None:
 @click.option("--task", default="translation", show_default=True, type=click.Choice(corpora.TASKS))
 @click.option("--force", is_flag=True, help="Replace a different corpus already in OUT.")
 def data_text(out: str, task: str, force: bool, **files: str) -> None:
-    """Check and register your own train/dev/test source and target files."""
+    """Check and register your own train/dev/test source and target files.
+
+    Prints the pipeline.yaml `data:` lines that build the same corpus.
+    """
+    from prlmfuse.config import DataConfig, TextFiles
+
     _print_corpus(corpora.register_text(out, task=task, force=force, **files))
+    src, tgt = files.pop("src_lang"), files.pop("tgt_lang")
+    _print_data_yaml(DataConfig(kind="text", src=src, tgt=tgt, task=task,
+                                files=TextFiles(**{k: Path(v) for k, v in files.items()})))
+
+
+def _split_option(value: str | None) -> str | float | None:
+    # A number is a fraction of train carved out by hash; anything else names a split.
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+@data.command("hf")
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--dataset", required=True,
+              help="Hub id, a directory written by save_to_disk, or parquet/json/jsonl/csv files (a file or a folder).")
+@click.option("--src-lang", required=True, help="Source language code, e.g. en (also the source key of translation dicts).")
+@click.option("--tgt-lang", required=True, help="Target language code, e.g. ja (picks the BLEU tokenizer).")
+@click.option("--src-field", help="Column holding the source text.")
+@click.option("--tgt-field", help="Column holding the target text.")
+@click.option("--translation-field", help="Column of {SRC_LANG: ..., TGT_LANG: ...} dicts (default: `translation` if present).")
+@click.option("--train-split", help="Dataset split to train on (default: train).")
+@click.option("--dev-split", help="Dataset split for dev, or a fraction of train chosen by hash, e.g. 0.05 "
+              "(default: validation/dev/valid if present, else 0.05).")
+@click.option("--test-split", help="Dataset split for test, or a fraction of train (default: test if present, else 0.05).")
+@click.option("--subset", help="Hub dataset configuration (subset) name.")
+@click.option("--revision", help="Hub dataset revision (branch, tag or commit).")
+@click.option("--task", default="translation", show_default=True, type=click.Choice(corpora.TASKS))
+@click.option("--force", is_flag=True, help="Replace a different corpus already in OUT.")
+def data_hf(out, dataset, src_lang, tgt_lang, src_field, tgt_field, translation_field, train_split, dev_split,
+            test_split, subset, revision, task, force) -> None:
+    """A corpus from a Hugging Face `datasets` dataset (needs the `hf` extra).
+
+    Prints the pipeline.yaml `data:` lines that build the same corpus.
+    """
+    from prlmfuse.config import DataConfig
+
+    splits = {k: v for k, v in (("train", train_split), ("dev", _split_option(dev_split)),
+                                ("test", _split_option(test_split))) if v is not None} or None
+    local = Path(dataset).expanduser()
+    if local.exists():
+        dataset = str(local.resolve())
+    _print_corpus(corpora.build_hf(
+        out, dataset=dataset, src_lang=src_lang, tgt_lang=tgt_lang, src_field=src_field, tgt_field=tgt_field,
+        translation_field=translation_field, splits=splits, subset=subset, revision=revision, task=task, force=force,
+    ))
+    _print_data_yaml(DataConfig(kind="hf", src=src_lang, tgt=tgt_lang, task=task, dataset=dataset, subset=subset,
+                                revision=revision, src_field=src_field, tgt_field=tgt_field,
+                                translation_field=translation_field, splits=splits))
 
 
 def _print_corpus(corpus: corpora.Corpus) -> None:
     click.echo(f"corpus {corpus.name} ({corpus.task}, {corpus.src_lang}->{corpus.tgt_lang}) in {corpus.root}")
     for split, sides in corpus.splits.items():
         click.echo(f"  {split:<5} {sides['src']['lines']:>8} pairs")
+
+
+def _print_data_yaml(data) -> None:
+    from prlmfuse.config import data_yaml
+
+    click.echo("\nIn pipeline.yaml, these lines build the same corpus:\n")
+    click.echo(data_yaml(data), nl=False)
 
 
 # ---------------------------------------------------------------------------- checkpoints
@@ -381,8 +445,15 @@ def evaluate(runs, more_runs, out, baseline, device, **decoding) -> None:
     """Stage three: decode and score every run on its test set; write results.md and plots."""
     from prlmfuse.evaluate import evaluate_runs
 
-    evaluate_runs(_variadic(runs, more_runs), out=out, baseline=baseline, device=device or "auto", **decoding)
-    click.echo(f"results: {Path(out) / 'results.md'}")
+    results = evaluate_runs(_variadic(runs, more_runs), out=out, baseline=baseline, device=device or "auto", **decoding)
+    _print_summary(results)
+
+
+def _print_summary(results) -> None:
+    from prlmfuse.evaluate import summary_lines
+
+    for line in summary_lines(results):
+        click.echo(line)
 
 
 @cli.command()
@@ -419,7 +490,9 @@ def run(pipeline, only, runs, more_runs, dry_run, parallel, device, precision) -
     """Run a whole pipeline file: data -> cache -> train -> evaluate -> report.
 
     Finished steps are skipped, so running it again when all is done takes seconds.
-    PIPELINE defaults to ./pipeline.yaml, else the demo shipped with prlmfuse.
+    PIPELINE defaults to ./pipeline.yaml, else the demo shipped with prlmfuse. After an evaluation it
+    prints a summary: where results.md is, each run's score with delta and p, two test sentences
+    translated by every run beside the reference, and the plots.
     """
     from prlmfuse.config import load_pipeline
     from prlmfuse.pipeline import plan_lines, run_pipeline
@@ -430,7 +503,10 @@ def run(pipeline, only, runs, more_runs, dry_run, parallel, device, precision) -
         for line in plan_lines(cfg, names):
             click.echo(line)
         return
-    run_pipeline(cfg, only=only, names=names, parallel=parallel)
+    results = run_pipeline(cfg, only=only, names=names, parallel=parallel)
+    if results is not None:
+        click.echo("")
+        _print_summary(results)
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ from prlmfuse.evaluate.settings import AVERAGE, AVERAGE_CHOICES, AVERAGE_LAST, D
 from prlmfuse.train_fused.config import RunConfig
 from prlmfuse.train_fused.modeling import LAYER_MODES, MERGES, POSITIONS, PRESETS, SIDES
 
-CORPUS_KINDS = ("bible", "debian-descriptions", "text")
+CORPUS_KINDS = ("bible", "debian-descriptions", "text", "hf")
 # A string `layer` names a learned combination of layers; "fixed" is what an integer index means.
 STRING_LAYER_MODES = tuple(m for m in LAYER_MODES if m != "fixed")
 # String fields of RunConfig that take one of a fixed set of values.
@@ -51,13 +51,25 @@ class TextFiles:
 
 @dataclass
 class DataConfig:
-    kind: str = "bible"  # bible | debian-descriptions | text
+    kind: str = "bible"  # bible | debian-descriptions | text | hf
     src: str = "en"
     tgt: str = "ja"
-    task: str = "translation"  # translation | summarization (text corpora only; the others know theirs)
+    task: str = "translation"  # translation | summarization (text and hf corpora; the others know theirs)
     files: TextFiles | None = None
     # Where the debian-descriptions builder keeps apt's Translation-en lists (default: a private dir).
     lists_dir: Path | None = None
+    # kind hf (prlmfuse.corpora.hf.build_hf): hub id, save_to_disk directory or data files, a local
+    # path resolved against the pipeline file; which columns; which splits.
+    dataset: str | None = None
+    subset: str | None = None
+    revision: str | None = None
+    src_field: str | None = None
+    tgt_field: str | None = None
+    translation_field: str | None = None
+    splits: dict[str, Any] | None = None
+
+
+HF_KEYS = ("dataset", "subset", "revision", "src_field", "tgt_field", "translation_field", "splits")
 
 
 @dataclass
@@ -371,6 +383,13 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
             if not p.is_file():
                 raise where.error(("data", "files", f.name), f"file not found: {p}")
 
+    if data.kind == "hf":
+        _check_hf(data, where, base_dir)
+    else:
+        stray = next((k for k in HF_KEYS if getattr(data, k) is not None), None)
+        if stray:
+            raise where.error(("data", stray), f"only kind 'hf' reads {stray}; remove it or set kind: hf", at_key=True)
+
     cache = _build(CacheConfig, raw.get("cache"), ("cache",), where, base_dir)
     _check_choice(cache.backend, BACKENDS, ("cache", "backend"), where)
     _check_choice(cache.dtype, STORAGE_DTYPES, ("cache", "dtype"), where)
@@ -435,6 +454,54 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
                 )
     return PipelineConfig(path=path, workdir=workdir, data=data, cache=cache, train=train, evaluate=evaluate,
                           device=device, precision=precision)
+
+
+def _check_hf(data: DataConfig, where: _Where, base_dir: Path) -> None:
+    """Located errors for kind hf; a local dataset path becomes absolute (relative to the pipeline file)."""
+    from prlmfuse.corpora.hf import check_fields, check_splits, looks_like_path
+
+    if not data.dataset:
+        raise where.error(("data",), "kind 'hf' needs dataset: a hub id, a save_to_disk directory or parquet/json/csv files")
+    local = Path(data.dataset).expanduser()
+    local = local if local.is_absolute() else base_dir / local
+    if local.exists():
+        data.dataset = str(local)
+    elif looks_like_path(data.dataset):
+        raise where.error(("data", "dataset"), f"no such file or directory: {local}")
+    bad = check_splits(data.splits)
+    if bad is not None:
+        keypath, message = bad
+        raise where.error(("data", "splits", *keypath), message, at_key=bool(keypath))
+    conflict = check_fields(data.src_field, data.tgt_field, data.translation_field)
+    if conflict is not None:
+        raise where.error(("data",), conflict)
+
+
+def data_yaml(data: DataConfig) -> str:
+    """The `data:` section of a pipeline.yaml that builds this corpus, as lines to paste (paths absolute)."""
+    lines = ["data:", f"  kind: {data.kind}", f"  src: {_yaml_scalar(data.src)}", f"  tgt: {_yaml_scalar(data.tgt)}"]
+    if data.kind in ("text", "hf"):
+        lines.append(f"  task: {data.task}")
+    if data.files is not None:
+        lines.append("  files:")
+        lines += [f"    {f.name}: {_yaml_scalar(str(Path(getattr(data.files, f.name)).resolve()))}"
+                  for f in dataclasses.fields(TextFiles)]
+    if data.lists_dir is not None:
+        lines.append(f"  lists_dir: {_yaml_scalar(str(Path(data.lists_dir).resolve()))}")
+    for key in HF_KEYS:
+        value = getattr(data, key)
+        if value is None:
+            continue
+        if key == "splits":
+            lines.append("  splits: {" + ", ".join(f"{k}: {_yaml_scalar(v)}" for k, v in value.items()) + "}")
+        else:
+            lines.append(f"  {key}: {_yaml_scalar(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _yaml_scalar(value: Any) -> str:
+    """One scalar as YAML writes it in flow style (quoted only where plain text would read differently)."""
+    return yaml.safe_dump(value, default_flow_style=True, allow_unicode=True, width=10**6).strip().removesuffix("\n...").strip()
 
 
 def _runtime_text(raw: dict, key: str, check, where: _Where) -> str:

@@ -47,6 +47,11 @@ def _say(msg: str) -> None:
 
 def corpus_dir(cfg: PipelineConfig) -> Path:
     d = cfg.data
+    if d.kind == "hf":
+        # Named by what selects the rows, so that pointing the file at other data builds a new corpus.
+        fields = {k: getattr(d, k) for k in ("dataset", "subset", "revision", "src_field", "tgt_field",
+                                               "translation_field", "splits", "src", "tgt", "task")}
+        return cfg.workdir / "data" / f"hf-{hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]}"
     name = {"bible": f"bible-{d.src}-{d.tgt}", "debian-descriptions": "debian-descriptions"}.get(d.kind, "text")
     return cfg.workdir / "data" / name
 
@@ -94,6 +99,12 @@ def ensure_data(cfg: PipelineConfig, *, build: bool = True):
             corpora.build_bible(root, src=d.src, tgt=d.tgt)
         elif d.kind == "debian-descriptions":
             corpora.build_debian_descriptions(root, lists_dir=d.lists_dir)
+        elif d.kind == "hf":
+            corpora.build_hf(
+                root, dataset=d.dataset, src_lang=d.src, tgt_lang=d.tgt, src_field=d.src_field, tgt_field=d.tgt_field,
+                translation_field=d.translation_field, splits=d.splits, subset=d.subset, revision=d.revision,
+                task=d.task, name=f"hf-{Path(d.dataset).name}",
+            )
         else:
             f = d.files
             corpora.register_text(
@@ -447,8 +458,11 @@ def plan_lines(cfg: PipelineConfig, names: list[str] | None) -> list[str]:
 
 
 def run_pipeline(cfg: PipelineConfig, *, only: str | None = None, names: list[str] | None = None,
-                 parallel: int = 1) -> None:
-    """Every stage of the pipeline file (or `only` one), skipping what is already done."""
+                 parallel: int = 1):
+    """Every stage of the pipeline file (or `only` one), skipping what is already done.
+
+    Returns the EvaluationResults when the evaluate stage ran here (rank 0), else None.
+    """
     from prlmfuse.precision import resolve_runtime
 
     resolve_runtime(cfg.device, cfg.precision)  # a device this machine lacks fails before any work
@@ -462,4 +476,5 @@ def run_pipeline(cfg: PipelineConfig, *, only: str | None = None, names: list[st
     if only in (None, "train"):
         train_runs(cfg, names, jobs=jobs, parallel=parallel)
     if only in (None, "evaluate"):
-        evaluate_pipeline(cfg, names)
+        return evaluate_pipeline(cfg, names)
+    return None

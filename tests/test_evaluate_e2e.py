@@ -221,3 +221,69 @@ def test_translate_command_reads_stdin_and_passes_every_decoding_option(world):
     _, bpe = load_model(run, select_weights(run, 2))
     assert [len(bpe.encode(h)) for h in result.stdout.splitlines()] == [4] * len(lines)
     assert all(len(bpe.encode(h)) < 4 for h in translate(world["fused"], lines, average_last=2))
+
+
+def test_reports_list_the_baseline_first_mark_significant_deltas_and_name_settings(world, tmp_path):
+    import dataclasses
+
+    from prlmfuse.evaluate import evaluate_runs
+    from prlmfuse.evaluate.plots import plot_scores
+    from prlmfuse.evaluate.results import EvaluationResults, results_markdown
+
+    out = world["root"] / "eval-order"
+    # Directories in the other order: the reports still start with the baseline.
+    results = evaluate_runs([world["fused"], world["baseline"]], out=out, beam=2, average_last=3, progress=False)
+    assert [r.run for r in results.rows] == ["baseline", "fused"]
+    md = (out / "results.md").read_text()
+    assert md.index("| baseline |") < md.index("| fused |")
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [r["run"] for r in rows] == ["baseline", "fused"]
+    assert "* marks p < 0.05" in md
+
+    # The same rows with a significant and a non-significant p: only the first is marked.
+    fused = results.row("fused")
+    marked = {}
+    for p in (0.01, 0.2):
+        row = dataclasses.replace(fused, p_value={"bleu": p}, delta={"bleu": 1.5})
+        text = results_markdown(EvaluationResults(out, "baseline", [results.row("baseline"), row], results.settings))
+        marked[p] = next(line for line in text.splitlines() if line.startswith("| fused |"))
+    assert "p=0.010*)" in marked[0.01] and "p=0.200)" in marked[0.2]
+    plot_scores(EvaluationResults(out, "baseline", [results.row("baseline"), dataclasses.replace(
+        fused, p_value={"bleu": 0.01}, delta={"bleu": 1.5})], results.settings), tmp_path / "scores-significant.png")
+    assert (tmp_path / "scores-significant.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_setting_labels_name_prlm_layer_merge_position_side():
+    from prlmfuse.evaluate.results import setting_label
+
+    assert setting_label("baseline", {"prlm": "-", "layer": "-"}) == "baseline: no PrLM"
+    fused = {"prlm": "minilm-l6", "layer": "-2", "merge": "sum", "position": "ffn", "side": "source"}
+    assert setting_label("fused", fused) == "fused: minilm-l6 L-2, sum/ffn/source"
+    two = {"prlm": "minilm-l6 + e5", "layer": "-2 + dyn_cls", "merge": "gate", "position": "attn", "side": "both"}
+    assert setting_label("two", two) == "two: minilm-l6 L-2 + e5 dyn_cls, gate/attn/both"
+
+
+def test_evaluate_command_ends_with_a_summary_a_person_reads(world, capsys, monkeypatch):
+    from helpers.reliability import run_cli
+    from prlmfuse.fileio import read_lines
+
+    out = world["root"] / "eval-summary"
+    code, stdout, err = run_cli(["evaluate", "--runs", world["fused"], world["baseline"], "--out", out, "--beam", "2",
+                                 "--average-last", "3"], capsys, monkeypatch)
+    assert code == 0, err
+    lines = stdout.splitlines()
+    assert lines[0] == f"results: {out / 'results.md'}"
+    assert lines[1] == "BLEU on test (10 sentences):"
+    assert lines[2].lstrip().startswith("baseline: no PrLM") and lines[2].endswith("(baseline)")
+    assert lines[3].lstrip().startswith("fused: tiny-bert L-2, sum/ffn/source") and " Δ " in lines[3] and " p=" in lines[3]
+    sources = read_lines(world["corpus"].src_path("test"))
+    refs = read_lines(world["corpus"].tgt_path("test"))
+    hyps = read_lines(out / "hyp.fused.test.txt")
+    examples = [i for i, line in enumerate(lines) if line.startswith("example: test line ")]
+    assert len(examples) == 2
+    for at in examples:
+        n = int(lines[at].rsplit(" ", 1)[1]) - 1
+        block = [line.split(None, 1) for line in lines[at + 1:at + 5]]
+        assert [b[0] for b in block] == ["source", "reference", "baseline", "fused"]
+        assert block[0][1] == sources[n] and block[1][1] == refs[n] and block[3][1:] == ([hyps[n]] if hyps[n] else [])
+    assert lines[-1] == f"plots: {out / 'scores.png'}, {out / 'dev_loss.png'}"

@@ -141,7 +141,7 @@ def test_result_files_hold_the_table(tmp_path):
     plot_scores(results, tmp_path / "scores.png")
     md = (tmp_path / "results.md").read_text()
     assert "| run | PrLM | layer | merge | position | side | BLEU (Δ, p) | chrF |" in md
-    assert "| minilm | minilm-l6 | -2 | sum | ffn | source | 21.50 (+1.50, p=0.012) | 40.00 |" in md
+    assert "| minilm | minilm-l6 | -2 | sum | ffn | source | 21.50 (+1.50, p=0.012*) | 40.00 |" in md
     assert "| baseline | - | - | - | - | - | 20.00 (-) |" in md
     assert "tok:13a" in md
     table = list(csv.DictReader((tmp_path / "results.csv").open()))

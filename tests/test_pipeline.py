@@ -76,6 +76,10 @@ def test_run_end_to_end_then_again_is_a_no_op(tiny_pipeline):
     first = _prlmfuse("run", str(path), cwd=root)
     assert first.returncode == 0, first.stderr[-3000:]
     work = root / "work"
+    # The output ends with the summary a person reads: results file, scores, examples, plots.
+    summary = first.stdout.splitlines()
+    assert f"results: {work / 'results' / 'results.md'}" in summary and sum(x.startswith("example: test line ") for x in summary) == 2
+    assert summary[-1] == f"plots: {work / 'results' / 'scores.png'}, {work / 'results' / 'dev_loss.png'}"
     results = (work / "results" / "results.md").read_text(encoding="utf-8")
     assert "baseline" in results and "fused" in results and "BLEU" in results
     for run in ("baseline", "fused"):

@@ -11,6 +11,15 @@ from prlmfuse.errors import UserError
 from prlmfuse.fileio import FileDigests, read_json, read_lines
 
 
+def check_task_and_languages(task: str, src_lang: str, tgt_lang: str) -> None:
+    """The checks every builder of the user's own data makes on its task and language codes."""
+    if task not in TASKS:
+        raise UserError(f"task {task!r} is not one of {', '.join(TASKS)}")
+    for what, lang in (("src_lang", src_lang), ("tgt_lang", tgt_lang)):
+        if not isinstance(lang, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", lang):
+            raise UserError(f"{what} {lang!r} is not a language code; use e.g. en, ja, de, zh-Hans")
+
+
 def register_text(
     out: str | os.PathLike,
     *,
@@ -31,11 +40,7 @@ def register_text(
     Each split's source and target must have the same number of lines, be valid UTF-8 and
     hold at least one pair; no line may be empty (whitespace is collapsed as in the builders).
     """
-    if task not in TASKS:
-        raise UserError(f"task {task!r} is not one of {', '.join(TASKS)}")
-    for what, lang in (("src_lang", src_lang), ("tgt_lang", tgt_lang)):
-        if not isinstance(lang, str) or not re.fullmatch(r"[A-Za-z0-9_-]+", lang):
-            raise UserError(f"{what} {lang!r} is not a language code; use e.g. en, ja, de, zh-Hans")
+    check_task_and_languages(task, src_lang, tgt_lang)
     files = {
         "train": (train_src, train_tgt),
         "dev": (dev_src, dev_tgt),
