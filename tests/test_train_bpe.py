@@ -111,3 +111,21 @@ def test_splits_encode_in_chunks_to_the_ids_of_one_batch(tmp_path, monkeypatch):
     assert all(a.dtype == np.int32 for a in got_src + got_tgt)
     assert [a.tolist() for a in got_src] == bpe.encode_batch(src[:40])
     assert [a.tolist() for a in got_tgt] == bpe.encode_batch(tgt[:40])
+
+
+def test_run_bpe_trains_in_a_child_process_to_the_same_model(tmp_path):
+    """train_run's BPE is trained in a child process (the tokenizers trainer's memory stays in the heap of
+    the process that ran it): the same bpe.json as training it in-process, and its errors arrive as UserError."""
+    from helpers import small_runs
+    from prlmfuse.fileio import read_lines
+    from prlmfuse.train_fused.config import RunConfig
+    from prlmfuse.train_fused.run_setup import train_run_bpe
+
+    corpus = small_runs.small_bible(tmp_path, train=60, dev=5, test=5)
+    src, tgt = read_lines(corpus.src_path("train")), read_lines(corpus.tgt_path("train"))
+    path = tmp_path / "bpe.json"
+    train_run_bpe(RunConfig(name="r", bpe_vocab=600, max_train_pairs=50), corpus, path)
+    assert BPE.load(path).tokenizer.to_str() == train_bpe(src[:50] + tgt[:50], vocab_size=600).tokenizer.to_str()
+    with pytest.raises(UserError, match="bpe_vocab=10 is too small"):
+        train_run_bpe(RunConfig(name="r", bpe_vocab=10), corpus, tmp_path / "small.json")
+    assert not (tmp_path / "small.json").exists()

@@ -7,9 +7,11 @@ loaded here: features come from the caches.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import logging
+import multiprocessing
 import os
 from pathlib import Path
 
@@ -104,6 +106,27 @@ def _branch_records(branches: dict[str, list[PrLMBranch]]) -> list[dict]:
     return records
 
 
+def _train_bpe_file(src_path: str, tgt_path: str, limit: int | None, vocab_size: int, out: str) -> None:
+    src, tgt = read_lines(src_path), read_lines(tgt_path)
+    if limit is not None:
+        src, tgt = src[:limit], tgt[:limit]
+    train_bpe(src + tgt, vocab_size).save(out)
+
+
+def train_run_bpe(run: RunConfig, corpus, bpe_path: Path) -> None:
+    """The run's joint BPE over its training pairs, trained in a child process and saved to `bpe_path`.
+
+    Why a child: the `tokenizers` trainer's pair counts stay in the process heap once freed, which
+    left the trainer larger by an amount that grew with the corpus.
+    """
+    context = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn")
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        pool.submit(
+            _train_bpe_file, str(corpus.src_path("train")), str(corpus.tgt_path("train")), run.max_train_pairs,
+            run.bpe_vocab, str(bpe_path),
+        ).result()
+
+
 # Lines per encode_batch call: a whole split at once held every line's Encoding (ids, tokens,
 # offsets, masks) and its Python list together, a heap peak that grew with the corpus.
 ENCODE_CHUNK = 2000
@@ -176,11 +199,7 @@ def _train_locked(run: RunConfig, corpus, branches: dict[str, list[PrLMBranch]],
     if ctx.is_main and (existing is None or not bpe_path.is_file()):
         if existing is not None:
             raise UserError(f"{bpe_path} is missing from a run with checkpoints; restore it or start in a new directory")
-        src = read_lines(corpus.src_path("train"))
-        tgt = read_lines(corpus.tgt_path("train"))
-        if run.max_train_pairs is not None:
-            src, tgt = src[: run.max_train_pairs], tgt[: run.max_train_pairs]
-        train_bpe(src + tgt, run.bpe_vocab).save(bpe_path)
+        train_run_bpe(run, corpus, bpe_path)
     barrier(ctx)
     bpe = BPE.load(bpe_path)
 
