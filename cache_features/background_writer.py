@@ -7,9 +7,8 @@ import threading
 
 import numpy as np
 
-from prlmfuse.fileio import is_disk_full
+from prlmfuse.fileio import disk_full_error, is_disk_full
 
-from .build_directory import disk_full_error
 from .location import Location
 from .manifest import PROGRESS_DIR, SHARD_DIR, write_json_at
 from .shards import ArraySpec, create_shard

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from prlmfuse.errors import UserError
-from prlmfuse.fileio import is_disk_full, pid_lock
+from prlmfuse.fileio import disk_full_error, is_disk_full, pid_lock
 
 from .location import Location
 from .manifest import BUILD_RECORD, MANIFEST, PROGRESS_DIR, SHARD_DIR, load_manifest, read_json_at, write_json_at
@@ -31,10 +31,6 @@ _STALE_TEMP = {
     PROGRESS_DIR: re.compile(r"^\.shard-\d{5}\.(zarr|h5)\.json\..+\.tmp$"),
     SHARD_DIR: re.compile(r"^\.shard-\d{5}\.(zarr|h5)\.tmp-\d+$"),
 }
-
-
-def disk_full_error(what: str, location) -> UserError:
-    return UserError(f"disk full while writing {what} in {location}; free space and rerun to resume")
 
 
 # A build waiting for another one to finish the same directory gives up when the other has not

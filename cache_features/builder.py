@@ -30,7 +30,7 @@ import torch
 from prlmfuse.distributed import DistContext, all_reduce_max, destroy, init_distributed, join_group
 from prlmfuse.errors import UserError
 from prlmfuse.precision import Runtime, dtype_of, resolve_runtime
-from prlmfuse.fileio import is_disk_full, read_lines, sha256_file
+from prlmfuse.fileio import disk_full_error, is_disk_full, read_lines, sha256_file
 
 from .extract import (
     EncodedCorpus,
@@ -44,7 +44,7 @@ from .extract import (
     plan_shards,
 )
 from .background_writer import BackgroundWriter
-from .build_directory import LOCK_WAIT_TIMEOUT, completed_records, directory_lock, disk_full_error, prepare_directory
+from .build_directory import LOCK_WAIT_TIMEOUT, completed_records, directory_lock, prepare_directory
 from .codecs import check_dtype, check_fits, encode, pooled_storage_dtype, side_arrays, token_bytes_per_row, token_numpy_dtype
 from .location import Location
 from .compat import precision_of, stored_fields

@@ -547,12 +547,11 @@ def _os_error_line(e: OSError) -> str | None:
     a file where a directory belongs), wherever in a stage they happen; None for the others."""
     import errno
 
-    from prlmfuse.fileio import is_disk_full
+    from prlmfuse.fileio import disk_full_error, is_disk_full
 
     target = Path(e.filename) if e.filename else None
-    where = f" in {target.parent}" if target else ""
     if is_disk_full(e):
-        return f"disk full while writing {target.name if target else 'a file'}{where}; free space and rerun to resume"
+        return str(disk_full_error(target.name, target.parent) if target else disk_full_error("a file", "this stage's output"))
     if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return (f"cannot write {target or 'the output'} ({e.strerror}); choose a writable location "
                 "or fix the permissions of the directory")

@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file, save_model
 
 from prlmfuse.errors import UserError
-from prlmfuse.fileio import atomic_path, atomic_write_json, is_disk_full
+from prlmfuse.fileio import atomic_path, atomic_write_json, disk_full_error, is_disk_full
 from prlmfuse.train_fused.run_dir import (
     BEST,
     CHECKPOINT_DIR,
@@ -98,9 +98,7 @@ def save_checkpoint(
                                 keep_last_epochs=keep_last_epochs)
     except Exception as e:  # noqa: BLE001 - safetensors reports I/O errors as SafetensorError
         if is_disk_full(e):
-            raise UserError(
-                f"disk full while writing checkpoint update-{update:08d} in {run_dir}; free space and rerun to resume"
-            ) from None
+            raise disk_full_error(f"checkpoint update-{update:08d}", run_dir) from None
         raise
 
 
