@@ -1,8 +1,8 @@
 """A PrLM checkpoint's identity: sha256 over the files that decide the hidden states it produces.
 
 A cache key built from it changes whenever the features a checkpoint produces could change.
-Per-file digests are remembered by size and mtime (prlmfuse.fileio.FileDigests): hashing a 500 MB
-weight file takes seconds, and every stage resolves its checkpoint.
+Per-file digests are remembered by size and mtime (prlmfuse.fileio.FileDigests): every stage resolves
+its checkpoint, and re-hashing unchanged weight files each time would read them whole.
 """
 
 from __future__ import annotations
