@@ -162,3 +162,10 @@ def test_cli_bounds_onednn_kernel_caches_before_torch_loads(given, expected):
     )
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == [*expected.split(), "False"]
+
+
+def test_the_demo_shipped_in_the_package_is_the_repository_pipeline():
+    # `prlmfuse run` without a file in the working directory runs the packaged copy: it must not drift.
+    shipped = Path(cli.__file__).with_name("pipeline.yaml")
+    repository = Path(__file__).resolve().parents[1] / "pipeline.yaml"
+    assert shipped.read_text(encoding="utf-8") == repository.read_text(encoding="utf-8")
