@@ -319,16 +319,11 @@ def _expand_runs(raw_runs: Any, defaults: dict, where: _Where, base_dir: Path) -
                     _check_choice(use.dtype, STORAGE_DTYPES, keypath + ("prlms", i, "dtype"), where)
             if run.merge == "direct" and len(run.prlms) != 1:
                 raise where.error(keypath + ("merge",), "merge 'direct' needs exactly one entry in prlms")
-            if run.update_freq < 1:
-                raise where.error(keypath + ("update_freq",), f"expected a positive integer, got {run.update_freq}")
             if run.max_updates is None and run.max_epochs is None:
                 raise where.error(keypath, "set max_updates or max_epochs (or both)")
-            for key, lowest in (("max_updates", 1), ("max_epochs", 1), ("save_every", 1), ("log_every", 1),
-                                ("patience", 1), ("min_epochs", 0), ("keep_last_epochs", 0)):
-                value = getattr(run, key)
-                if value is not None and value < lowest:
-                    wanted = "a positive integer" if lowest == 1 else f"an integer >= {lowest}"
-                    raise where.error(keypath + (key,), f"expected {wanted}, got {value}")
+            low = run.below_least_value()
+            if low is not None:
+                raise where.error(keypath + (low[0],), low[1])
             if run.min_epochs is not None and run.max_epochs is not None and run.min_epochs > run.max_epochs:
                 raise where.error(keypath + ("min_epochs",), f"min_epochs {run.min_epochs} exceeds max_epochs "
                                   f"{run.max_epochs}; lower it or raise max_epochs")

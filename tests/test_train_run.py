@@ -247,8 +247,8 @@ def test_refusals_are_one_line_user_errors(world, tmp_path):
                   tmp_path / "e", progress=False)
 
     done = train_run(small_runs.tiny_run(max_updates=2, save_every=2), corpus, [], tmp_path / "f", progress=False)
-    for key in ("save_every", "log_every", "max_updates"):
-        with pytest.raises(UserError, match=f"{key}=0; it must be a positive integer"):
+    for key in ("save_every", "log_every", "max_updates", "patience", "update_freq"):
+        with pytest.raises(UserError, match=f"{key}: expected a positive integer, got 0"):
             train_run(small_runs.tiny_run(**{key: 0}), corpus, [], tmp_path / "zero", progress=False)
     assert not (tmp_path / "zero").exists()
     with pytest.raises(UserError, match=r"different configuration \(train\.lr"):

@@ -26,6 +26,11 @@ class PrLMUse:
     feature_norm: bool = False
 
 
+# The least value of each integer run setting that has one (None stays allowed where the field is optional).
+LEAST_VALUES = {"update_freq": 1, "max_updates": 1, "max_epochs": 1, "save_every": 1, "log_every": 1, "patience": 1,
+                "min_epochs": 0, "keep_last_epochs": 0}
+
+
 @dataclass
 class RunConfig:
     """One training run: the model, the PrLM branches and the optimisation recipe."""
@@ -80,6 +85,15 @@ class RunConfig:
     compile: bool = False  # torch.compile the model (pays on GPUs; first steps are slow while it compiles)
     num_workers: int = 2
     in_memory_features: bool = False
+
+    def below_least_value(self) -> tuple[str, str] | None:
+        """(setting, "expected ..., got ...") for the first integer setting below its least value, else None."""
+        for key, least in LEAST_VALUES.items():
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, int) or value < least):
+                wanted = "a positive integer" if least == 1 else f"an integer >= {least}"
+                return key, f"expected {wanted}, got {value!r}"
+        return None
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -61,10 +61,9 @@ def build_model_config(run: RunConfig, vocab_size: int, specs: list[PrLMSpec]) -
 def _check_run(run: RunConfig, caches: list[dict[str, str]]) -> None:
     if run.max_updates is None and run.max_epochs is None:
         raise UserError(f"run {run.name}: set max_updates or max_epochs, or training never stops")
-    for key in ("max_updates", "max_epochs", "save_every", "log_every"):
-        value = getattr(run, key)
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise UserError(f"run {run.name}: {key}={value!r}; it must be a positive integer")
+    low = run.below_least_value()
+    if low is not None:
+        raise UserError(f"run {run.name}: {low[0]}: {low[1]}")
     if len(caches) != len(run.prlms):
         raise UserError(
             f"run {run.name} fuses {len(run.prlms)} PrLM(s) but {len(caches)} cache set(s) were given; "
