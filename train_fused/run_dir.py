@@ -27,7 +27,6 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -278,44 +277,33 @@ def training_progress(run, state: dict | None) -> tuple[str, int]:
     return f"resume at update {update}", update
 
 
-@contextlib.contextmanager
-def training_lock(run_dir: Path) -> Iterator[None]:
+def training_lock(run_dir: Path) -> contextlib.AbstractContextManager[None]:
     """One training process per run directory: a second one would interleave checkpoints."""
+    return _run_dir_lock(run_dir, "wait for it to finish (a rerun then resumes or finds the run done) or choose "
+                         "another directory")
 
-    def wait_or_refuse(holder: str) -> None:
-        pid, _, purpose = holder.partition(" ")
-        if purpose == _AVERAGING:  # seconds: wait for it
-            logger.info("%s: waiting for pid %s to finish averaging checkpoints", run_dir, pid)
-            return
-        raise UserError(
-            f"{run_dir} is being trained by another process (pid {pid}); wait for it to finish "
-            "(a rerun then resumes or finds the run done) or choose another directory"
-        )
 
-    with pid_lock(Path(run_dir) / LOCK, when_held=wait_or_refuse):
-        yield
+def averaging_lock(run_dir: Path) -> contextlib.AbstractContextManager[None]:
+    """Writing an average into (or from) a run directory: never while a trainer writes and prunes its
+    checkpoints (refused), one averager at a time (the second waits)."""
+    return _run_dir_lock(run_dir, "average or evaluate it once training has finished (or stop it: a rerun resumes)",
+                         purpose=_AVERAGING)
 
 
 _AVERAGING = "averaging"
 
 
-@contextlib.contextmanager
-def averaging_lock(run_dir: Path) -> Iterator[None]:
-    """Writing an average into (or from) a run directory: never while a trainer writes and prunes its
-    checkpoints (refused), one averager at a time (the second waits)."""
+def _run_dir_lock(run_dir: Path, if_training: str, purpose: str = "") -> contextlib.AbstractContextManager[None]:
+    """The run directory's lock: a holder that is averaging is waited for (seconds), a trainer refuses."""
 
     def wait_or_refuse(holder: str) -> None:
-        pid, _, purpose = holder.partition(" ")
-        if purpose == _AVERAGING:
+        pid, _, held_for = holder.partition(" ")
+        if held_for == _AVERAGING:
             logger.info("%s: waiting for pid %s to finish averaging checkpoints", run_dir, pid)
             return
-        raise UserError(
-            f"{run_dir} is being trained by another process (pid {pid}); average or evaluate it once "
-            "training has finished (or stop it: a rerun resumes)"
-        )
+        raise UserError(f"{run_dir} is being trained by another process (pid {pid}); {if_training}")
 
-    with pid_lock(Path(run_dir) / LOCK, when_held=wait_or_refuse, purpose=_AVERAGING):
-        yield
+    return pid_lock(Path(run_dir) / LOCK, when_held=wait_or_refuse, purpose=purpose)
 
 
 def _run_files(run_dir: Path) -> list[Path]:
