@@ -16,7 +16,7 @@ from safetensors import safe_open
 
 from prlmfuse.corpora import Corpus, load_corpus
 from prlmfuse.errors import UserError
-from prlmfuse.evaluate.settings import AVERAGE, AVERAGE_CHOICES
+from prlmfuse.evaluate.settings import AVERAGE
 from prlmfuse.train_fused import run_dir as rundir
 from prlmfuse.train_fused.branches import PrLMBranch, open_branch
 from prlmfuse.train_fused.config import RunConfig
@@ -134,14 +134,9 @@ def select_weights(run: RunView, average_last: int, average: str = AVERAGE) -> l
     average_last=0 (and, for "saves", when no checkpoint is complete)."""
     if average_last < 0:
         raise UserError(f"average_last must be >= 0 (0 = best checkpoint), got {average_last}")
-    if average not in AVERAGE_CHOICES:
-        raise UserError(f"average {average!r} is not one of {', '.join(AVERAGE_CHOICES)}")
     best = run.run_dir / rundir.BEST
-    if average_last > 0 and average == "epochs":
-        ends = rundir.epoch_end_checkpoints(run.run_dir)
-        if not ends:
-            raise UserError(f"run {run.name} ({run.run_dir}) has no checkpoint saved at an epoch end; train it for "
-                            "at least one full epoch or average the last saves (average: saves)")
+    if average_last > 0 and average != "saves":
+        ends = rundir.averageable_checkpoints(run.run_dir, average)
         if len(ends) < average_last:
             logger.warning("run %s keeps %d epoch-end checkpoint(s); averaging those, not %d",
                            run.name, len(ends), average_last)

@@ -211,9 +211,12 @@ def test_epoch_average_averages_exactly_the_epoch_end_checkpoints(world, tmp_pat
         if name in averaged:
             torch.testing.assert_close(value, averaged[name])
     assert [p.name for p in select_weights(view, 9, "epochs")] == [p.name for p in weights]  # fewer exist: all of them
-    with pytest.raises(UserError, match="epoch end"):
-        average_checkpoints(train_run(small_runs.tiny_run("short", max_updates=2, save_every=2), corpus, [],
-                                      tmp_path / "short", progress=False), average="epochs")
+    short = train_run(small_runs.tiny_run("short", max_updates=2, save_every=2), corpus, [], tmp_path / "short",
+                      progress=False)
+    with pytest.raises(UserError, match="no checkpoint saved at an epoch end"):
+        average_checkpoints(short, average="epochs")
+    with pytest.raises(UserError, match="no checkpoint saved at an epoch end"):
+        select_weights(open_run(short), 3, "epochs")
 
 
 def test_refusals_are_one_line_user_errors(world, tmp_path):

@@ -213,6 +213,20 @@ def epoch_end_checkpoints(run_dir: str | os.PathLike) -> list[int]:
     return updates
 
 
+def averageable_checkpoints(run_dir: str | os.PathLike, average: str) -> list[int]:
+    """Update counts an average of kind `average` picks its newest from: every complete checkpoint
+    ("saves"), or those saved at an epoch end ("epochs", refused when there are none)."""
+    if average not in AVERAGE_CHOICES:
+        raise UserError(f"average={average!r}: choose {' or '.join(AVERAGE_CHOICES)}")
+    if average == "saves":
+        return complete_checkpoints(run_dir)
+    updates = epoch_end_checkpoints(run_dir)
+    if not updates:
+        raise UserError(f"{run_dir} has no checkpoint saved at an epoch end; train at least one full epoch "
+                        "or average the last saves (average: saves)")
+    return updates
+
+
 def latest_trainer_state(run_dir: str | os.PathLike) -> dict | None:
     """The trainer state to resume from, or None for a fresh run.
 
@@ -467,19 +481,10 @@ def _average_checkpoints(run_dir: str | os.PathLike, last: int, out: str | os.Pa
     run_dir = Path(run_dir)
     if last < 1:
         raise UserError(f"average_checkpoints: last={last}; average at least 1 checkpoint")
-    if average not in AVERAGE_CHOICES:
-        raise UserError(f"average={average!r}: choose {' or '.join(AVERAGE_CHOICES)}")
-    if average == "epochs":
-        updates = epoch_end_checkpoints(run_dir)
-        if not updates:
-            raise UserError(f"{run_dir} has no checkpoint saved at an epoch end; train at least one full epoch "
-                            "or average the last saves (average: saves)")
-        default_name = f"average-epochs{last}.safetensors"
-    else:
-        updates = complete_checkpoints(run_dir)
-        if not updates:
-            raise UserError(f"no complete checkpoints under {run_dir / CHECKPOINT_DIR}; train the run first")
-        default_name = f"average-last{last}.safetensors"
+    updates = averageable_checkpoints(run_dir, average)
+    if not updates:
+        raise UserError(f"no complete checkpoints under {run_dir / CHECKPOINT_DIR}; train the run first")
+    default_name = f"average-epochs{last}.safetensors" if average == "epochs" else f"average-last{last}.safetensors"
     chosen = updates[-last:]
     out = Path(out) if out is not None else run_dir / default_name
     digests = FileDigests()
