@@ -472,7 +472,8 @@ def run_pipeline(cfg: PipelineConfig, *, only: str | None = None, names: list[st
         corpus = ensure_data(cfg, build=False)
     if only == "data":
         return
-    jobs = build_caches(cfg, corpus, names) if only in (None, "cache") else cache_jobs(cfg, corpus, names)
+    # `--only train` finds (and checks) its caches itself; evaluation reads them from the run directories.
+    jobs = build_caches(cfg, corpus, names) if only in (None, "cache") else None
     if only in (None, "train"):
         train_runs(cfg, names, jobs=jobs, parallel=parallel)
     if only in (None, "evaluate"):

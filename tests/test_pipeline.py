@@ -167,6 +167,27 @@ def test_training_before_the_cache_exists_says_what_to_run(tiny_pipeline, tmp_pa
         train_runs(cfg)
 
 
+def test_only_train_and_only_evaluate_say_which_stage_to_run_first(tiny_pipeline, tmp_path):
+    root, path, _ = tiny_pipeline
+    from prlmfuse.config import load_pipeline
+    from prlmfuse.errors import UserError
+    from prlmfuse.pipeline import ensure_data, run_pipeline
+
+    cfg = load_pipeline(path)
+    cfg.workdir = tmp_path / "work"
+    ensure_data(cfg)
+    with pytest.raises(UserError, match=r"is not built; run `prlmfuse run .* --only cache` first"):
+        run_pipeline(cfg, only="train", names=["fused"])
+    # Evaluation reads the caches its run directories name: it never resolves the pipeline's checkpoints.
+    prlm = Path(cfg.cache.checkpoints[0].name)
+    prlm.rename(prlm.with_name("hidden"))
+    try:
+        with pytest.raises(UserError, match=r"run directory not found: .*fused"):
+            run_pipeline(cfg, only="evaluate", names=["fused"])
+    finally:
+        prlm.with_name("hidden").rename(prlm)
+
+
 @pytest.mark.slow
 def test_the_same_pipeline_file_runs_under_torchrun(tiny_pipeline, tmp_path):
     root, path, _ = tiny_pipeline
