@@ -52,7 +52,7 @@ def summary_lines(results: EvaluationResults) -> list[str]:
 
     corpus = load_corpus(rundir.read_run_info(rows[0].run_dir)["corpus"]["root"])
     sources, references = read_lines(corpus.src_path(split)), read_lines(corpus.tgt_path(split))
-    hyps = {r.run: read_lines(results.out / r.hyp_file) for r in rows}
+    hyps = {r.run: read_lines(results.out / r.hyp_file, check_text=False) for r in rows}  # our own output, any text
     names = ["source", "reference", *hyps]
     name_width = max(len(n) for n in names)
     for i in _example_lines(sources):

@@ -287,3 +287,10 @@ def test_evaluate_command_ends_with_a_summary_a_person_reads(world, capsys, monk
         assert [b[0] for b in block] == ["source", "reference", "baseline", "fused"]
         assert block[0][1] == sources[n] and block[1][1] == refs[n] and block[3][1:] == ([hyps[n]] if hyps[n] else [])
     assert lines[-1] == f"plots: {out / 'scores.png'}, {out / 'dev_loss.png'}"
+    # Hypotheses are the model's own output: a control character in one is shown, never refused as input would be.
+    from prlmfuse.evaluate import evaluate_runs, summary_lines
+
+    results = evaluate_runs([world["fused"], world["baseline"]], out=out, beam=2, average_last=3, progress=False)
+    hyp_file = out / "hyp.fused.test.txt"
+    hyp_file.write_text("\x01" + hyp_file.read_text(encoding="utf-8"), encoding="utf-8")
+    assert summary_lines(results)[-1] == lines[-1]
