@@ -178,9 +178,9 @@ def read_json(path: str | os.PathLike, what: str = "file") -> dict:
         raise UserError(f"{what} {path} is corrupt or truncated ({e}); rebuild it") from None
 
 
-# Control characters a sentence never holds (tab is text): a NUL or an escape code would reach the
-# BPE and the PrLM as tokens, and a lone CR means the file's line endings are not '\n'.
-_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+# Control characters a sentence never holds (tab is text, '\n' ends lines): a NUL or an escape code
+# would reach the BPE and the PrLM as tokens, and a lone CR means the file's line endings are not '\n'.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 def read_lines(path: str | os.PathLike, *, check_text: bool = True) -> list[str]:
@@ -216,7 +216,7 @@ def decode_lines(data: bytes, where: str, *, check_text: bool = True) -> list[st
     if text == "":
         return [] if not data else [""]
     lines = [line.removesuffix("\r") for line in text.split("\n")]
-    if check_text and ("\r" in text or _CONTROL.search(text.replace("\n", " "))):
+    if check_text and _CONTROL.search(text):  # searched in place: no copy of a whole corpus file
         _check_control_characters(where, lines)
     return lines
 
