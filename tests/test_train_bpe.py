@@ -129,3 +129,16 @@ def test_run_bpe_trains_in_a_child_process_to_the_same_model(tmp_path):
     with pytest.raises(UserError, match="bpe_vocab=10 is too small"):
         train_run_bpe(RunConfig(name="r", bpe_vocab=10), corpus, tmp_path / "small.json")
     assert not (tmp_path / "small.json").exists()
+
+
+def test_the_bpe_child_imports_no_torch():
+    # train_run_bpe's child process imports the module of the function it runs: torch there would cost
+    # the child seconds and hundreds of MB for a job that never uses it.
+    import subprocess
+    import sys
+
+    from prlmfuse.train_fused.bpe import train_bpe_files
+
+    code = f"import sys, {train_bpe_files.__module__}; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"

@@ -19,7 +19,7 @@ from typing import Iterable, Sequence
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from prlmfuse.errors import UserError
-from prlmfuse.fileio import atomic_write_text
+from prlmfuse.fileio import atomic_write_text, read_lines
 
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -144,3 +144,14 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> BPE:
     final = _empty_tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True))
     final.add_special_tokens(SPECIAL_TOKENS)
     return BPE(final)
+
+
+def train_bpe_files(src_path: str, tgt_path: str, limit: int | None, vocab_size: int, out: str) -> None:
+    """train_bpe over the first `limit` pairs (all for None) of two line-aligned files, saved to `out`.
+
+    What train_run's BPE child process runs: this module imports no torch, so neither does the child.
+    """
+    src, tgt = read_lines(src_path), read_lines(tgt_path)
+    if limit is not None:
+        src, tgt = src[:limit], tgt[:limit]
+    train_bpe(src + tgt, vocab_size).save(out)

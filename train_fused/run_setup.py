@@ -23,7 +23,7 @@ from prlmfuse.errors import UserError
 from prlmfuse.fileio import disk_full_error, is_disk_full, read_lines
 from prlmfuse.precision import Runtime, resolve_runtime
 from prlmfuse.train_fused import run_dir as rundir
-from prlmfuse.train_fused.bpe import BPE, train_bpe
+from prlmfuse.train_fused.bpe import BPE, train_bpe_files
 from prlmfuse.train_fused.branches import PrLMBranch, open_branch
 from prlmfuse.train_fused.config import RunConfig
 from prlmfuse.train_fused.data import PairDataset
@@ -105,13 +105,6 @@ def _branch_records(branches: dict[str, list[PrLMBranch]]) -> list[dict]:
     return records
 
 
-def _train_bpe_file(src_path: str, tgt_path: str, limit: int | None, vocab_size: int, out: str) -> None:
-    src, tgt = read_lines(src_path), read_lines(tgt_path)
-    if limit is not None:
-        src, tgt = src[:limit], tgt[:limit]
-    train_bpe(src + tgt, vocab_size).save(out)
-
-
 def train_run_bpe(run: RunConfig, corpus, bpe_path: Path) -> None:
     """The run's joint BPE over its training pairs, trained in a child process and saved to `bpe_path`.
 
@@ -121,7 +114,7 @@ def train_run_bpe(run: RunConfig, corpus, bpe_path: Path) -> None:
     context = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
         pool.submit(
-            _train_bpe_file, str(corpus.src_path("train")), str(corpus.tgt_path("train")), run.max_train_pairs,
+            train_bpe_files, str(corpus.src_path("train")), str(corpus.tgt_path("train")), run.max_train_pairs,
             run.bpe_vocab, str(bpe_path),
         ).result()
 
