@@ -273,10 +273,7 @@ print(json.dumps(report))
 
 @pytest.mark.slow
 def test_real_full_disk_on_a_small_tmpfs(world, tmp_path):
-    probe = subprocess.run(["unshare", "-Urm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {tmp_path}"],
-                           capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"no private mount namespace here ({probe.stderr.decode().strip()[:80]})")
+    reliability.skip_without_private_mounts(tmp_path)
     sizes = {}
     for backend in ("zarr", "hdf5"):
         reference = Path(world["references"][backend].path)

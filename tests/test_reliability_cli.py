@@ -432,10 +432,7 @@ def test_a_full_disk_or_a_read_only_directory_is_one_line_and_leaves_nothing(wor
     from prlmfuse.corpora import load_corpus
     from prlmfuse.train_fused import train_run
 
-    probe = subprocess.run(["unshare", "-Urm", "sh", "-c", f"mount -t tmpfs -o ro tmpfs {tmp_path}"],
-                           capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"no private mount namespace here ({probe.stderr.decode().strip()[:80]})")
+    reliability.skip_without_private_mounts(tmp_path)
     corpus = load_corpus(world["root"] / "work" / "data" / "text")
     run_dir = train_run(small_runs.tiny_run("base", max_updates=2, save_every=2), corpus, [], tmp_path / "base",
                         progress=False)

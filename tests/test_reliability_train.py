@@ -264,10 +264,7 @@ def test_real_full_disk_while_writing_bpe_run_json_and_metrics(world, tmp_path):
     import sys
     import textwrap
 
-    probe = subprocess.run(["unshare", "-Urm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {tmp_path}"],
-                           capture_output=True)
-    if probe.returncode != 0:
-        pytest.skip(f"no private mount namespace here ({probe.stderr.decode().strip()[:80]})")
+    reliability.skip_without_private_mounts(tmp_path)
     # Room for exactly the files written before the one named (tmpfs counts whole pages).
     reference = train_run(small_runs.tiny_run("full", max_updates=4, save_every=4), world["corpus"], [],
                           tmp_path / "reference", progress=False)

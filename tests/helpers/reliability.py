@@ -62,6 +62,17 @@ def job_train(corpus: str, ckpt: str, paths: dict, out: str, run: dict) -> None:
               [small_runs.caches_for(use, paths)], out, progress=False)
 
 
+def skip_without_private_mounts(path: Path) -> None:
+    """Skip the test unless this user may mount a tmpfs on `path` in a private mount namespace
+    (`unshare -Urm`), where the real full-disk and read-only tests run."""
+    import pytest
+
+    probe = subprocess.run(["unshare", "-Urm", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs {path}"],
+                           capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no private mount namespace here ({probe.stderr.decode().strip()[:80]})")
+
+
 def run_cli(args, capsys, monkeypatch) -> tuple[int, str, str]:
     """(exit status, stdout, stderr) of `prlmfuse ARGS`, run through the real entry point."""
     from prlmfuse import cli
