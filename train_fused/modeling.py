@@ -609,8 +609,8 @@ def build_layer_selection(spec: PrLMSpec) -> nn.Module:
 
 
 class _FlowMerging(nn.Module):
-    """What an encoder layer and a `target_flow` decoder layer share: PrLM flows with their own
-    add&norm and FFN beside the layer's main attention, merged with it at `position`."""
+    """What encoder and decoder layers share: PrLM flows with their own add&norm and FFN beside the
+    layer's main attention, merged with it at `position` (a bert-nmt decoder layer is the `attn` case)."""
 
     def _build_flows(self, config: ModelConfig, prlm_widths: list[int]) -> None:
         d, k = config.d_model, len(prlm_widths)
