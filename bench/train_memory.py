@@ -261,15 +261,15 @@ def phases_child(workdir: Path, name: str, every: int, updates: int) -> None:
     out.mkdir(parents=True)
     mark("corpus and caches opened")
     bpe_path = out / "bpe.json"
-    src, tgt = read_lines(corpus.src_path("train")), read_lines(corpus.tgt_path("train"))
-    if run.max_train_pairs is not None:
-        src, tgt = src[: run.max_train_pairs], tgt[: run.max_train_pairs]
     trained = getattr(run_setup, "train_run_bpe", None)
     if trained is not None:
         trained(run, corpus, bpe_path)
-    else:
+    else:  # code that trains the BPE in the trainer's own process: its lines are read here, as it did
+        src, tgt = read_lines(corpus.src_path("train")), read_lines(corpus.tgt_path("train"))
+        if run.max_train_pairs is not None:
+            src, tgt = src[: run.max_train_pairs], tgt[: run.max_train_pairs]
         train_bpe(src + tgt, run.bpe_vocab).save(bpe_path)
-    del src, tgt
+        del src, tgt
     bpe = BPE.load(bpe_path)
     mark("BPE trained")
     torch.manual_seed(run.seed)
