@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import small_runs
 
@@ -240,3 +241,12 @@ def test_fairseq_parity_gives_fairseq_prlmfuses_ids_and_settings(tmp_path, monke
     assert (run.preset, run.bpe_vocab, run.max_tokens, run.lr, run.warmup) == ("small", 4000, 1200, 7e-4, 300)
     assert (run.label_smoothing, run.dropout, run.max_updates, run.save_every, run.pre_ln) == (0.1, 0.1, 200, 100, False)
     assert not run.prlms
+
+
+def test_int8_error_bench_shows_what_one_outlier_does_to_a_per_token_scale():
+    bench = _module(BENCH / "int8_error.py")
+    token = torch.full((1, 64), 1.0)
+    token[0, 0] = 1000.0  # one outlier channel sets the token's scale: every other value rounds to 0
+    assert bench.relative_errors(token, token) == (0.0, 0.0)
+    read_back = bench.per_token_absmax(token)
+    assert read_back[0, 0] == 1000.0 and (read_back[0, 1:] == 0).all()
