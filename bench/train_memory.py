@@ -234,16 +234,15 @@ def phases_child(workdir: Path, name: str, every: int, updates: int) -> None:
                           "t": time.perf_counter() - t0}), flush=True)
 
     t0 = time.perf_counter()
-    import numpy as np  # noqa: F401
+    import prlmfuse.cli  # noqa: F401  (first, as in the command: it sets the environment torch starts with)
     import torch
 
     from prlmfuse.config import load_pipeline
     from prlmfuse.distributed import init_distributed
-    from prlmfuse.fileio import read_lines
     from prlmfuse.pipeline import cache_jobs, caches_for_run, ensure_data, run_path
     from prlmfuse.precision import resolve_runtime
     from prlmfuse.train_fused import run_setup
-    from prlmfuse.train_fused.bpe import BPE, train_bpe
+    from prlmfuse.train_fused.bpe import BPE
     from prlmfuse.train_fused.data import PairDataset
     from prlmfuse.train_fused.modeling import FusedTransformer
     from prlmfuse.train_fused.trainer import Trainer
@@ -261,15 +260,7 @@ def phases_child(workdir: Path, name: str, every: int, updates: int) -> None:
     out.mkdir(parents=True)
     mark("corpus and caches opened")
     bpe_path = out / "bpe.json"
-    src, tgt = read_lines(corpus.src_path("train")), read_lines(corpus.tgt_path("train"))
-    if run.max_train_pairs is not None:
-        src, tgt = src[: run.max_train_pairs], tgt[: run.max_train_pairs]
-    trained = getattr(run_setup, "train_run_bpe", None)
-    if trained is not None:
-        trained(run, corpus, bpe_path)
-    else:
-        train_bpe(src + tgt, run.bpe_vocab).save(bpe_path)
-    del src, tgt
+    run_setup.train_run_bpe(run, corpus, bpe_path)
     bpe = BPE.load(bpe_path)
     mark("BPE trained")
     torch.manual_seed(run.seed)
