@@ -213,7 +213,7 @@ def train_both(logdir: Path, data_bin: Path, args) -> dict:
     if (run_dir / "bpe.json").read_bytes() != (logdir / "bpe.json").read_bytes():
         raise SystemExit(f"{run_dir / 'bpe.json'} differs from the BPE fairseq was given ({logdir / 'bpe.json'})")
     rss = {name: {"train_mb": peaks[name].train_kib * 1.024e-3, "worker_mb": peaks[name].worker_kib * 1.024e-3,
-                  "wall_s": walls[name]} for name in procs}
+                  "other_mb": peaks[name].other_kib * 1.024e-3, "wall_s": walls[name]} for name in procs}
     (logdir / "rss.json").write_text(json.dumps(rss, indent=1), encoding="utf-8")
     return rss
 
@@ -228,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.report is not None:
         result = report(args.report)
+        print("RESULT " + json.dumps(result))
+        return 0
     else:
         if not Path(args.fairseq_python).is_file():
             print(f"error: no python at {args.fairseq_python}; install fairseq-fixed into a venv (see --help)", file=sys.stderr)
