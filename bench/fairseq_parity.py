@@ -12,9 +12,9 @@ sampled from /proc as bench/train_memory.py does. prlmfuse trains at its device'
 precision (bf16 autocast on a CPU with AVX512-BF16 or AMX), fairseq in float32.
 
 fairseq installs from the package index as `fairseq-fixed` into a venv of its own
-(`--fairseq-python`, default /work/wt/fairseq-venv/bin/python):
+(`--fairseq-python`, default .venv-fairseq/bin/python in this checkout):
 
-    python3 -m venv /work/wt/fairseq-venv && /work/wt/fairseq-venv/bin/pip install torch==2.13.0 fairseq-fixed
+    python3 -m venv .venv-fairseq && .venv-fairseq/bin/pip install torch==2.13.0 fairseq-fixed
 
     python bench/fairseq_parity.py --updates 4000 --eval-every 500 [--logdir work/bench-fairseq-parity]
     python bench/fairseq_parity.py --report LOGDIR        # the table from the logs of a run
@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_memory import TreePeak  # noqa: E402
 
-FAIRSEQ_PYTHON = "/work/wt/fairseq-venv/bin/python"
+FAIRSEQ_PYTHON = str(REPO / ".venv-fairseq" / "bin" / "python")
 RUN = "baseline"
 SETTINGS = {"bpe_vocab": 4000, "max_tokens": 1200, "lr": 7e-4, "warmup": 300, "label_smoothing": 0.1, "dropout": 0.1, "seed": 1}
 
@@ -213,7 +213,7 @@ def train_both(logdir: Path, data_bin: Path, args) -> dict:
     if (run_dir / "bpe.json").read_bytes() != (logdir / "bpe.json").read_bytes():
         raise SystemExit(f"{run_dir / 'bpe.json'} differs from the BPE fairseq was given ({logdir / 'bpe.json'})")
     rss = {name: {"train_mb": peaks[name].train_kib * 1.024e-3, "worker_mb": peaks[name].worker_kib * 1.024e-3,
-                  "wall_s": walls[name]} for name in procs}
+                  "other_mb": peaks[name].other_kib * 1.024e-3, "wall_s": walls[name]} for name in procs}
     (logdir / "rss.json").write_text(json.dumps(rss, indent=1), encoding="utf-8")
     return rss
 
@@ -228,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.report is not None:
         result = report(args.report)
+        print("RESULT " + json.dumps(result))
+        return 0
     else:
         if not Path(args.fairseq_python).is_file():
             print(f"error: no python at {args.fairseq_python}; install fairseq-fixed into a venv (see --help)", file=sys.stderr)

@@ -8,7 +8,9 @@ and a run fusing minilm-l6's penultimate layer from its cache (`prlmfuse run --o
 once and not measured). While a run trains, its process tree is sampled from /proc every 50 ms:
 
   train    VmHWM of the `prlmfuse train` process (the kernel's own peak RSS of that process)
-  worker   the largest VmHWM of its DataLoader workers (children of the forkserver it starts)
+  worker   the largest VmHWM of its DataLoader workers (children of the forkserver it starts that live
+           to the end of training)
+  other    the largest VmHWM of the forkserver's children that ended earlier (the BPE trainer)
   tree     the largest sum of VmRSS over the whole tree at one sample (shared pages counted twice)
 
 `--env KEY=VALUE` (repeatable) sets a variable in the trainer's environment, to measure a setting
@@ -127,10 +129,12 @@ def cmdline(pid: int) -> str:
 def classify_tree(root: int) -> dict[str, list[int]]:
     """The process tree of a trainer: {"train": [root], "worker": [...], "helper": [...]}.
 
-    Loader workers are forked by the multiprocessing forkserver (or spawned with a
-    `multiprocessing.spawn` command line); the forkserver and resource tracker are helpers.
+    Loader workers are forked by the multiprocessing forkserver, spawned with a
+    `multiprocessing.spawn` command line, or forked from the trainer itself (its own command line,
+    as fairseq's are); the forkserver and resource tracker are helpers.
     """
     tree = {"train": [root], "worker": [], "helper": []}
+    root_line = cmdline(root)
     stack = [(root, False)]
     while stack:
         pid, under_forkserver = stack.pop()
@@ -139,7 +143,7 @@ def classify_tree(root: int) -> dict[str, list[int]]:
             if "forkserver" in line and not under_forkserver:
                 tree["helper"].append(kid)
                 stack.append((kid, True))
-            elif under_forkserver or "multiprocessing.spawn" in line or "spawn_main" in line:
+            elif under_forkserver or "multiprocessing.spawn" in line or "spawn_main" in line or line == root_line:
                 tree["worker"].append(kid)
                 stack.append((kid, under_forkserver))
             else:
@@ -149,28 +153,49 @@ def classify_tree(root: int) -> dict[str, list[int]]:
 
 
 class TreePeak:
-    """Peaks of a process tree, fed by repeated sample() calls while it runs."""
+    """Peaks of a process tree, fed by repeated sample() calls while it runs.
+
+    Forkserver children still alive at the last sample are the loader workers (persistent to the
+    end of training); those gone earlier, such as the child that trains the BPE, count as `other`.
+    """
 
     def __init__(self, root: int):
         self.root = root
         self.train_kib = 0
-        self.worker_kib = 0
         self.tree_kib = 0
-        self.workers_seen: set[int] = set()
+        self.child_hwm: dict[int, int] = {}
+        self.last_children: set[int] = set()
 
     def sample(self) -> None:
         tree = classify_tree(self.root)
         total = 0
+        alive = set()
         for role, pids in tree.items():
             for pid in pids:
                 s = status_kib(pid)
+                if not s:
+                    continue
                 total += s.get("VmRSS", 0)
                 if role == "train":
                     self.train_kib = max(self.train_kib, s.get("VmHWM", 0))
                 elif role == "worker":
-                    self.workers_seen.add(pid)
-                    self.worker_kib = max(self.worker_kib, s.get("VmHWM", 0))
+                    alive.add(pid)
+                    self.child_hwm[pid] = max(self.child_hwm.get(pid, 0), s.get("VmHWM", 0))
+        if alive or not self.last_children:
+            self.last_children = alive
         self.tree_kib = max(self.tree_kib, total)
+
+    @property
+    def workers_seen(self) -> set[int]:
+        return set(self.last_children)
+
+    @property
+    def worker_kib(self) -> int:
+        return max((self.child_hwm[p] for p in self.last_children), default=0)
+
+    @property
+    def other_kib(self) -> int:
+        return max((v for p, v in self.child_hwm.items() if p not in self.last_children), default=0)
 
 
 def parse_env(items: list[str]) -> dict[str, str]:
@@ -206,7 +231,8 @@ def measure_train(workdir: Path, name: str, env: dict[str, str]) -> dict:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}); {log}: {' | '.join(tail)}")
     return {
         "run": name, "train_mb": peak.train_kib * 1.024e-3, "worker_mb": peak.worker_kib * 1.024e-3,
-        "tree_mb": peak.tree_kib * 1.024e-3, "workers": len(peak.workers_seen), "wall_s": wall,
+        "other_mb": peak.other_kib * 1.024e-3, "tree_mb": peak.tree_kib * 1.024e-3, "workers": len(peak.workers_seen),
+        "wall_s": wall,
     }
 
 
@@ -234,16 +260,15 @@ def phases_child(workdir: Path, name: str, every: int, updates: int) -> None:
                           "t": time.perf_counter() - t0}), flush=True)
 
     t0 = time.perf_counter()
-    import numpy as np  # noqa: F401
+    import prlmfuse.cli  # noqa: F401  (first, as in the command: it sets the environment torch starts with)
     import torch
 
     from prlmfuse.config import load_pipeline
     from prlmfuse.distributed import init_distributed
-    from prlmfuse.fileio import read_lines
     from prlmfuse.pipeline import cache_jobs, caches_for_run, ensure_data, run_path
     from prlmfuse.precision import resolve_runtime
     from prlmfuse.train_fused import run_setup
-    from prlmfuse.train_fused.bpe import BPE, train_bpe
+    from prlmfuse.train_fused.bpe import BPE
     from prlmfuse.train_fused.data import PairDataset
     from prlmfuse.train_fused.modeling import FusedTransformer
     from prlmfuse.train_fused.trainer import Trainer
@@ -261,15 +286,7 @@ def phases_child(workdir: Path, name: str, every: int, updates: int) -> None:
     out.mkdir(parents=True)
     mark("corpus and caches opened")
     bpe_path = out / "bpe.json"
-    trained = getattr(run_setup, "train_run_bpe", None)
-    if trained is not None:
-        trained(run, corpus, bpe_path)
-    else:  # code that trains the BPE in the trainer's own process: its lines are read here, as it did
-        src, tgt = read_lines(corpus.src_path("train")), read_lines(corpus.tgt_path("train"))
-        if run.max_train_pairs is not None:
-            src, tgt = src[: run.max_train_pairs], tgt[: run.max_train_pairs]
-        train_bpe(src + tgt, run.bpe_vocab).save(bpe_path)
-        del src, tgt
+    run_setup.train_run_bpe(run, corpus, bpe_path)
     bpe = BPE.load(bpe_path)
     mark("BPE trained")
     torch.manual_seed(run.seed)
@@ -361,10 +378,11 @@ def main(argv: list[str] | None = None) -> int:
             rows.append({"system": system, "pairs": n, **measure_train(args.workdir, run_name(system, n), env)})
             r = rows[-1]
             print(f"{r['run']:<16} train {r['train_mb']:>6.0f} MB  worker {r['worker_mb']:>6.0f} MB  "
-                  f"tree {r['tree_mb']:>6.0f} MB  ({r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
-    print(f"{'run':<16} {'pairs':>6} {'train MB':>9} {'worker MB':>10} {'tree MB':>8} {'wall s':>7}")
+                  f"other {r['other_mb']:>6.0f} MB  tree {r['tree_mb']:>6.0f} MB  ({r['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+    print(f"{'run':<16} {'pairs':>6} {'train MB':>9} {'worker MB':>10} {'other MB':>9} {'tree MB':>8} {'wall s':>7}")
     for r in rows:
-        print(f"{r['run']:<16} {r['pairs']:>6} {r['train_mb']:>9.0f} {r['worker_mb']:>10.0f} {r['tree_mb']:>8.0f} {r['wall_s']:>7.0f}")
+        print(f"{r['run']:<16} {r['pairs']:>6} {r['train_mb']:>9.0f} {r['worker_mb']:>10.0f} {r['other_mb']:>9.0f} "
+              f"{r['tree_mb']:>8.0f} {r['wall_s']:>7.0f}")
     for system in args.systems:
         own = [r for r in rows if r["system"] == system]
         if len(own) > 1:

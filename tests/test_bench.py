@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from helpers import small_runs
 
@@ -147,7 +148,7 @@ def test_train_memory_bench_pipeline_names_one_run_per_system_and_size(tmp_path)
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc is Linux's")
 def test_train_memory_bench_tells_loader_workers_from_helpers(tmp_path):
-    """bench/train_memory.py finds a forkserver-started worker in a real process tree and reads its peak RSS."""
+    """bench/train_memory.py finds forkserver-started and forked workers in a real process tree and reads their peak RSS."""
     import subprocess
     import time
 
@@ -158,6 +159,7 @@ def test_train_memory_bench_tells_loader_workers_from_helpers(tmp_path):
         "def work():\n    time.sleep(60)\n"
         "if __name__ == '__main__':\n"
         "    p = mp.get_context('forkserver').Process(target=work); p.start()\n"
+        "    q = mp.get_context('fork').Process(target=work); q.start()\n"
         "    print('started', flush=True); time.sleep(60)\n",
         encoding="utf-8",
     )
@@ -166,12 +168,12 @@ def test_train_memory_bench_tells_loader_workers_from_helpers(tmp_path):
         assert proc.stdout.readline().strip() == "started"
         tree = bench.classify_tree(proc.pid)
         for _ in range(50):  # the worker appears under the forkserver once forked
-            if tree["worker"]:
+            if len(tree["worker"]) == 2:
                 break
             time.sleep(0.1)
             tree = bench.classify_tree(proc.pid)
         assert tree["train"] == [proc.pid]
-        assert len(tree["worker"]) == 1
+        assert len(tree["worker"]) == 2  # one from the forkserver, one forked with the parent's command line
         assert any("forkserver" in bench.cmdline(pid) for pid in tree["helper"])
         peak = bench.TreePeak(proc.pid)
         peak.sample()
@@ -240,3 +242,12 @@ def test_fairseq_parity_gives_fairseq_prlmfuses_ids_and_settings(tmp_path, monke
     assert (run.preset, run.bpe_vocab, run.max_tokens, run.lr, run.warmup) == ("small", 4000, 1200, 7e-4, 300)
     assert (run.label_smoothing, run.dropout, run.max_updates, run.save_every, run.pre_ln) == (0.1, 0.1, 200, 100, False)
     assert not run.prlms
+
+
+def test_int8_error_bench_shows_what_one_outlier_does_to_a_per_token_scale():
+    bench = _module(BENCH / "int8_error.py")
+    token = torch.full((1, 64), 1.0)
+    token[0, 0] = 1000.0  # one outlier channel sets the token's scale: every other value rounds to 0
+    assert bench.relative_errors(token, token) == (0.0, 0.0)
+    read_back = bench.per_token_absmax(token)
+    assert read_back[0, 0] == 1000.0 and (read_back[0, 1:] == 0).all()
