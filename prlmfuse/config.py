@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import itertools
 import types
 import typing
@@ -22,7 +23,8 @@ from prlmfuse.corpora import TASKS
 from prlmfuse.errors import UserError
 from prlmfuse.precision import check_device_text, check_precision_text
 from prlmfuse.evaluate.settings import AVERAGE, AVERAGE_CHOICES, AVERAGE_LAST, DEFAULTS as DECODE_DEFAULTS
-from prlmfuse.train_fused.config import RunConfig
+from prlmfuse.train_fused.bpe import MIN_VOCAB
+from prlmfuse.train_fused.config import MIN_BATCH_TOKENS, RunConfig
 from prlmfuse.train_fused.modeling import LAYER_MODES, MERGES, POSITIONS, PRESETS, SIDES
 
 CORPUS_KINDS = ("bible", "debian-descriptions", "text", "hf")
@@ -307,8 +309,10 @@ def _expand_runs(raw_runs: Any, defaults: dict, where: _Where, base_dir: Path) -
             merged = {**defaults, **overrides, **combo}
             run_name = str(name) + "".join(f".{k}-{v}" for k, v in combo.items())
             run = _build(RunConfig, {k: v for k, v in merged.items()}, keypath, where, base_dir, {"name": run_name})
+            written = {**overrides, **combo}
+            at = functools.partial(_run_keypath, keypath, defaults, written)
             for key, choices in RUN_CHOICES.items():
-                _check_choice(getattr(run, key), choices, keypath + (key,), where)
+                _check_choice(getattr(run, key), choices, at(key), where)
             for i, use in enumerate(run.prlms):
                 if isinstance(use.layer, str) and use.layer not in STRING_LAYER_MODES:
                     raise where.error(
@@ -318,19 +322,21 @@ def _expand_runs(raw_runs: Any, defaults: dict, where: _Where, base_dir: Path) -
                 if use.dtype is not None:
                     _check_choice(use.dtype, STORAGE_DTYPES, keypath + ("prlms", i, "dtype"), where)
             if run.merge == "direct" and len(run.prlms) != 1:
-                raise where.error(keypath + ("merge",), "merge 'direct' needs exactly one entry in prlms")
+                raise where.error(at("merge"), "merge 'direct' needs exactly one entry in prlms")
             if run.update_freq < 1:
-                raise where.error(keypath + ("update_freq",), f"expected a positive integer, got {run.update_freq}")
+                raise where.error(at("update_freq"), f"expected a positive integer, got {run.update_freq}")
             if run.max_updates is None and run.max_epochs is None:
                 raise where.error(keypath, "set max_updates or max_epochs (or both)")
             for key, lowest in (("max_updates", 1), ("max_epochs", 1), ("save_every", 1), ("log_every", 1),
-                                ("patience", 1), ("min_epochs", 0), ("keep_last_epochs", 0)):
+                                ("patience", 1), ("min_epochs", 0), ("keep_last_epochs", 0),
+                                ("bpe_vocab", MIN_VOCAB), ("max_tokens", MIN_BATCH_TOKENS)):
                 value = getattr(run, key)
                 if value is not None and value < lowest:
                     wanted = "a positive integer" if lowest == 1 else f"an integer >= {lowest}"
-                    raise where.error(keypath + (key,), f"expected {wanted}, got {value}")
+                    typical = f" ({RunConfig.__dataclass_fields__[key].default} is typical)" if lowest > 1 else ""
+                    raise where.error(at(key), f"expected {wanted}, got {value}{typical}")
             if run.min_epochs is not None and run.max_epochs is not None and run.min_epochs > run.max_epochs:
-                raise where.error(keypath + ("min_epochs",), f"min_epochs {run.min_epochs} exceeds max_epochs "
+                raise where.error(at("min_epochs"), f"min_epochs {run.min_epochs} exceeds max_epochs "
                                   f"{run.max_epochs}; lower it or raise max_epochs")
             runs.append(run)
     names = [r.name for r in runs]
@@ -338,6 +344,11 @@ def _expand_runs(raw_runs: Any, defaults: dict, where: _Where, base_dir: Path) -
     if dup:
         raise where.error(("train", "runs"), f"run name {dup!r} appears twice")
     return runs
+
+
+def _run_keypath(keypath: tuple, defaults: dict, written: dict, key: str) -> tuple:
+    """Where a run's setting is written: a value the run inherits is pointed out in train.defaults."""
+    return ("train", "defaults", key) if key in defaults and key not in written else keypath + (key,)
 
 
 def load_pipeline(path: str | Path) -> PipelineConfig:

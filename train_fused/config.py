@@ -8,6 +8,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+# The least batch token budget (max_tokens) a run accepts: pipeline.yaml is held to it when read, not after caching.
+MIN_BATCH_TOKENS = 16
+
 
 @dataclass
 class PrLMUse:

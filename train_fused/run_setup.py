@@ -25,7 +25,7 @@ from prlmfuse.precision import Runtime, resolve_runtime
 from prlmfuse.train_fused import run_dir as rundir
 from prlmfuse.train_fused.bpe import BPE, train_bpe
 from prlmfuse.train_fused.branches import PrLMBranch, open_branch
-from prlmfuse.train_fused.config import RunConfig
+from prlmfuse.train_fused.config import MIN_BATCH_TOKENS, RunConfig
 from prlmfuse.train_fused.data import PairDataset
 from prlmfuse.train_fused.modeling import FusedTransformer, ModelConfig, PrLMSpec
 from prlmfuse.train_fused.trainer import Trainer
@@ -74,7 +74,7 @@ def _check_run(run: RunConfig, caches: list[dict[str, str]]) -> None:
         missing = [split for split in ("train", "dev") if not paths.get(split)]
         if missing:
             raise UserError(f"run {run.name}: no {' or '.join(missing)} cache given for PrLM {use.checkpoint}")
-    if run.max_tokens < 16:
+    if run.max_tokens < MIN_BATCH_TOKENS:
         raise UserError(f"run {run.name}: max_tokens={run.max_tokens} is too small; use a few thousand (3500)")
 
 
