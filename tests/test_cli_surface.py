@@ -61,6 +61,29 @@ def test_help_works_on_every_command(path):
     assert "--help" in result.output
 
 
+@pytest.mark.parametrize("path", COMMAND_PATHS[1:], ids=lambda p: " ".join(p))
+def test_every_option_says_what_it_takes(path):
+    command = cli.cli
+    for name in path:
+        command = command.get_command(click.Context(command), name)
+    bare = [p.opts[0] for p in command.params if isinstance(p, click.Option) and not p.help]
+    assert not bare, f"options without a help text: {bare}"
+    if path[0] not in ("run", "train") or path == ("train", "average"):
+        # Only run and train read a pipeline file whose `device` an option could override.
+        assert "pipeline file" not in CliRunner().invoke(cli.cli, [*path, "--help"]).output
+
+
+@pytest.mark.parametrize("args, option", [
+    (["train", "average", ".", "--last", "0"], "--last"),
+    (["evaluate", "--runs", ".", "--out", "o", "--average-last", "-1"], "--average-last"),
+    (["translate", "--run", ".", "--average-last", "-2"], "--average-last"),
+])
+def test_counts_below_their_least_are_refused_by_option_name(args, option, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert_one_line_error(run_cli(args, capsys, monkeypatch), f"Invalid value for '{option}'")
+    assert not (tmp_path / "o").exists()
+
+
 def test_checkpoints_list_shows_headers_and_aliases(capsys, monkeypatch):
     code, out, err = run_cli(["checkpoints", "list"], capsys, monkeypatch)
     assert code == 0, err
