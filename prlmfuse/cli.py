@@ -42,6 +42,20 @@ def _pipeline_path(path: str | None) -> Path:
     return Path(__file__).with_name("pipeline.yaml")
 
 
+def _load_pipeline(path: str | None, device: str | None, precision: str | None):
+    """The pipeline config of _pipeline_path(path), with the command line's --device / --precision."""
+    from prlmfuse.config import load_pipeline
+
+    file = _pipeline_path(path)
+    cfg = load_pipeline(file)
+    packaged = Path(__file__).with_name("pipeline.yaml")
+    if file == packaged:
+        # The shipped demo's workdir is relative to the current directory: the installed package's
+        # own directory may be read-only, and is no place for a user's data and runs.
+        cfg.workdir = Path.cwd() / cfg.workdir.relative_to(packaged.resolve().parent)
+    return _runtime_overrides(cfg, device, precision)
+
+
 def _variadic(first: tuple[str, ...], rest: tuple[str, ...]) -> list[str]:
     # `--runs a b c` reads as --runs a plus the extra arguments b c: click has no variadic options.
     return [*first, *rest]
@@ -395,10 +409,9 @@ def train(ctx, pipeline, runs, resume, parallel, device, precision) -> None:
     """
     if ctx.invoked_subcommand is not None:
         return
-    from prlmfuse.config import load_pipeline
     from prlmfuse.pipeline import train_runs
 
-    cfg = _runtime_overrides(load_pipeline(_pipeline_path(pipeline)), device, precision)
+    cfg = _load_pipeline(pipeline, device, precision)
     train_runs(cfg, names=_split_names(runs), resume=resume, parallel=parallel)
 
 
@@ -500,14 +513,13 @@ def run(pipeline, only, runs, more_runs, dry_run, parallel, device, precision) -
     """Run a whole pipeline file: data -> cache -> train -> evaluate -> report.
 
     Finished steps are skipped, so running it again when all is done takes seconds.
-    PIPELINE defaults to ./pipeline.yaml, else the demo shipped with prlmfuse. After an evaluation it
+    PIPELINE defaults to ./pipeline.yaml, else the demo shipped with prlmfuse (workdir ./work/demo). After an evaluation it
     prints a summary: where results.md is, each run's score with delta and p, two test sentences
     translated by every run beside the reference, and the plots.
     """
-    from prlmfuse.config import load_pipeline
     from prlmfuse.pipeline import plan_lines, run_pipeline
 
-    cfg = _runtime_overrides(load_pipeline(_pipeline_path(pipeline)), device, precision)
+    cfg = _load_pipeline(pipeline, device, precision)
     names = _split_names(tuple(_variadic(runs, more_runs)))
     if dry_run:
         for line in plan_lines(cfg, names):

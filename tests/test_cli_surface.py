@@ -84,6 +84,22 @@ def test_counts_below_their_least_are_refused_by_option_name(args, option, tmp_p
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("command", [["run", "--dry-run"], ["run", "--only", "train"], ["train"]])
+def test_the_shipped_demo_works_in_the_current_directory(command, tmp_path, capsys, monkeypatch):
+    """With no ./pipeline.yaml the packaged demo runs, its workdir under the current directory, never inside
+    the installed package."""
+    monkeypatch.chdir(tmp_path)
+    package = Path(cli.__file__).parent
+    before = sorted(p.name for p in package.iterdir())
+    code, out, err = run_cli(command, capsys, monkeypatch)
+    if command[-1] == "--dry-run":
+        assert code == 0, err
+        assert f"(workdir {tmp_path / 'work' / 'demo'})" in out.splitlines()[0]
+    else:  # no corpus there yet: refused before any work, naming where it looked
+        assert_one_line_error((code, out, err), f"no corpus in {tmp_path / 'work' / 'demo'}")
+    assert sorted(p.name for p in package.iterdir()) == before
+
+
 def test_checkpoints_list_shows_headers_and_aliases(capsys, monkeypatch):
     code, out, err = run_cli(["checkpoints", "list"], capsys, monkeypatch)
     assert code == 0, err
