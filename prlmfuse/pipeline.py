@@ -142,6 +142,7 @@ def cache_jobs(cfg: PipelineConfig, corpus, names: list[str] | None = None) -> l
     runs read (so an alias no selected run needs is never converted). The directory name carries a
     hash of everything that goes into the cache key, so a changed corpus or checkpoint gets a new
     cache beside the old one."""
+    from prlmfuse.cache_features import parse_layers
     from prlmfuse.prlms import resolve_checkpoint
 
     root = cfg.cache.root
@@ -154,6 +155,12 @@ def cache_jobs(cfg: PipelineConfig, corpus, names: list[str] | None = None) -> l
     jobs = []
     for entry in entries:
         info = resolve_checkpoint(entry.name, trust_remote_code=entry.trust_remote_code)
+        try:
+            parse_layers(entry.layers, info.num_layers)
+        except UserError as e:
+            # Checked before any cache is built, naming the entry: a pipeline may list several PrLMs.
+            index = next(i for i, e2 in enumerate(cfg.cache.checkpoints) if e2 is entry)
+            raise UserError(f"{cfg.path}: cache.checkpoints.{index}.layers ({entry.name}): {e}") from None
         dtype = entry.dtype or cfg.cache.dtype
         for split in SPLITS:
             fields = {

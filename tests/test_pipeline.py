@@ -214,3 +214,23 @@ def test_selected_runs_build_only_the_caches_they_read(tiny_pipeline, tmp_path):
     hidden.rename(second_prlm)
     build_caches(cfg, corpus)
     assert len(built()) == 2
+
+
+def test_a_cached_layer_the_prlm_lacks_names_the_entry_before_any_cache_is_built(tiny_pipeline, tmp_path):
+    root, path, _ = tiny_pipeline
+    from prlmfuse.config import load_pipeline
+    from prlmfuse.errors import UserError
+    from prlmfuse.pipeline import build_caches, ensure_data
+
+    second_prlm = small_runs.tiny_prlm(tmp_path / "other", layers=2, width=16)
+    text = path.read_text(encoding="utf-8").replace(
+        "      layers: [-2]\n", f"      layers: [-2]\n    - name: {second_prlm}\n      layers: [-1, -9]\n", 1)
+    other = tmp_path / "pipeline.yaml"
+    other.write_text(text.replace("workdir: work", f"workdir: {tmp_path / 'work'}"), encoding="utf-8")
+    cfg = load_pipeline(other)
+    corpus = ensure_data(cfg)
+    with pytest.raises(UserError) as e:
+        build_caches(cfg, corpus)
+    assert str(e.value).startswith(f"{other}: cache.checkpoints.1.layers ({second_prlm}): layer index -9 is outside")
+    assert "valid range is -3..2" in str(e.value) and "\n" not in str(e.value)
+    assert not list((tmp_path / "work").rglob("manifest.json"))  # not even the first entry's caches
