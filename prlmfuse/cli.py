@@ -513,12 +513,18 @@ def run(pipeline, only, runs, more_runs, dry_run, parallel, device, precision) -
     """Run a whole pipeline file: data -> cache -> train -> evaluate -> report.
 
     Finished steps are skipped, so running it again when all is done takes seconds.
-    PIPELINE defaults to ./pipeline.yaml, else the demo shipped with prlmfuse (workdir ./work/demo). After an evaluation it
-    prints a summary: where results.md is, each run's score with delta and p, two test sentences
-    translated by every run beside the reference, and the plots.
+    PIPELINE defaults to ./pipeline.yaml, else the demo shipped with prlmfuse (workdir ./work/demo).
+    After an evaluation it prints a summary: where results.md is, each run's score with delta and p,
+    two test sentences translated by every run beside the reference, and the plots.
     """
     from prlmfuse.pipeline import plan_lines, run_pipeline
 
+    if pipeline and runs and not Path(pipeline).exists():
+        # click gives the first name after `--runs NAME` to PIPELINE when no file came before it.
+        names = " ".join((*runs, pipeline, *more_runs))
+        raise UserError(f"pipeline file not found: {pipeline}; to select several runs, name the pipeline file first "
+                        f"(`prlmfuse run pipeline.yaml --runs {names}`) or join them with commas "
+                        f"(`--runs {names.replace(' ', ',')}`)")
     cfg = _load_pipeline(pipeline, device, precision)
     names = _split_names(tuple(_variadic(runs, more_runs)))
     if dry_run:

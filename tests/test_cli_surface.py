@@ -100,6 +100,16 @@ def test_the_shipped_demo_works_in_the_current_directory(command, tmp_path, caps
     assert sorted(p.name for p in package.iterdir()) == before
 
 
+def test_run_names_after_runs_without_a_pipeline_file_first_say_how_to_write_them(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pipeline.yaml").write_text("train: {runs: {a: {max_updates: 1}, b: {max_updates: 1}, c: {max_updates: 1}}}\n")
+    assert_one_line_error(run_cli(["run", "--runs", "a", "b", "c", "--dry-run"], capsys, monkeypatch),
+                          "pipeline file not found: b;", "`prlmfuse run pipeline.yaml --runs a b c`", "`--runs a,b,c`")
+    code, out, err = run_cli(["run", "--runs", "a,b", "--dry-run"], capsys, monkeypatch)
+    assert code == 0 and "train: a " in out and "train: b " in out and "train: c " not in out, err
+    assert_one_line_error(run_cli(["run", "absent.yaml"], capsys, monkeypatch), "pipeline file not found: absent.yaml")
+
+
 def test_checkpoints_list_shows_headers_and_aliases(capsys, monkeypatch):
     code, out, err = run_cli(["checkpoints", "list"], capsys, monkeypatch)
     assert code == 0, err
