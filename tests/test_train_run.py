@@ -494,3 +494,13 @@ def test_dyn_modes_read_transformer_layers_only_from_a_cache_of_every_layer(worl
         assert branch.spec.num_layers == 3 and branch.spec.pooled_index == [0, 1, 2]
     for layer in ("dwatt", "concat"):
         assert opened[layer].layer_rows == (0, 1, 2, 3) and opened[layer].spec.num_layers == 4
+
+
+def test_a_finished_run_says_so_when_trained_again(world, tmp_path, caplog):
+    corpus, _, _ = world
+    run = small_runs.tiny_run("again", max_updates=2)
+    with caplog.at_level("INFO", logger="prlmfuse"):
+        train_run(run, corpus, [], tmp_path / "again", progress=False)
+        caplog.clear()
+        train_run(run, corpus, [], tmp_path / "again", progress=False)
+    assert "train: again done at update 2 (max_updates reached)" in caplog.messages

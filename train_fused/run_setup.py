@@ -231,5 +231,8 @@ def _train_locked(run: RunConfig, corpus, branches: dict[str, list[PrLMBranch]],
     if ctx.is_main:
         rundir.truncate_metrics(run_dir, int(existing["update"]) if existing is not None else 0)
     barrier(ctx)
-    trainer.fit()
+    reason = trainer.fit()
+    if ctx.is_main:
+        # Also on a rerun of a finished run, which trains nothing: say that it is finished, and why.
+        logger.info("train: %s done at update %d (%s reached)", run.name, trainer.state["update"], reason)
     return run_dir
