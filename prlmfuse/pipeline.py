@@ -391,6 +391,10 @@ def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None):
         selected += [r for r in family if r not in selected and rundir.list_checkpoints(run_path(cfg, r.name))]
         if base not in selected:
             baseline = None
+    untrained = [r.name for r in selected if not rundir.list_checkpoints(run_path(cfg, r.name))]
+    if untrained:
+        raise UserError(f"not trained yet: {', '.join(untrained)} (no checkpoint under {cfg.workdir / 'runs'}); "
+                        f"run `prlmfuse run {cfg.path} --only train` first")
     dirs = [run_path(cfg, r.name) for r in selected]
     if not is_main_process():
         return None
@@ -479,7 +483,8 @@ def run_pipeline(cfg: PipelineConfig, *, only: str | None = None, names: list[st
         corpus = ensure_data(cfg, build=False)
     if only == "data":
         return
-    jobs = build_caches(cfg, corpus, names) if only in (None, "cache") else cache_jobs(cfg, corpus, names)
+    # Without jobs train_runs checks that the caches exist before it trains any run.
+    jobs = build_caches(cfg, corpus, names) if only in (None, "cache") else None
     if only in (None, "train"):
         train_runs(cfg, names, jobs=jobs, parallel=parallel)
     if only in (None, "evaluate"):

@@ -234,3 +234,23 @@ def test_a_cached_layer_the_prlm_lacks_names_the_entry_before_any_cache_is_built
     assert str(e.value).startswith(f"{other}: cache.checkpoints.1.layers ({second_prlm}): layer index -9 is outside")
     assert "valid range is -3..2" in str(e.value) and "\n" not in str(e.value)
     assert not list((tmp_path / "work").rglob("manifest.json"))  # not even the first entry's caches
+
+
+def test_a_stage_run_before_the_one_it_needs_names_the_command_and_trains_nothing(tiny_pipeline, tmp_path):
+    root, path, _ = tiny_pipeline
+    from prlmfuse.config import load_pipeline
+    from prlmfuse.errors import UserError
+    from prlmfuse.pipeline import run_pipeline
+
+    cfg = load_pipeline(path)
+    cfg.workdir = tmp_path / "work"
+    run_pipeline(cfg, only="data")
+    # The baseline reads no cache, yet trains no more than the fused run before the caches exist.
+    with pytest.raises(UserError, match=rf"cache .* is not built; run `prlmfuse run {path} --only cache` first"):
+        run_pipeline(cfg, only="train")
+    assert not (tmp_path / "work" / "runs").exists()
+    with pytest.raises(UserError) as e:
+        run_pipeline(cfg, only="evaluate")
+    assert str(e.value) == (f"not trained yet: baseline, fused (no checkpoint under {tmp_path / 'work' / 'runs'}); "
+                            f"run `prlmfuse run {path} --only train` first")
+    assert not (tmp_path / "work" / "results").exists()
