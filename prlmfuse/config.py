@@ -463,6 +463,17 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
                     ("train", "runs", run.name.split(".")[0], "prlms", i, "checkpoint"),
                     f"{use.checkpoint!r} is not in cache.checkpoints{hint}",
                 )
+            entries = [(j, ck) for j, ck in enumerate(cache.checkpoints) if ck.name == use.checkpoint
+                       and (use.dtype is None or (ck.dtype or cache.dtype) == use.dtype)]
+            if isinstance(use.layer, str) and entries and all(ck.layers != "all" and len(ck.layers) < 2
+                                                              for _, ck in entries):
+                # A learned combination of one cached layer would train as that layer alone, silently.
+                j, ck = entries[0]
+                raise where.error(
+                    ("train", "runs", run.name.split(".")[0], "prlms", i, "layer"),
+                    f"{use.layer!r} combines the cached layers, but cache.checkpoints.{j} ({ck.name}) stores only "
+                    f"{ck.layers}; set its layers: all",
+                )
     return PipelineConfig(path=path, workdir=workdir, data=data, cache=cache, train=train, evaluate=evaluate,
                           device=device, precision=precision)
 
