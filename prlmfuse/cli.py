@@ -505,7 +505,7 @@ def translate(run_dir: str, input_file, trust_remote_code: bool, device: str | N
 @click.option("--only", type=click.Choice(["data", "cache", "train", "evaluate"]), help="Run one stage only.")
 @click.option("--runs", "runs", multiple=True, help="Only these training runs (several may follow); only the caches they read are built.")
 @click.argument("more_runs", nargs=-1)
-@click.option("--dry-run", is_flag=True, help="Print the plan: caches present, runs to train or resume, estimates.")
+@click.option("--dry-run", is_flag=True, help="Print the plan: device and precision, caches present, runs to train or resume, estimates.")
 @_jobs_option
 @_device_option
 @_precision_option

@@ -420,11 +420,15 @@ def _measured_speed(cfg: PipelineConfig) -> float | None:
 
 def plan_lines(cfg: PipelineConfig, names: list[str] | None) -> list[str]:
     """What `prlmfuse run` would do: data, caches present or to build, runs to train or resume, estimates."""
+    from prlmfuse.precision import resolve_runtime
+
+    runtime = resolve_runtime(cfg.device, cfg.precision)  # the plan refuses a device the run would refuse
     lines = []
     root = corpus_dir(cfg)
     edited = _edited_input(cfg)
     has_data = (root / "corpus.json").is_file() and not edited
     lines.append(f"pipeline {cfg.path} (workdir {cfg.workdir})")
+    lines.append(f"runtime: {runtime.describe()} (cache and train; evaluate decodes in fp32)")
     state = f"to rebuild: {edited} changed" if edited else "present" if has_data else "to build: " + cfg.data.kind
     lines.append(f"data:  {root} [{state}]")
     jobs = corpus = None

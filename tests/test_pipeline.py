@@ -10,6 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from prlmfuse.errors import UserError
 
 from helpers import reliability, small_runs
 
@@ -150,9 +153,15 @@ def test_dry_run_on_a_fresh_pipeline_writes_nothing(tmp_path):
     from prlmfuse.config import load_pipeline
     from prlmfuse.pipeline import plan_lines
 
-    lines = plan_lines(load_pipeline(path), None)
+    cfg = load_pipeline(path)
+    lines = plan_lines(cfg, None)
     assert not (tmp_path / "work").exists()
     assert any("[to build once the corpus exists]" in line for line in lines) and any("[new]" in line for line in lines)
+    assert lines[1].startswith("runtime: device ") and lines[1].endswith(", precision fp32 (cache and train; evaluate decodes in fp32)")
+    if not torch.cuda.is_available():  # the plan refuses the device the run would refuse
+        cfg.device = "cuda"
+        with pytest.raises(UserError, match="no CUDA GPU"):
+            plan_lines(cfg, None)
 
 
 def test_training_before_the_cache_exists_says_what_to_run(tiny_pipeline, tmp_path):
