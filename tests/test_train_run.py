@@ -251,8 +251,10 @@ def test_refusals_are_one_line_user_errors(world, tmp_path):
         with pytest.raises(UserError, match=f"{key}=0; it must be a positive integer"):
             train_run(small_runs.tiny_run(**{key: 0}), corpus, [], tmp_path / "zero", progress=False)
     assert not (tmp_path / "zero").exists()
-    with pytest.raises(UserError, match=r"different configuration \(train\.lr"):
+    with pytest.raises(UserError, match=r"different configuration \(train\.lr.*start it over with "
+                                        r"`prlmfuse train -p PIPELINE --fresh --runs f`"):
         train_run(small_runs.tiny_run(max_updates=4, lr=1e-3), corpus, [], done, progress=False)
+    train_run(small_runs.tiny_run(max_updates=4, lr=1e-3), corpus, [], done, resume=False, progress=False)  # as it says
     with pytest.raises(UserError, match="best, last or average"):
         load_run(done, "median")
 
