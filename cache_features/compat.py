@@ -168,6 +168,12 @@ def choose_layers(layer: int | str, key_fields: dict, *, checkpoint: str, where:
             raise UserError(f"PrLM {checkpoint}: layer {layer} weighs the transformer layers 1..{num_layers}, but cache "
                             f"{where} holds only layers {cache_layers}; cache it with layers: all")
         return transformer, transformer, layer
+    if not -(num_layers + 1) <= layer <= num_layers:
+        # Rebuilding the cache cannot help here, so say which indices exist rather than "not in cache".
+        raise UserError(
+            f"PrLM {checkpoint}: layer {layer} is outside its hidden states; valid range is {-(num_layers + 1)}.."
+            f"{num_layers} (0 = embeddings, {num_layers} = last of {num_layers} layers, negative counts from the end)"
+        )
     absolute = layer if layer >= 0 else num_layers + 1 + layer
     if absolute not in cache_layers:
         raise UserError(

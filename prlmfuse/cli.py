@@ -42,6 +42,20 @@ def _pipeline_path(path: str | None) -> Path:
     return Path(__file__).with_name("pipeline.yaml")
 
 
+def _load_pipeline(path: str | None, device: str | None, precision: str | None):
+    """The pipeline config of _pipeline_path(path), with the command line's --device / --precision."""
+    from prlmfuse.config import load_pipeline
+
+    file = _pipeline_path(path)
+    cfg = load_pipeline(file)
+    packaged = Path(__file__).with_name("pipeline.yaml")
+    if file == packaged:
+        # The shipped demo's workdir is relative to the current directory: the installed package's
+        # own directory may be read-only, and is no place for a user's data and runs.
+        cfg.workdir = Path.cwd() / cfg.workdir.relative_to(packaged.resolve().parent)
+    return _runtime_overrides(cfg, device, precision)
+
+
 def _variadic(first: tuple[str, ...], rest: tuple[str, ...]) -> list[str]:
     # `--runs a b c` reads as --runs a plus the extra arguments b c: click has no variadic options.
     return [*first, *rest]
@@ -55,11 +69,14 @@ _jobs_option = click.option(
 
 
 # Every stage takes the device; the stages that choose a compute precision take that too.
+_DEVICE_HELP = ("auto (CUDA when torch sees one, else CPU), cpu, cuda or cuda:N; under torchrun cuda is each rank's "
+                "LOCAL_RANK GPU.")
 _device_option = click.option(
     "--device", default=None, metavar="DEVICE",
-    help="auto (CUDA when torch sees one, else CPU), cpu, cuda or cuda:N; under torchrun cuda is each rank's "
-    "LOCAL_RANK GPU. Overrides the pipeline file's `device` (default: auto).",
+    help=_DEVICE_HELP + " Overrides the pipeline file's `device` (default: auto).",
 )
+# The commands that read no pipeline file have no `device` of a file to override.
+_device_option_alone = click.option("--device", default=None, metavar="DEVICE", help=_DEVICE_HELP + " Default: auto.")
 _precision_option = click.option(
     "--precision", default=None, type=click.Choice(["auto", "bf16", "fp16", "fp32"]),
     help="Autocast precision; auto is bf16 where the device multiplies it fast, fp16 on GPUs without bf16, "
@@ -173,17 +190,21 @@ def data_debian(out: str, lists_dir: str | None, force: bool) -> None:
     _print_corpus(corpora.build_debian_descriptions(out, lists_dir=lists_dir, force=force))
 
 
+_TASK_HELP = "summarization adds ROUGE and blocks repeated trigrams when decoding."
+
+
 @data.command("text")
 @click.argument("out", type=click.Path(file_okay=False))
-@click.option("--train-src", required=True, type=click.Path(dir_okay=False))
-@click.option("--train-tgt", required=True, type=click.Path(dir_okay=False))
-@click.option("--dev-src", required=True, type=click.Path(dir_okay=False))
-@click.option("--dev-tgt", required=True, type=click.Path(dir_okay=False))
-@click.option("--test-src", required=True, type=click.Path(dir_okay=False))
-@click.option("--test-tgt", required=True, type=click.Path(dir_okay=False))
+@click.option("--train-src", required=True, type=click.Path(dir_okay=False), help="Training source, one sentence a line.")
+@click.option("--train-tgt", required=True, type=click.Path(dir_okay=False),
+              help="Training target, line i paired with line i of --train-src.")
+@click.option("--dev-src", required=True, type=click.Path(dir_okay=False), help="Dev source (dev loss, best checkpoint).")
+@click.option("--dev-tgt", required=True, type=click.Path(dir_okay=False), help="Dev target.")
+@click.option("--test-src", required=True, type=click.Path(dir_okay=False), help="Test source (decoded by evaluate).")
+@click.option("--test-tgt", required=True, type=click.Path(dir_okay=False), help="Test reference.")
 @click.option("--src-lang", required=True, help="Source language code, e.g. en.")
 @click.option("--tgt-lang", required=True, help="Target language code, e.g. ja (picks the BLEU tokenizer).")
-@click.option("--task", default="translation", show_default=True, type=click.Choice(corpora.TASKS))
+@click.option("--task", default="translation", show_default=True, type=click.Choice(corpora.TASKS), help=_TASK_HELP)
 @click.option("--force", is_flag=True, help="Replace a different corpus already in OUT.")
 def data_text(out: str, task: str, force: bool, **files: str) -> None:
     """Check and register your own train/dev/test source and target files.
@@ -223,7 +244,7 @@ def _split_option(value: str | None) -> str | float | None:
 @click.option("--test-split", help="Dataset split for test, or a fraction of train (default: test if present, else 0.05).")
 @click.option("--subset", help="Hub dataset configuration (subset) name.")
 @click.option("--revision", help="Hub dataset revision (branch, tag or commit).")
-@click.option("--task", default="translation", show_default=True, type=click.Choice(corpora.TASKS))
+@click.option("--task", default="translation", show_default=True, type=click.Choice(corpora.TASKS), help=_TASK_HELP)
 @click.option("--force", is_flag=True, help="Replace a different corpus already in OUT.")
 def data_hf(out, dataset, src_lang, tgt_lang, src_field, tgt_field, translation_field, train_split, dev_split,
             test_split, subset, revision, task, force) -> None:
@@ -308,7 +329,7 @@ def cache() -> None:
               help="Token budget per batch (default: 8192 on a CPU, 65536 on a GPU).")
 @click.option("--force", is_flag=True, help="Replace a cache with a different key in --out.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow code shipped with a hub checkpoint to run.")
-@_device_option
+@_device_option_alone
 @click.option("--precision", default=None, type=click.Choice(["auto", "bf16", "fp16", "fp32"]),
               help="Autocast precision of the forward pass (default auto: the precision of a matching cache "
               "already in --out, else the device's fast one). A different one than --out holds needs --force.")
@@ -388,16 +409,16 @@ def train(ctx, pipeline, runs, resume, parallel, device, precision) -> None:
     """
     if ctx.invoked_subcommand is not None:
         return
-    from prlmfuse.config import load_pipeline
     from prlmfuse.pipeline import train_runs
 
-    cfg = _runtime_overrides(load_pipeline(_pipeline_path(pipeline)), device, precision)
+    cfg = _load_pipeline(pipeline, device, precision)
     train_runs(cfg, names=_split_names(runs), resume=resume, parallel=parallel)
 
 
 @train.command("average")
 @click.argument("run_dir", type=click.Path(file_okay=False, exists=True))
-@click.option("--last", default=5, show_default=True, help="How many of the newest checkpoints to average.")
+@click.option("--last", default=5, show_default=True, type=click.IntRange(min=1),
+              help="How many of the newest checkpoints to average (fewer if fewer exist).")
 @click.option("--epochs", is_flag=True, help="Average the newest checkpoints saved at an epoch end instead.")
 @click.option("--out", type=click.Path(dir_okay=False),
               help="Output file (default: RUN_DIR/average-lastK.safetensors, with --epochs average-epochsK.safetensors).")
@@ -420,12 +441,14 @@ def _decode_options(command):
         click.option("--lenpen", default=DEFAULTS.lenpen, show_default=True, help="Length penalty: a hypothesis scores log-prob / length^LENPEN."),
         click.option("--max-len-a", default=DEFAULTS.max_len_a, show_default=True, type=click.FloatRange(min=0),
                      help="Output length limit: at most MAX_LEN_A * source length + MAX_LEN_B tokens."),
-        click.option("--max-len-b", default=DEFAULTS.max_len_b, show_default=True, type=click.IntRange(min=0)),
+        click.option("--max-len-b", default=DEFAULTS.max_len_b, show_default=True, type=click.IntRange(min=0),
+                     help="See --max-len-a."),
         click.option("--min-len", default=DEFAULTS.min_len, show_default=True, type=click.IntRange(min=0), help="At least this many tokens before </s>."),
         click.option("--no-repeat-ngram-size", type=click.IntRange(min=0),
                      help=f"Block repeated n-grams (default: {SUMMARIZATION_NO_REPEAT_NGRAM} for summarization runs, "
                      f"else {DEFAULTS.no_repeat_ngram_size})."),
-        click.option("--average-last", default=AVERAGE_LAST, show_default=True, help="Average this many newest checkpoints (0: best)."),
+        click.option("--average-last", default=AVERAGE_LAST, show_default=True, type=click.IntRange(min=0),
+                     help="Average this many newest checkpoints (0: best)."),
         click.option("--average", default=AVERAGE, show_default=True, type=click.Choice(AVERAGE_CHOICES),
                      help="Which checkpoints --average-last counts: the newest saves, or those saved at an epoch end."),
     ]
@@ -440,7 +463,7 @@ def _decode_options(command):
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Where results.md/csv/json and plots go.")
 @click.option("--baseline", help="Run name to compare against (deltas, bootstrap p-values).")
 @_decode_options
-@_device_option
+@_device_option_alone
 def evaluate(runs, more_runs, out, baseline, device, **decoding) -> None:
     """Stage three: decode and score every run on its test set; write results.md and plots."""
     from prlmfuse.evaluate import evaluate_runs
@@ -461,7 +484,7 @@ def _print_summary(results) -> None:
 @click.option("--input", "input_file", type=click.File("rb"), default="-", help="UTF-8 text file (default: stdin).")
 @_decode_options
 @click.option("--trust-remote-code", is_flag=True, help="Allow code shipped with the run's hub checkpoint to run.")
-@_device_option
+@_device_option_alone
 def translate(run_dir: str, input_file, trust_remote_code: bool, device: str | None, **decoding) -> None:
     """Translate raw text with a trained run, running its PrLM live on the input; one output line per input line."""
     from prlmfuse.evaluate import translate as translate_lines
@@ -482,7 +505,7 @@ def translate(run_dir: str, input_file, trust_remote_code: bool, device: str | N
 @click.option("--only", type=click.Choice(["data", "cache", "train", "evaluate"]), help="Run one stage only.")
 @click.option("--runs", "runs", multiple=True, help="Only these training runs (several may follow); only the caches they read are built.")
 @click.argument("more_runs", nargs=-1)
-@click.option("--dry-run", is_flag=True, help="Print the plan: caches present, runs to train or resume, estimates.")
+@click.option("--dry-run", is_flag=True, help="Print the plan: device and precision, caches present, runs to train or resume, estimates.")
 @_jobs_option
 @_device_option
 @_precision_option
@@ -490,14 +513,19 @@ def run(pipeline, only, runs, more_runs, dry_run, parallel, device, precision) -
     """Run a whole pipeline file: data -> cache -> train -> evaluate -> report.
 
     Finished steps are skipped, so running it again when all is done takes seconds.
-    PIPELINE defaults to ./pipeline.yaml, else the demo shipped with prlmfuse. After an evaluation it
-    prints a summary: where results.md is, each run's score with delta and p, two test sentences
-    translated by every run beside the reference, and the plots.
+    PIPELINE defaults to ./pipeline.yaml, else the demo shipped with prlmfuse (workdir ./work/demo).
+    After an evaluation it prints a summary: where results.md is, each run's score with delta and p,
+    two test sentences translated by every run beside the reference, and the plots.
     """
-    from prlmfuse.config import load_pipeline
     from prlmfuse.pipeline import plan_lines, run_pipeline
 
-    cfg = _runtime_overrides(load_pipeline(_pipeline_path(pipeline)), device, precision)
+    if pipeline and runs and not Path(pipeline).exists():
+        # click gives the first name after `--runs NAME` to PIPELINE when no file came before it.
+        names = " ".join((*runs, pipeline, *more_runs))
+        raise UserError(f"pipeline file not found: {pipeline}; to select several runs, name the pipeline file first "
+                        f"(`prlmfuse run pipeline.yaml --runs {names}`) or join them with commas "
+                        f"(`--runs {names.replace(' ', ',')}`)")
+    cfg = _load_pipeline(pipeline, device, precision)
     names = _split_names(tuple(_variadic(runs, more_runs)))
     if dry_run:
         for line in plan_lines(cfg, names):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import itertools
 import types
 import typing
@@ -307,8 +308,10 @@ def _expand_runs(raw_runs: Any, defaults: dict, where: _Where, base_dir: Path) -
             merged = {**defaults, **overrides, **combo}
             run_name = str(name) + "".join(f".{k}-{v}" for k, v in combo.items())
             run = _build(RunConfig, {k: v for k, v in merged.items()}, keypath, where, base_dir, {"name": run_name})
+            written = {**overrides, **combo}
+            at = functools.partial(_run_keypath, keypath, defaults, written)
             for key, choices in RUN_CHOICES.items():
-                _check_choice(getattr(run, key), choices, keypath + (key,), where)
+                _check_choice(getattr(run, key), choices, at(key), where)
             for i, use in enumerate(run.prlms):
                 if isinstance(use.layer, str) and use.layer not in STRING_LAYER_MODES:
                     raise where.error(
@@ -318,14 +321,14 @@ def _expand_runs(raw_runs: Any, defaults: dict, where: _Where, base_dir: Path) -
                 if use.dtype is not None:
                     _check_choice(use.dtype, STORAGE_DTYPES, keypath + ("prlms", i, "dtype"), where)
             if run.merge == "direct" and len(run.prlms) != 1:
-                raise where.error(keypath + ("merge",), "merge 'direct' needs exactly one entry in prlms")
+                raise where.error(at("merge"), "merge 'direct' needs exactly one entry in prlms")
             if run.max_updates is None and run.max_epochs is None:
                 raise where.error(keypath, "set max_updates or max_epochs (or both)")
             low = run.below_least_value()
             if low is not None:
-                raise where.error(keypath + (low[0],), low[1])
+                raise where.error(at(low[0]), low[1])
             if run.min_epochs is not None and run.max_epochs is not None and run.min_epochs > run.max_epochs:
-                raise where.error(keypath + ("min_epochs",), f"min_epochs {run.min_epochs} exceeds max_epochs "
+                raise where.error(at("min_epochs"), f"min_epochs {run.min_epochs} exceeds max_epochs "
                                   f"{run.max_epochs}; lower it or raise max_epochs")
             runs.append(run)
     names = [r.name for r in runs]
@@ -333,6 +336,11 @@ def _expand_runs(raw_runs: Any, defaults: dict, where: _Where, base_dir: Path) -
     if dup:
         raise where.error(("train", "runs"), f"run name {dup!r} appears twice")
     return runs
+
+
+def _run_keypath(keypath: tuple, defaults: dict, written: dict, key: str) -> tuple:
+    """Where a run's setting is written: a value the run inherits is pointed out in train.defaults."""
+    return ("train", "defaults", key) if key in defaults and key not in written else keypath + (key,)
 
 
 def load_pipeline(path: str | Path) -> PipelineConfig:
@@ -446,6 +454,17 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
                 raise where.error(
                     ("train", "runs", run.name.split(".")[0], "prlms", i, "checkpoint"),
                     f"{use.checkpoint!r} is not in cache.checkpoints{hint}",
+                )
+            entries = [(j, ck) for j, ck in enumerate(cache.checkpoints) if ck.name == use.checkpoint
+                       and (use.dtype is None or (ck.dtype or cache.dtype) == use.dtype)]
+            if isinstance(use.layer, str) and entries and all(ck.layers != "all" and len(ck.layers) < 2
+                                                              for _, ck in entries):
+                # A learned combination of one cached layer would train as that layer alone, silently.
+                j, ck = entries[0]
+                raise where.error(
+                    ("train", "runs", run.name.split(".")[0], "prlms", i, "layer"),
+                    f"{use.layer!r} combines the cached layers, but cache.checkpoints.{j} ({ck.name}) stores only "
+                    f"{ck.layers}; set its layers: all",
                 )
     return PipelineConfig(path=path, workdir=workdir, data=data, cache=cache, train=train, evaluate=evaluate,
                           device=device, precision=precision)

@@ -142,6 +142,7 @@ def cache_jobs(cfg: PipelineConfig, corpus, names: list[str] | None = None) -> l
     runs read (so an alias no selected run needs is never converted). The directory name carries a
     hash of everything that goes into the cache key, so a changed corpus or checkpoint gets a new
     cache beside the old one."""
+    from prlmfuse.cache_features import parse_layers
     from prlmfuse.prlms import resolve_checkpoint
 
     root = cfg.cache.root
@@ -154,6 +155,12 @@ def cache_jobs(cfg: PipelineConfig, corpus, names: list[str] | None = None) -> l
     jobs = []
     for entry in entries:
         info = resolve_checkpoint(entry.name, trust_remote_code=entry.trust_remote_code)
+        try:
+            parse_layers(entry.layers, info.num_layers)
+        except UserError as e:
+            # Checked before any cache is built, naming the entry: a pipeline may list several PrLMs.
+            index = next(i for i, e2 in enumerate(cfg.cache.checkpoints) if e2 is entry)
+            raise UserError(f"{cfg.path}: cache.checkpoints.{index}.layers ({entry.name}): {e}") from None
         dtype = entry.dtype or cfg.cache.dtype
         for split in SPLITS:
             fields = {
@@ -384,6 +391,10 @@ def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None):
         selected += [r for r in family if r not in selected and rundir.list_checkpoints(run_path(cfg, r.name))]
         if base not in selected:
             baseline = None
+    untrained = [r.name for r in selected if not rundir.list_checkpoints(run_path(cfg, r.name))]
+    if untrained:
+        raise UserError(f"not trained yet: {', '.join(untrained)} (no checkpoint under {cfg.workdir / 'runs'}); "
+                        f"run `prlmfuse run {cfg.path} --only train` first")
     dirs = [run_path(cfg, r.name) for r in selected]
     if not is_main_process():
         return None
@@ -409,11 +420,15 @@ def _measured_speed(cfg: PipelineConfig) -> float | None:
 
 def plan_lines(cfg: PipelineConfig, names: list[str] | None) -> list[str]:
     """What `prlmfuse run` would do: data, caches present or to build, runs to train or resume, estimates."""
+    from prlmfuse.precision import resolve_runtime
+
+    runtime = resolve_runtime(cfg.device, cfg.precision)  # the plan refuses a device the run would refuse
     lines = []
     root = corpus_dir(cfg)
     edited = _edited_input(cfg)
     has_data = (root / "corpus.json").is_file() and not edited
     lines.append(f"pipeline {cfg.path} (workdir {cfg.workdir})")
+    lines.append(f"runtime: {runtime.describe()} (cache and train; evaluate decodes in fp32)")
     state = f"to rebuild: {edited} changed" if edited else "present" if has_data else "to build: " + cfg.data.kind
     lines.append(f"data:  {root} [{state}]")
     jobs = corpus = None

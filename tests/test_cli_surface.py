@@ -61,6 +61,55 @@ def test_help_works_on_every_command(path):
     assert "--help" in result.output
 
 
+@pytest.mark.parametrize("path", COMMAND_PATHS[1:], ids=lambda p: " ".join(p))
+def test_every_option_says_what_it_takes(path):
+    command = cli.cli
+    for name in path:
+        command = command.get_command(click.Context(command), name)
+    bare = [p.opts[0] for p in command.params if isinstance(p, click.Option) and not p.help]
+    assert not bare, f"options without a help text: {bare}"
+    if path[0] not in ("run", "train") or path == ("train", "average"):
+        # Only run and train read a pipeline file whose `device` an option could override.
+        assert "pipeline file" not in CliRunner().invoke(cli.cli, [*path, "--help"]).output
+
+
+@pytest.mark.parametrize("args, option", [
+    (["train", "average", ".", "--last", "0"], "--last"),
+    (["evaluate", "--runs", ".", "--out", "o", "--average-last", "-1"], "--average-last"),
+    (["translate", "--run", ".", "--average-last", "-2"], "--average-last"),
+])
+def test_counts_below_their_least_are_refused_by_option_name(args, option, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert_one_line_error(run_cli(args, capsys, monkeypatch), f"Invalid value for '{option}'")
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("command", [["run", "--dry-run"], ["run", "--only", "train"], ["train"]])
+def test_the_shipped_demo_works_in_the_current_directory(command, tmp_path, capsys, monkeypatch):
+    """With no ./pipeline.yaml the packaged demo runs, its workdir under the current directory, never inside
+    the installed package."""
+    monkeypatch.chdir(tmp_path)
+    package = Path(cli.__file__).parent
+    before = sorted(p.name for p in package.iterdir())
+    code, out, err = run_cli(command, capsys, monkeypatch)
+    if command[-1] == "--dry-run":
+        assert code == 0, err
+        assert f"(workdir {tmp_path / 'work' / 'demo'})" in out.splitlines()[0]
+    else:  # no corpus there yet: refused before any work, naming where it looked
+        assert_one_line_error((code, out, err), f"no corpus in {tmp_path / 'work' / 'demo'}")
+    assert sorted(p.name for p in package.iterdir()) == before
+
+
+def test_run_names_after_runs_without_a_pipeline_file_first_say_how_to_write_them(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pipeline.yaml").write_text("train: {runs: {a: {max_updates: 1}, b: {max_updates: 1}, c: {max_updates: 1}}}\n")
+    assert_one_line_error(run_cli(["run", "--runs", "a", "b", "c", "--dry-run"], capsys, monkeypatch),
+                          "pipeline file not found: b;", "`prlmfuse run pipeline.yaml --runs a b c`", "`--runs a,b,c`")
+    code, out, err = run_cli(["run", "--runs", "a,b", "--dry-run"], capsys, monkeypatch)
+    assert code == 0 and "train: a " in out and "train: b " in out and "train: c " not in out, err
+    assert_one_line_error(run_cli(["run", "absent.yaml"], capsys, monkeypatch), "pipeline file not found: absent.yaml")
+
+
 def test_checkpoints_list_shows_headers_and_aliases(capsys, monkeypatch):
     code, out, err = run_cli(["checkpoints", "list"], capsys, monkeypatch)
     assert code == 0, err

@@ -193,10 +193,27 @@ def test_bad_runtime_settings_are_located_one_line_errors(tmp_path, text, needle
     ("train:\n  runs:\n    b: {save_every: 0, max_updates: 4}\n", "train.runs.b.save_every: expected a positive integer, got 0"),
     ("train:\n  runs:\n    b: {log_every: 0, max_updates: 4}\n", "train.runs.b.log_every: expected a positive integer, got 0"),
     ("train:\n  runs:\n    b: {max_updates: 0}\n", "train.runs.b.max_updates: expected a positive integer, got 0"),
-    ("train:\n  defaults: {max_updates: -3}\n  runs:\n    b: {}\n", "train.runs.b.max_updates: expected a positive integer, got -3"),
+    # a bad value inherited from train.defaults is pointed out there, not at the run that inherits it
+    ("train:\n  defaults: {max_updates: -3}\n  runs:\n    b: {}\n",
+     "p.yaml:2:27: train.defaults.max_updates: expected a positive integer, got -3"),
+    ("train:\n  defaults:\n    max_updates: 2\n    preset: tine\n  runs:\n    b: {}\n",
+     "p.yaml:4:13: train.defaults.preset: 'tine' is not one of base, summarization, small, tiny"),
+    ("train:\n  defaults: {max_updates: 2, merge: summ}\n  runs:\n    b: {merge: gate}\n    c: {}\n",
+     "train.defaults.merge: 'summ' is not one of"),
+    ("train:\n  defaults: {max_updates: 2, merge: summ}\n  runs:\n    b: {merge: sumx}\n",
+     "p.yaml:4:16: train.runs.b.merge: 'sumx' is not one of"),
+    # sizes the trainer would refuse only after the corpus and the caches are built
+    ("train:\n  defaults: {max_updates: 2, bpe_vocab: 200}\n  runs:\n    b: {}\n",
+     "p.yaml:2:41: train.defaults.bpe_vocab: expected an integer >= 324, got 200 (8000 is typical)"),
+    ("train:\n  runs:\n    b: {max_updates: 2, max_tokens: 8}\n",
+     "p.yaml:3:37: train.runs.b.max_tokens: expected an integer >= 16, got 8 (3500 is typical)"),
     ("train:\n  runs:\n    b: {max_updates: 2, max_epochs: 0}\n", "train.runs.b.max_epochs: expected a positive integer"),
     ("evaluate: {beam: 0}\n", "p.yaml:1:18: evaluate.beam: expected a number >= 1, got 0"),
     ("evaluate: {average_last: -1}\n", "evaluate.average_last: expected a number >= 0, got -1"),
+    # a learned combination of layers over a cache of one layer
+    ("cache: {checkpoints: [{name: minilm-l6}]}\ntrain:\n  runs:\n    d: {max_updates: 2, prlms: [{checkpoint: minilm-l6, layer: dyn_cls}]}\n",
+     "p.yaml:4:64: train.runs.d.prlms.0.layer: 'dyn_cls' combines the cached layers, but cache.checkpoints.0 (minilm-l6) "
+     "stores only [-2]; set its layers: all"),
     # a run name that is no directory of its own
     ("train:\n  defaults: {max_updates: 1}\n  runs:\n    '..': {}\n", "p.yaml:4:5: train.runs...: '..' cannot name a run directory"),
     ("train:\n  defaults: {max_updates: 1}\n  runs:\n    '.': {}\n", "'.' cannot name a run directory"),

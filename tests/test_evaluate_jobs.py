@@ -88,6 +88,9 @@ def test_layer_choice_reads_one_layer_or_every_cached_layer():
         choose_layers("dyn_cls", dict(fields, layers=[0]), checkpoint="b", where="c")
     with pytest.raises(UserError, match=r"layer 0 \(hidden_states index 0 of 2 layers\) is not in cache c"):
         choose_layers(0, fields, checkpoint="b", where="c")
+    for outside in (3, -4):  # a layer the PrLM does not have: no rebuild of the cache can provide it
+        with pytest.raises(UserError, match=rf"layer {outside} is outside its hidden states; valid range is -3\.\.2 "):
+            choose_layers(outside, fields, checkpoint="b", where="c")
     with pytest.raises(UserError, match="no pooled vectors"):
         choose_layers("dyn_aver", dict(fields, pooled_layers=[]), checkpoint="b", where="c")
 

@@ -10,6 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from prlmfuse.errors import UserError
 
 from helpers import reliability, small_runs
 
@@ -150,9 +153,15 @@ def test_dry_run_on_a_fresh_pipeline_writes_nothing(tmp_path):
     from prlmfuse.config import load_pipeline
     from prlmfuse.pipeline import plan_lines
 
-    lines = plan_lines(load_pipeline(path), None)
+    cfg = load_pipeline(path)
+    lines = plan_lines(cfg, None)
     assert not (tmp_path / "work").exists()
     assert any("[to build once the corpus exists]" in line for line in lines) and any("[new]" in line for line in lines)
+    assert lines[1].startswith("runtime: device ") and lines[1].endswith(", precision fp32 (cache and train; evaluate decodes in fp32)")
+    if not torch.cuda.is_available():  # the plan refuses the device the run would refuse
+        cfg.device = "cuda"
+        with pytest.raises(UserError, match="no CUDA GPU"):
+            plan_lines(cfg, None)
 
 
 def test_training_before_the_cache_exists_says_what_to_run(tiny_pipeline, tmp_path):
@@ -235,3 +244,43 @@ def test_selected_runs_build_only_the_caches_they_read(tiny_pipeline, tmp_path):
     hidden.rename(second_prlm)
     build_caches(cfg, corpus)
     assert len(built()) == 2
+
+
+def test_a_cached_layer_the_prlm_lacks_names_the_entry_before_any_cache_is_built(tiny_pipeline, tmp_path):
+    root, path, _ = tiny_pipeline
+    from prlmfuse.config import load_pipeline
+    from prlmfuse.errors import UserError
+    from prlmfuse.pipeline import build_caches, ensure_data
+
+    second_prlm = small_runs.tiny_prlm(tmp_path / "other", layers=2, width=16)
+    text = path.read_text(encoding="utf-8").replace(
+        "      layers: [-2]\n", f"      layers: [-2]\n    - name: {second_prlm}\n      layers: [-1, -9]\n", 1)
+    other = tmp_path / "pipeline.yaml"
+    other.write_text(text.replace("workdir: work", f"workdir: {tmp_path / 'work'}"), encoding="utf-8")
+    cfg = load_pipeline(other)
+    corpus = ensure_data(cfg)
+    with pytest.raises(UserError) as e:
+        build_caches(cfg, corpus)
+    assert str(e.value).startswith(f"{other}: cache.checkpoints.1.layers ({second_prlm}): layer index -9 is outside")
+    assert "valid range is -3..2" in str(e.value) and "\n" not in str(e.value)
+    assert not list((tmp_path / "work").rglob("manifest.json"))  # not even the first entry's caches
+
+
+def test_a_stage_run_before_the_one_it_needs_names_the_command_and_trains_nothing(tiny_pipeline, tmp_path):
+    root, path, _ = tiny_pipeline
+    from prlmfuse.config import load_pipeline
+    from prlmfuse.errors import UserError
+    from prlmfuse.pipeline import run_pipeline
+
+    cfg = load_pipeline(path)
+    cfg.workdir = tmp_path / "work"
+    run_pipeline(cfg, only="data")
+    # The baseline reads no cache, yet trains no more than the fused run before the caches exist.
+    with pytest.raises(UserError, match=rf"cache .* is not built; run `prlmfuse run {path} --only cache` first"):
+        run_pipeline(cfg, only="train")
+    assert not (tmp_path / "work" / "runs").exists()
+    with pytest.raises(UserError) as e:
+        run_pipeline(cfg, only="evaluate")
+    assert str(e.value) == (f"not trained yet: baseline, fused (no checkpoint under {tmp_path / 'work' / 'runs'}); "
+                            f"run `prlmfuse run {path} --only train` first")
+    assert not (tmp_path / "work" / "results").exists()

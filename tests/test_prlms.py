@@ -150,6 +150,16 @@ def test_local_bert_dir(tmp_path):
     assert len(states) == 3 and states[0].shape == (2, 5, 32)
 
 
+def test_loading_draws_no_bar_of_its_own_and_leaves_the_setting_as_it_was(tmp_path, capfd):
+    from transformers.utils import logging as hf_logging
+
+    info = resolve_checkpoint(str(save_tiny_bert(tmp_path / "bert")))
+    assert hf_logging.is_progress_bar_enabled()
+    load_prlm(info)
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()
+
+
 def test_local_gpt2_dir_gets_eos_as_pad(tmp_path):
     directory = save_tiny_gpt2(tmp_path / "gpt2")
     info = resolve_checkpoint(str(directory))

@@ -254,8 +254,10 @@ def test_refusals_are_one_line_user_errors(world, tmp_path):
         with pytest.raises(UserError, match=f"{key}: expected a positive integer, got 0"):
             train_run(small_runs.tiny_run(**{key: 0}), corpus, [], tmp_path / "zero", progress=False)
     assert not (tmp_path / "zero").exists()
-    with pytest.raises(UserError, match=r"different configuration \(train\.lr"):
+    with pytest.raises(UserError, match=r"different configuration \(train\.lr.*start it over with "
+                                        r"`prlmfuse train -p PIPELINE --fresh --runs f`"):
         train_run(small_runs.tiny_run(max_updates=4, lr=1e-3), corpus, [], done, progress=False)
+    train_run(small_runs.tiny_run(max_updates=4, lr=1e-3), corpus, [], done, resume=False, progress=False)  # as it says
     with pytest.raises(UserError, match="best, last or average"):
         load_run(done, "median")
 
@@ -497,3 +499,13 @@ def test_dyn_modes_read_transformer_layers_only_from_a_cache_of_every_layer(worl
         assert branch.spec.num_layers == 3 and branch.spec.pooled_index == [0, 1, 2]
     for layer in ("dwatt", "concat"):
         assert opened[layer].layer_rows == (0, 1, 2, 3) and opened[layer].spec.num_layers == 4
+
+
+def test_a_finished_run_says_so_when_trained_again(world, tmp_path, caplog):
+    corpus, _, _ = world
+    run = small_runs.tiny_run("again", max_updates=2)
+    with caplog.at_level("INFO", logger="prlmfuse"):
+        train_run(run, corpus, [], tmp_path / "again", progress=False)
+        caplog.clear()
+        train_run(run, corpus, [], tmp_path / "again", progress=False)
+    assert "train: again done at update 2 (max_updates reached)" in caplog.messages

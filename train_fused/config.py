@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from prlmfuse.train_fused.bpe import MIN_VOCAB
+
+# The least batch token budget (max_tokens) a run accepts: pipeline.yaml is held to it when read, not after caching.
+MIN_BATCH_TOKENS = 16
+
 
 @dataclass
 class PrLMUse:
@@ -28,7 +33,7 @@ class PrLMUse:
 
 # The least value of each integer run setting that has one (None stays allowed where the field is optional).
 LEAST_VALUES = {"update_freq": 1, "max_updates": 1, "max_epochs": 1, "save_every": 1, "log_every": 1, "patience": 1,
-                "min_epochs": 0, "keep_last_epochs": 0}
+                "min_epochs": 0, "keep_last_epochs": 0, "bpe_vocab": MIN_VOCAB, "max_tokens": MIN_BATCH_TOKENS}
 
 
 @dataclass
@@ -92,7 +97,8 @@ class RunConfig:
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < least):
                 wanted = "a positive integer" if least == 1 else f"an integer >= {least}"
-                return key, f"expected {wanted}, got {value!r}"
+                typical = f" ({RunConfig.__dataclass_fields__[key].default} is typical)" if least > 1 else ""
+                return key, f"expected {wanted}, got {value!r}{typical}"
         return None
 
     def to_dict(self) -> dict:

@@ -147,8 +147,9 @@ def check_same_run(run_dir: Path, before: dict, now: dict) -> None:
     a, b = _defining(before), _defining(now)
     if a != b:
         raise UserError(
-            f"{run_dir} was trained with a different configuration ({_first_difference(a, b)}); "
-            "use a new output directory or resume=False after removing it"
+            f"{run_dir} was trained with a different configuration ({_first_difference(a, b)}); start it over with "
+            f"`prlmfuse train -p PIPELINE --fresh --runs {run_dir.name}` (the old run is kept until the new one saves a checkpoint), "
+            "or give the changed run a new name"
         )
 
 

@@ -73,8 +73,6 @@ def _check_run(run: RunConfig, caches: list[dict[str, str]]) -> None:
         missing = [split for split in ("train", "dev") if not paths.get(split)]
         if missing:
             raise UserError(f"run {run.name}: no {' or '.join(missing)} cache given for PrLM {use.checkpoint}")
-    if run.max_tokens < 16:
-        raise UserError(f"run {run.name}: max_tokens={run.max_tokens} is too small; use a few thousand (3500)")
 
 
 def open_run_branches(run: RunConfig, corpus, caches: list[dict[str, str]]) -> dict[str, list[PrLMBranch]]:
@@ -223,5 +221,8 @@ def _train_locked(run: RunConfig, corpus, branches: dict[str, list[PrLMBranch]],
     if ctx.is_main:
         rundir.truncate_metrics(run_dir, int(existing["update"]) if existing is not None else 0)
     barrier(ctx)
-    trainer.fit()
+    reason = trainer.fit()
+    if ctx.is_main:
+        # Also on a rerun of a finished run, which trains nothing: say that it is finished, and why.
+        logger.info("train: %s done at update %d (%s reached)", run.name, trainer.state["update"], reason)
     return run_dir

@@ -42,9 +42,11 @@ def load_prlm(info: CheckpointInfo) -> tuple["PreTrainedModel", "PreTrainedToken
         # The pooler is never used for features, and the converted checkpoints do not ship one.
         kwargs["add_pooling_layer"] = False
 
-    verbosity = hf_logging.get_verbosity()
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
     # Without the pooler, transformers warns that the checkpoint's pooler weights go unused: expected.
     hf_logging.set_verbosity_error()
+    # Its per-tensor "Loading weights" bar would sit between each stage's first line and its own progress.
+    hf_logging.disable_progress_bar()
     try:
         model = AutoModel.from_pretrained(
             info.path, config=config, trust_remote_code=info.trust_remote_code, use_safetensors=True, **kwargs
@@ -61,6 +63,8 @@ def load_prlm(info: CheckpointInfo) -> tuple["PreTrainedModel", "PreTrainedToken
                         "check that its model and tokenizer files are complete") from None
     finally:
         hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
     model.eval()
     model.requires_grad_(False)
     tokenizer.padding_side = "right"
