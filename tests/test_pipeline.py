@@ -191,7 +191,7 @@ def test_only_train_and_only_evaluate_say_which_stage_to_run_first(tiny_pipeline
     prlm = Path(cfg.cache.checkpoints[0].name)
     prlm.rename(prlm.with_name("hidden"))
     try:
-        with pytest.raises(UserError, match=r"run directory not found: .*fused"):
+        with pytest.raises(UserError, match=r"not trained yet: fused .*--only train` first"):
             run_pipeline(cfg, only="evaluate", names=["fused"])
     finally:
         prlm.with_name("hidden").rename(prlm)

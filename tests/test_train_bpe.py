@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 import pytest
 
 from prlmfuse.errors import UserError
@@ -129,6 +131,11 @@ def test_run_bpe_trains_in_a_child_process_to_the_same_model(tmp_path):
     with pytest.raises(UserError, match="bpe_vocab=10 is too small"):
         train_run_bpe(RunConfig(name="r", bpe_vocab=10), corpus, tmp_path / "small.json")
     assert not (tmp_path / "small.json").exists()
+    # An OSError in the child (here: a file where the output directory belongs) arrives as one.
+    (tmp_path / "a-file").write_text("", encoding="utf-8")
+    with pytest.raises(OSError) as raised:
+        train_run_bpe(RunConfig(name="r", bpe_vocab=600), corpus, tmp_path / "a-file" / "bpe.json")
+    assert raised.value.errno in (errno.ENOTDIR, errno.EEXIST)
 
 
 def test_the_bpe_child_imports_no_torch():

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import unicodedata
 from collections import Counter
 from pathlib import Path
@@ -155,3 +157,36 @@ def train_bpe_files(src_path: str, tgt_path: str, limit: int | None, vocab_size:
     if limit is not None:
         src, tgt = src[:limit], tgt[:limit]
     train_bpe(src + tgt, vocab_size).save(out)
+
+
+def train_bpe_in_child(src_path: str, tgt_path: str, limit: int | None, vocab_size: int, out: str) -> None:
+    """train_bpe_files in a child Python process: the `tokenizers` trainer's pair counts stay in the
+    heap of the process that ran it, which would leave a trainer larger by an amount that grows with
+    the corpus. The child reports a UserError or an OSError as one JSON line on stderr (no pickling),
+    raised here again as the same type."""
+    request = json.dumps({"src": src_path, "tgt": tgt_path, "limit": limit, "vocab_size": vocab_size, "out": out})
+    code = "import sys; from prlmfuse.train_fused.bpe import _child_main; _child_main(sys.argv[1])"
+    done = subprocess.run([sys.executable, "-c", code, request], capture_output=True, text=True)
+    if done.returncode == 0:
+        return
+    lines = done.stderr.strip().splitlines()
+    try:
+        error = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        raise RuntimeError(f"the BPE training process failed (exit {done.returncode}): {done.stderr[-2000:]}") from None
+    if error["type"] == "UserError":
+        raise UserError(error["message"])
+    raise OSError(error["errno"], error["strerror"], error["filename"])
+
+
+def _child_main(request: str) -> None:
+    args = json.loads(request)
+    try:
+        train_bpe_files(args["src"], args["tgt"], args["limit"], args["vocab_size"], args["out"])
+    except UserError as e:
+        print(json.dumps({"type": "UserError", "message": str(e)}), file=sys.stderr)
+        sys.exit(2)
+    except OSError as e:
+        print(json.dumps({"type": "OSError", "errno": e.errno, "strerror": e.strerror, "filename": e.filename}),
+              file=sys.stderr)
+        sys.exit(2)

@@ -7,11 +7,9 @@ loaded here: features come from the caches.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import multiprocessing
 import os
 from pathlib import Path
 
@@ -23,7 +21,7 @@ from prlmfuse.errors import UserError
 from prlmfuse.fileio import disk_full_error, is_disk_full, read_lines
 from prlmfuse.precision import Runtime, resolve_runtime
 from prlmfuse.train_fused import run_dir as rundir
-from prlmfuse.train_fused.bpe import BPE, train_bpe_files
+from prlmfuse.train_fused.bpe import BPE, train_bpe_in_child
 from prlmfuse.train_fused.branches import PrLMBranch, open_branch
 from prlmfuse.train_fused.config import RunConfig
 from prlmfuse.train_fused.data import PairDataset
@@ -104,17 +102,9 @@ def _branch_records(branches: dict[str, list[PrLMBranch]]) -> list[dict]:
 
 
 def train_run_bpe(run: RunConfig, corpus, bpe_path: Path) -> None:
-    """The run's joint BPE over its training pairs, trained in a child process and saved to `bpe_path`.
-
-    Why a child: the `tokenizers` trainer's pair counts stay in the process heap once freed, which
-    left the trainer larger by an amount that grew with the corpus.
-    """
-    context = multiprocessing.get_context("forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn")
-    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        pool.submit(
-            train_bpe_files, str(corpus.src_path("train")), str(corpus.tgt_path("train")), run.max_train_pairs,
-            run.bpe_vocab, str(bpe_path),
-        ).result()
+    """The run's joint BPE over its training pairs, trained in a child process and saved to `bpe_path`."""
+    train_bpe_in_child(str(corpus.src_path("train")), str(corpus.tgt_path("train")), run.max_train_pairs,
+                       run.bpe_vocab, str(bpe_path))
 
 
 # Lines per encode_batch call: a whole split at once held every line's Encoding (ids, tokens,
