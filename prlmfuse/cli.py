@@ -63,8 +63,9 @@ def _variadic(first: tuple[str, ...], rest: tuple[str, ...]) -> list[str]:
 
 # `train` and `run` take the same option.
 _jobs_option = click.option(
-    "--jobs", "-j", "parallel", default=1, show_default=True, type=click.IntRange(min=1),
-    help="Train this many runs at once, each in its own process with cores/JOBS threads (log: runs/NAME/train.log).",
+    "--jobs", "-j", "parallel", type=click.IntRange(min=1),
+    help="Train this many runs at once, each in its own process with cores/JOBS threads (log: runs/NAME/train.log). "
+    "Default: the pipeline file's train.jobs, else 1.",
 )
 
 
@@ -412,7 +413,7 @@ def train(ctx, pipeline, runs, resume, parallel, device, precision) -> None:
     from prlmfuse.pipeline import train_runs
 
     cfg = _load_pipeline(pipeline, device, precision)
-    train_runs(cfg, names=_split_names(runs), resume=resume, parallel=parallel)
+    train_runs(cfg, names=_split_names(runs), resume=resume, parallel=parallel or cfg.train.jobs)
 
 
 @train.command("average")
@@ -462,13 +463,17 @@ def _decode_options(command):
 @click.argument("more_runs", nargs=-1)
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Where results.md/csv/json and plots go.")
 @click.option("--baseline", help="Run name to compare against (deltas, bootstrap p-values).")
+@click.option("--split", "splits", multiple=True, type=click.Choice(["test", "dev"]),
+              help="Which split to decode and score (repeat for both; default test). Choose settings on dev, "
+              "report test.")
 @_decode_options
 @_device_option_alone
-def evaluate(runs, more_runs, out, baseline, device, **decoding) -> None:
-    """Stage three: decode and score every run on its test set; write results.md and plots."""
+def evaluate(runs, more_runs, out, baseline, splits, device, **decoding) -> None:
+    """Stage three: decode and score every run on its test set (or dev); write results.md and plots."""
     from prlmfuse.evaluate import evaluate_runs
 
-    results = evaluate_runs(_variadic(runs, more_runs), out=out, baseline=baseline, device=device or "auto", **decoding)
+    results = evaluate_runs(_variadic(runs, more_runs), out=out, baseline=baseline, device=device or "auto",
+                            test_sets=list(splits) or None, **decoding)
     _print_summary(results)
 
 
@@ -531,7 +536,7 @@ def run(pipeline, only, runs, more_runs, dry_run, parallel, device, precision) -
         for line in plan_lines(cfg, names):
             click.echo(line)
         return
-    results = run_pipeline(cfg, only=only, names=names, parallel=parallel)
+    results = run_pipeline(cfg, only=only, names=names, parallel=parallel or cfg.train.jobs)
     if results is not None:
         click.echo("")
         _print_summary(results)

@@ -231,3 +231,11 @@ def test_a_bad_run_value_is_one_line_through_the_cli_before_any_work(tmp_path):
     assert out.stderr.startswith("error: ") and out.stderr.count("\n") == 1, out.stderr
     assert "train.runs.baseline: expected a mapping of run settings" in out.stderr
     assert not (tmp_path / "work").exists()
+
+
+def test_train_jobs_is_read_and_checked(tmp_path):
+    assert load_pipeline(write(tmp_path, "train:\n  runs: {x: {max_updates: 2}}\n")).train.jobs == 1
+    assert load_pipeline(write(tmp_path, "train:\n  jobs: 2\n  runs: {x: {max_updates: 2}}\n", "b.yaml")).train.jobs == 2
+    msg = error_of(write(tmp_path, "train:\n  jobs: 0\n  runs: {x: {max_updates: 2}}\n", "c.yaml"))
+    assert "train.jobs: expected a positive integer (runs trained at once), got 0" in msg
+    assert "did you mean 'jobs'?" in error_of(write(tmp_path, "train:\n  job: 2\n", "d.yaml"))

@@ -294,3 +294,17 @@ def test_evaluate_command_ends_with_a_summary_a_person_reads(world, capsys, monk
     hyp_file = out / "hyp.fused.test.txt"
     hyp_file.write_text("\x01" + hyp_file.read_text(encoding="utf-8"), encoding="utf-8")
     assert summary_lines(results)[-1] == lines[-1]
+
+
+def test_evaluate_command_scores_dev_when_asked(world, capsys, monkeypatch):
+    from helpers.reliability import run_cli
+    from prlmfuse.fileio import read_lines
+
+    out = world["root"] / "eval-dev"
+    code, stdout, err = run_cli(["evaluate", "--runs", world["fused"], world["baseline"], "--out", out, "--beam", "1",
+                                 "--average-last", "1", "--split", "dev"], capsys, monkeypatch)
+    assert code == 0, err
+    assert stdout.splitlines()[1] == "BLEU on dev (8 sentences):"
+    assert len(read_lines(out / "hyp.fused.dev.txt")) == 8
+    assert not (out / "hyp.fused.test.txt").exists()
+    assert "## dev (8 sentences)" in (out / "results.md").read_text()

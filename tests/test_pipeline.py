@@ -136,9 +136,12 @@ def test_jobs_trains_runs_in_their_own_processes_and_names_the_one_that_failed(t
 
     shutil.rmtree(train_cache)
     shutil.copytree(tmp_path / "intact", train_cache)
-    repaired = _prlmfuse("run", str(pipe), "--only", "train", "--jobs", "2", cwd=tmp_path)
+    # The pipeline file's train.jobs does what --jobs does.
+    assert "\ntrain:\n" in pipe.read_text()
+    pipe.write_text(pipe.read_text().replace("\ntrain:\n", "\ntrain:\n  jobs: 2\n", 1))
+    repaired = _prlmfuse("run", str(pipe), "--only", "train", cwd=tmp_path)
     assert repaired.returncode == 0, repaired.stderr[-3000:]
-    assert repaired.stderr.count("finished in") == 2
+    assert repaired.stderr.count("finished in") == 2 and repaired.stderr.count("(own process, 1 thread(s);") == 2
     assert latest_trainer_state(runs / "fused")["update"] == 6
 
 
