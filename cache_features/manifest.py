@@ -99,6 +99,9 @@ def read_json_at(location: Location, name: str, what: str) -> dict:
     try:
         data = location.read_bytes(name)
     except (FileNotFoundError, IsADirectoryError):
+        if not location.url and not location.path.exists():
+            raise UserError(f"cache directory not found: {location}; check the path, or build the cache first "
+                            "(prlmfuse cache build)") from None
         raise UserError(f"{what} not found: {location.full(name)}; build the cache first (prlmfuse cache build)") from None
     except NotADirectoryError:
         raise UserError(f"{location} is a file, not a cache directory; give the directory that holds {MANIFEST}") from None

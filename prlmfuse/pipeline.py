@@ -399,13 +399,11 @@ def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None):
     if not is_main_process():
         return None
     out = cfg.workdir / e.out
-    result = evaluate_runs(
+    return evaluate_runs(
         dirs, out=out, baseline=baseline, beam=e.beam, lenpen=e.lenpen, average_last=e.average_last, average=e.average,
         no_repeat_ngram_size=e.no_repeat_ngram_size, max_len_a=e.max_len_a, max_len_b=e.max_len_b,
         min_len=e.min_len, device=cfg.device,
     )
-    _say(f"results: {out / 'results.md'}")
-    return result
 
 
 # ---------------------------------------------------------------------------- plan

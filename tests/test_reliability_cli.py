@@ -512,3 +512,13 @@ def test_over_long_test_sentences_are_cut_and_counted_at_evaluate(world, tmp_pat
     meta = json.loads((tmp_path / "results" / "hyp.base.test.json").read_text())
     assert meta["truncated_sources"] == 1
     assert len((tmp_path / "results" / "hyp.base.test.txt").read_text().splitlines()) == 2
+
+
+def test_a_cache_path_that_does_not_exist_is_named_as_such(tmp_path, capsys, monkeypatch):
+    missing = tmp_path / "no-such-cache"
+    for command in ("verify", "inspect"):
+        assert_one_line_error(run_cli(["cache", command, missing], capsys, monkeypatch),
+                              f"cache directory not found: {missing}", "check the path")
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(run_cli(["cache", "verify", tmp_path / "empty"], capsys, monkeypatch),
+                          f"cache manifest not found: {tmp_path / 'empty' / 'manifest.json'}")
