@@ -533,7 +533,7 @@ def run(pipeline, only, runs, more_runs, dry_run, parallel, device, precision) -
     cfg = _load_pipeline(pipeline, device, precision)
     names = _split_names(tuple(_variadic(runs, more_runs)))
     if dry_run:
-        for line in plan_lines(cfg, names):
+        for line in plan_lines(cfg, names, parallel or cfg.train.jobs):
             click.echo(line)
         return
     results = run_pipeline(cfg, only=only, names=names, parallel=parallel or cfg.train.jobs)

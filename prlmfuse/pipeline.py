@@ -416,8 +416,9 @@ def _measured_speed(cfg: PipelineConfig) -> float | None:
     return sum(speeds) / len(speeds) if speeds else None
 
 
-def plan_lines(cfg: PipelineConfig, names: list[str] | None) -> list[str]:
-    """What `prlmfuse run` would do: data, caches present or to build, runs to train or resume, estimates."""
+def plan_lines(cfg: PipelineConfig, names: list[str] | None, parallel: int = 1) -> list[str]:
+    """What `prlmfuse run` would do: data, caches present or to build, runs to train or resume, estimates
+    (`parallel` runs training at once)."""
     from prlmfuse.precision import resolve_runtime
 
     runtime = resolve_runtime(cfg.device, cfg.precision)  # the plan refuses a device the run would refuse
@@ -444,7 +445,7 @@ def plan_lines(cfg: PipelineConfig, names: list[str] | None) -> list[str]:
             lines.append(f"cache: {e.name} ({layers}, {e.dtype or cfg.cache.dtype}) train/dev/test "
                          f"[to build once the corpus exists]")
     speed = _measured_speed(cfg)
-    total_updates = total_tokens = 0
+    total_updates = total_tokens = runs_left = 0
     for run in _selected_runs(cfg, names):
         out = run_path(cfg, run.name)
         state, done = rundir.training_progress(run, rundir.latest_trainer_state(out))
@@ -456,10 +457,14 @@ def plan_lines(cfg: PipelineConfig, names: list[str] | None) -> list[str]:
         if run.max_updates is not None and not state.startswith("done"):
             total_updates += max(0, run.max_updates - done)
             total_tokens += max(0, run.max_updates - done) * run.max_tokens
+            runs_left += 1
     if total_updates:
         lines.append(f"estimate: {total_updates} updates left, at most {total_tokens / 1e6:.1f}M tokens")
         if speed:
-            lines.append(f"estimate: about {total_updates / speed / 60:.0f} min at the {speed:.2f} updates/s measured so far")
+            # Each run's logged rate is its own, whether or not others trained beside it.
+            at_once = max(1, min(parallel, runs_left))
+            lines.append(f"estimate: about {total_updates / speed / at_once / 60:.0f} min at the {speed:.2f} updates/s "
+                         f"measured so far{f', {at_once} runs at once' if at_once > 1 else ''}")
         else:
             lines.append("estimate: time unknown until a run has logged its speed (metrics.jsonl)")
     lines.append(f"evaluate: -> {cfg.workdir / cfg.evaluate.out} (beam {cfg.evaluate.beam}, average of last {cfg.evaluate.average_last}"

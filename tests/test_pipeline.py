@@ -167,6 +167,28 @@ def test_dry_run_on_a_fresh_pipeline_writes_nothing(tmp_path):
             plan_lines(cfg, None)
 
 
+def test_dry_run_estimate_counts_runs_trained_at_once(tmp_path):
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for split in ("train", "dev", "test"):
+        (raw / f"{split}.src").write_text("a b\nc d\n", encoding="utf-8")
+        (raw / f"{split}.tgt").write_text("x\ny\n", encoding="utf-8")
+    path = tmp_path / "pipeline.yaml"
+    text = PIPELINE.format(raw=raw, prlm="minilm-l6", backend="zarr").replace("max_updates: 6,", "max_updates: 600,")
+    path.write_text(text, encoding="utf-8")
+    from prlmfuse.config import load_pipeline
+    from prlmfuse.pipeline import plan_lines
+
+    cfg = load_pipeline(path)
+    # A rate each run logged earlier: 1,200 updates left at 1 update/s is 20 minutes one after the other.
+    for run in ("baseline", "fused"):
+        (tmp_path / "work" / "runs" / run).mkdir(parents=True)
+        (tmp_path / "work" / "runs" / run / "metrics.jsonl").write_text('{"update": 1, "updates_per_s": 1.0}\n')
+    assert "estimate: about 20 min at the 1.00 updates/s measured so far" in plan_lines(cfg, None)
+    assert "estimate: about 10 min at the 1.00 updates/s measured so far, 2 runs at once" in plan_lines(cfg, None, 2)
+    assert "estimate: about 10 min at the 1.00 updates/s measured so far" in plan_lines(cfg, ["fused"], 2)
+
+
 def test_training_before_the_cache_exists_says_what_to_run(tiny_pipeline, tmp_path):
     root, path, _ = tiny_pipeline
     from prlmfuse.config import load_pipeline
