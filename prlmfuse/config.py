@@ -97,8 +97,7 @@ class CacheConfig:
 class TrainConfig:
     defaults: dict[str, Any] = field(default_factory=dict)
     runs: list[RunConfig] = field(default_factory=list)
-    # Runs trained at once, each in its own process (the CLI's --jobs overrides it): small models use
-    # several cores poorly, so on a CPU two runs side by side finish sooner than one after the other.
+    # Runs trained at once, each in its own process with cores/jobs threads (the CLI's --jobs overrides it).
     jobs: int = 1
 
 
