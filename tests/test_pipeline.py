@@ -145,12 +145,17 @@ def test_jobs_trains_runs_in_their_own_processes_and_names_the_one_that_failed(t
     assert latest_trainer_state(runs / "fused")["update"] == 6
 
 
-def test_dry_run_on_a_fresh_pipeline_writes_nothing(tmp_path):
-    raw = tmp_path / "raw"
+def _two_line_corpus_files(raw: Path) -> Path:
+    """Six two-line corpus files in `raw`, for plans that never build the corpus."""
     raw.mkdir()
     for split in ("train", "dev", "test"):
         (raw / f"{split}.src").write_text("a b\nc d\n", encoding="utf-8")
         (raw / f"{split}.tgt").write_text("x\ny\n", encoding="utf-8")
+    return raw
+
+
+def test_dry_run_on_a_fresh_pipeline_writes_nothing(tmp_path):
+    raw = _two_line_corpus_files(tmp_path / "raw")
     path = tmp_path / "pipeline.yaml"
     path.write_text(PIPELINE.format(raw=raw, prlm="minilm-l6", backend="hdf5"), encoding="utf-8")
     from prlmfuse.config import load_pipeline
@@ -168,11 +173,7 @@ def test_dry_run_on_a_fresh_pipeline_writes_nothing(tmp_path):
 
 
 def test_dry_run_estimate_counts_runs_trained_at_once(tmp_path):
-    raw = tmp_path / "raw"
-    raw.mkdir()
-    for split in ("train", "dev", "test"):
-        (raw / f"{split}.src").write_text("a b\nc d\n", encoding="utf-8")
-        (raw / f"{split}.tgt").write_text("x\ny\n", encoding="utf-8")
+    raw = _two_line_corpus_files(tmp_path / "raw")
     path = tmp_path / "pipeline.yaml"
     text = PIPELINE.format(raw=raw, prlm="minilm-l6", backend="zarr").replace("max_updates: 6,", "max_updates: 600,")
     path.write_text(text, encoding="utf-8")
