@@ -42,7 +42,7 @@ def side_arrays(dtype: str, hidden_size: int) -> dict[str, tuple[tuple[int, ...]
 
     int8: `quant`, float32 [1 + 2k] per token: the scale (absmax / 127 of the values other than the
     outliers), the k outliers' channels, then their values. One array, so reading a token's features
-    takes as many reads as a per-token scale alone did (channel numbers are exact in float32).
+    takes as many reads as a per-token scale alone would (channel numbers are exact in float32).
     """
     if dtype != "int8":
         return {}

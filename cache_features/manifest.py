@@ -27,9 +27,9 @@ from .codecs import STORAGE_DTYPES, check_dtype, pooled_storage_dtype, side_arra
 from .location import Location
 from .shards import BACKENDS, ShardChecksum, ShardHandle
 
-FORMAT_VERSION = 1  # bump when the layout or key changes: older caches are then refused, never read
-# Storage dtypes whose own layout changed since: their caches alone carry the newer format, so caches
-# of the other dtypes keep their keys and are reused as they are. int8 2: outliers kept apart per token.
+FORMAT_VERSION = 1  # bump when the layout or key changes: caches of another format are refused, never read
+# Storage dtypes with a layout of their own carry its format number in their key (int8 2: each token's
+# largest values kept apart), so a change to one dtype's layout never invalidates the others' caches.
 DTYPE_FORMAT = {"int8": 2}
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 # oneDNN and ideep keep a compiled kernel for every matmul shape they meet (1,024 of each by default),
-# and token-budget batches bring new shapes at almost every step, so the caches grew the training
+# and token-budget batches bring new shapes at almost every step, so uncapped caches grow the training
 # process with each new shape while hardly ever being hit; set here, before any stage imports torch.
 for _cache_capacity in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
     os.environ.setdefault(_cache_capacity, "64")

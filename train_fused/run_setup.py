@@ -107,8 +107,8 @@ def train_run_bpe(run: RunConfig, corpus, bpe_path: Path) -> None:
                        run.bpe_vocab, str(bpe_path))
 
 
-# Lines per encode_batch call: a whole split at once held every line's Encoding (ids, tokens,
-# offsets, masks) and its Python list together, a heap peak that grew with the corpus.
+# Lines per encode_batch call: a whole split at once would hold every line's Encoding (ids, tokens,
+# offsets, masks) and its Python list together, a heap peak that grows with the corpus.
 ENCODE_CHUNK = 2000
 
 
