@@ -23,6 +23,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,6 +36,7 @@ from prlmfuse.fileio import disk_full_error, is_disk_full, read_lines, sha256_fi
 from .extract import (
     EncodedCorpus,
     FeatureExtractor,
+    LayerSelection,
     ShardPlan,
     collate,
     encode_corpus,
@@ -50,6 +52,9 @@ from .location import Location
 from .compat import precision_of, stored_fields
 from .manifest import MANIFEST, cache_key, check_shard_name, key_hash, read_json_at, write_json_at
 from .shards import ArraySpec, check_backend, shard_suffix
+
+if TYPE_CHECKING:
+    from prlmfuse.prlms import CheckpointInfo
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +74,30 @@ class CacheResult:
     key: str
     reused: bool
     manifest: dict
+
+
+@dataclass(frozen=True)
+class BuildSpec:
+    """What one cache build stores and how, resolved once by build_cache from its arguments."""
+
+    location: Location  # the cache directory or URL being built
+    info: CheckpointInfo  # the resolved checkpoint whose hidden states are stored
+    selection: LayerSelection
+    fields: dict  # the cache key's fields, recorded in build.json and the manifest
+    key: str  # key_hash(fields): names this cache's content
+    backend: str  # shard file format: zarr | hdf5
+    dtype: str  # storage dtype of the token features
+    max_tokens: int  # token budget per forward pass
+    shard_bytes: int  # target size of one shard's token features
+    runtime: Runtime  # device and autocast precision of the forward passes
+    force: bool  # rebuild even when a complete cache with this key is already there
+    progress: bool  # show a progress bar
+    lock_timeout: float  # seconds without a finished shard before waiting on another build gives up
+
+    @property
+    def plan_params(self) -> dict:
+        """The settings that fix shard bounds, kept in build.json: a resume under other ones starts over."""
+        return {"max_tokens": int(self.max_tokens), "shard_bytes": int(self.shard_bytes)}
 
 
 class _HostCopies:
@@ -198,7 +227,7 @@ def build_cache(
     if not lines:
         raise UserError(f"corpus file {corpus_file} is empty; give a file with at least one line")
 
-    from prlmfuse.prlms import load_prlm, resolve_checkpoint
+    from prlmfuse.prlms import resolve_checkpoint
 
     info = resolve_checkpoint(checkpoint, trust_remote_code=trust_remote_code)
     selection = parse_layers(layers, info.num_layers)
@@ -208,16 +237,18 @@ def build_cache(
         if stored is not None:
             fields = stored
             runtime = Runtime(runtime.device, dtype_of(precision_of(stored)))
-    key = key_hash(fields)
-    plan_params = {"max_tokens": int(max_tokens), "shard_bytes": int(shard_bytes)}
+    spec = BuildSpec(
+        location=location, info=info, selection=selection, fields=fields, key=key_hash(fields), backend=backend,
+        dtype=dtype, max_tokens=max_tokens, shard_bytes=shard_bytes, runtime=runtime, force=force,
+        progress=progress, lock_timeout=lock_timeout,
+    )
 
     created_group = join_group(runtime.device)
     dist = init_distributed(runtime.device)
     if dist.is_main:
         logger.info("cache: %s -> %s (%s)", checkpoint, out, runtime.describe())
     try:
-        return _locked_build(info, load_prlm, lines, location, out, selection, fields, key, plan_params, backend,
-                             dtype, max_tokens, shard_bytes, runtime, force, progress, dist, lock_timeout)
+        return _locked_build(spec, lines, dist)
     except OSError as e:
         # anything not already named (the lock file, a directory): still one actionable line
         if is_disk_full(e):
@@ -228,43 +259,44 @@ def build_cache(
             destroy(dist)
 
 
-def _locked_build(info, load_prlm, lines, location, out, selection, fields, key, plan_params, backend, dtype,
-                  max_tokens, shard_bytes, runtime, force, progress, dist: DistContext,
-                  lock_timeout: float) -> CacheResult:
-    """Reuse, resume or build `location`: rank 0 decides under the lock; the other ranks follow its verdict."""
-    with directory_lock(location, enabled=dist.is_main, wait_timeout=lock_timeout):
+def _locked_build(spec: BuildSpec, lines: list[str], dist: DistContext) -> CacheResult:
+    """Reuse, resume or build `spec.location`: rank 0 decides under the lock; the other ranks follow its verdict."""
+    location, key = spec.location, spec.key
+    with directory_lock(location, enabled=dist.is_main, wait_timeout=spec.lock_timeout):
         verdict, error = 0, None  # 0 build, 1 reuse, 2 failed
         manifest = None
         if dist.is_main:
             try:
-                manifest = prepare_directory(location, key, fields, backend, plan_params, force)
+                manifest = prepare_directory(location, key, spec.fields, spec.backend, spec.plan_params, spec.force)
                 verdict = 1 if manifest is not None else 0
             except BaseException as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
                 verdict, error = 2, e
         verdict = all_reduce_max(dist, verdict)
         if verdict == 2:
-            raise error if error is not None else UserError(f"cache build of {out} failed on rank 0")
+            raise error if error is not None else UserError(f"cache build of {location} failed on rank 0")
         if verdict == 1:
             if manifest is None:
                 manifest = read_json_at(location, MANIFEST, "cache manifest")
-            logger.info("cached: %s already holds this cache (key %s), nothing to do", out, key[:12])
-            return CacheResult(str(out), key, True, manifest)
-        manifest = _build(info, load_prlm, lines, location, selection, fields, key, backend, dtype,
-                          max_tokens, shard_bytes, runtime, progress, dist)
-        return CacheResult(str(out), key, False, manifest)
+            logger.info("cached: %s already holds this cache (key %s), nothing to do", location, key[:12])
+            return CacheResult(str(location), key, True, manifest)
+        manifest = _build(spec, lines, dist)
+        return CacheResult(str(location), key, False, manifest)
 
 
-def _build(info, load_prlm, lines, location, selection, fields, key, backend, dtype, max_tokens, shard_bytes,
-           runtime: Runtime, progress, dist: DistContext) -> dict:
+def _build(spec: BuildSpec, lines: list[str], dist: DistContext) -> dict:
+    from prlmfuse.prlms import load_prlm
+
+    location, key, info, selection = spec.location, spec.key, spec.info, spec.selection
+    dtype, runtime = spec.dtype, spec.runtime
     model, tokenizer = load_prlm(info)
     corpus = encode_corpus(tokenizer, lines, max_length=info.max_length)
     del lines
     lengths = corpus.lengths
     d = info.hidden_size
-    batches = plan_batches(lengths, max_tokens)
+    batches = plan_batches(lengths, spec.max_tokens)
     row_bytes = token_bytes_per_row(dtype, d) * len(selection.token_layers)
-    shards = plan_shards(batches, lengths, row_bytes, shard_bytes)
-    suffix = shard_suffix(backend)
+    shards = plan_shards(batches, lengths, row_bytes, spec.shard_bytes)
+    suffix = shard_suffix(spec.backend)
     names = {plan.index: f"{plan.name_stem}{suffix}" for plan in shards}
     for name in names.values():
         check_shard_name(name, "plan")
@@ -285,12 +317,12 @@ def _build(info, load_prlm, lines, location, selection, fields, key, backend, dt
 
     failed = 0
     error: BaseException | None = None
-    writer = BackgroundWriter(location, backend, key)
+    writer = BackgroundWriter(location, spec.backend, key)
     copies = _HostCopies(writer, layers, dtype, runtime.device)
     try:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=total_sentences, initial=initial, unit="sent", disable=not progress,
+        bar = tqdm(total=total_sentences, initial=initial, unit="sent", disable=not spec.progress,
                    desc=f"cache{'' if not dist.enabled else f' rank {dist.rank}'}", dynamic_ncols=True)
         started, tokens_done = time.perf_counter(), 0
         with bar:
@@ -321,7 +353,7 @@ def _build(info, load_prlm, lines, location, selection, fields, key, backend, dt
     manifest = None
     if dist.is_main:
         try:
-            manifest = _write_manifest(location, key, fields, backend, dtype, selection, d, corpus, names, shards)
+            manifest = _write_manifest(spec, corpus, names, shards)
         except BaseException as e:  # noqa: BLE001
             failed, error = 1, e
     if all_reduce_max(dist, failed):
@@ -331,8 +363,9 @@ def _build(info, load_prlm, lines, location, selection, fields, key, backend, dt
     return manifest
 
 
-def _write_manifest(location, key, fields, backend, dtype, selection, d, corpus: EncodedCorpus, names, shards) -> dict:
-    records = completed_records(location, key, names)
+def _write_manifest(spec: BuildSpec, corpus: EncodedCorpus, names: dict[int, str], shards: list[ShardPlan]) -> dict:
+    location, dtype, selection = spec.location, spec.dtype, spec.selection
+    records = completed_records(location, spec.key, names)
     missing = [names[p.index] for p in shards if p.index not in records]
     if missing:
         raise RuntimeError(f"cache {location}: shards {missing[:5]} were not completed by any rank")
@@ -340,20 +373,20 @@ def _write_manifest(location, key, fields, backend, dtype, selection, d, corpus:
         {k: records[p.index][k] for k in ("name", "num_sentences", "num_tokens", "sha256")} for p in shards
     ]
     manifest = {
-        "key": key,
-        "key_fields": fields,
+        "key": spec.key,
+        "key_fields": spec.fields,
         "num_sentences": corpus.num_sentences,
         "num_tokens": int(corpus.offsets[-1]),
         "layers": list(selection.token_layers),
         "pooled_layers": list(selection.pooled_layers),
-        "hidden_size": int(d),
+        "hidden_size": int(spec.info.hidden_size),
         "dtype": dtype,
         "pooled_dtype": pooled_storage_dtype(dtype),
-        "backend": backend,
+        "backend": spec.backend,
         "shards": shard_entries,
         "truncated_sentences": corpus.truncated_sentences,
         "truncated_tokens": corpus.truncated_tokens,
-        "max_length": fields["truncation"]["max_length"],
+        "max_length": spec.fields["truncation"]["max_length"],
         "complete": True,
     }
     try:
