@@ -296,7 +296,7 @@ def phases_child(workdir: Path, name: str, every: int, updates: int) -> None:
     train_set = PairDataset(train_src, train_tgt, branches["train"])
     dev_set = PairDataset(dev_src, dev_tgt, branches["dev"])
     mark("datasets built")
-    model_config = run_setup.build_model_config(run, bpe.vocab_size, [b.spec for b in branches["train"]])
+    model_config = run.model_config(bpe.vocab_size, [b.spec for b in branches["train"]])
     model = FusedTransformer(model_config).to(runtime.device)
     mark("model built")
     trainer = Trainer(run, out, model, train_set, dev_set, ctx, progress=False, runtime=runtime)

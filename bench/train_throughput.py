@@ -186,7 +186,6 @@ def main(argv: list[str] | None = None) -> int:
     from prlmfuse.precision import resolve_runtime
     from prlmfuse.cache_features import CacheReader
     from prlmfuse.train_fused.branches import PrLMBranch
-    from prlmfuse.train_fused.run_setup import build_model_config
     from prlmfuse.train_fused.trainer import Trainer
 
     home = Path(args.home) if args.home else prlmfuse_home()
@@ -244,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def make_trainer(prlm_specs, sources):
         torch.manual_seed(1)
-        model = FusedTransformer(build_model_config(run, bpe.vocab_size, prlm_specs))
+        model = FusedTransformer(run.model_config(bpe.vocab_size, prlm_specs))
         dataset = PairDataset(src_ids, tgt_ids, sources)
         return trainer_class(run, tmp_run, model, dataset, dataset, ctx, progress=False, runtime=runtime), dataset
 

@@ -2,13 +2,14 @@
 
 Every complaint about the file is one line naming where it is: `pipeline.yaml:12:5: train.runs.fused.merge:
 'summ' is not one of sum, average, gate, dropnet, direct`. Unknown keys name the closest valid key.
+The rules of a run and of its model are `train_fused.config`'s (`RunConfig.check`): each run is checked
+by them here, and the `SettingError` they raise is placed at the setting's line.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import functools
 import itertools
 import types
 import typing
@@ -20,22 +21,12 @@ import yaml
 
 from prlmfuse.cache_features import BACKENDS, STORAGE_DTYPES
 from prlmfuse.corpora import TASKS
-from prlmfuse.errors import UserError
+from prlmfuse.errors import SettingError, UserError
 from prlmfuse.precision import check_device_text, check_precision_text
 from prlmfuse.evaluate.settings import AVERAGE, AVERAGE_CHOICES, AVERAGE_LAST, DEFAULTS as DECODE_DEFAULTS
 from prlmfuse.train_fused.config import RunConfig
-from prlmfuse.train_fused.modeling import LAYER_MODES, MERGES, POSITIONS, PRESETS, SIDES
 
 CORPUS_KINDS = ("bible", "debian-descriptions", "text", "hf")
-# A string `layer` names a learned combination of layers; "fixed" is what an integer index means.
-STRING_LAYER_MODES = tuple(m for m in LAYER_MODES if m != "fixed")
-# String fields of RunConfig that take one of a fixed set of values.
-RUN_CHOICES = {
-    "preset": tuple(PRESETS),
-    "merge": MERGES,
-    "position": POSITIONS,
-    "side": SIDES,
-}
 
 
 @dataclass
@@ -311,27 +302,11 @@ def _expand_runs(raw_runs: Any, defaults: dict, where: _Where, base_dir: Path) -
             run_name = str(name) + "".join(f".{k}-{v}" for k, v in combo.items())
             run = _build(RunConfig, {k: v for k, v in merged.items()}, keypath, where, base_dir, {"name": run_name})
             written = {**overrides, **combo}
-            at = functools.partial(_run_keypath, keypath, defaults, written)
-            for key, choices in RUN_CHOICES.items():
-                _check_choice(getattr(run, key), choices, at(key), where)
-            for i, use in enumerate(run.prlms):
-                if isinstance(use.layer, str) and use.layer not in STRING_LAYER_MODES:
-                    raise where.error(
-                        keypath + ("prlms", i, "layer"),
-                        f"{use.layer!r} is neither a layer index nor one of {', '.join(STRING_LAYER_MODES)}",
-                    )
-                if use.dtype is not None:
-                    _check_choice(use.dtype, STORAGE_DTYPES, keypath + ("prlms", i, "dtype"), where)
-            if run.merge == "direct" and len(run.prlms) != 1:
-                raise where.error(at("merge"), "merge 'direct' needs exactly one entry in prlms")
-            if run.max_updates is None and run.max_epochs is None:
-                raise where.error(keypath, "set max_updates or max_epochs (or both)")
-            low = run.below_least_value()
-            if low is not None:
-                raise where.error(at(low[0]), low[1])
-            if run.min_epochs is not None and run.max_epochs is not None and run.min_epochs > run.max_epochs:
-                raise where.error(at("min_epochs"), f"min_epochs {run.min_epochs} exceeds max_epochs "
-                                  f"{run.max_epochs}; lower it or raise max_epochs")
+            try:
+                run.check()
+            except SettingError as e:
+                key = next((k for k in (e.key[0], *e.also) if k in written or k in defaults), e.key[0])
+                raise where.error(_run_keypath(keypath, defaults, written, key) + e.key[1:], e.detail) from None
             runs.append(run)
     names = [r.name for r in runs]
     dup = next((n for n in names if names.count(n) > 1), None)

@@ -12,3 +12,19 @@ class UserError(Exception):
 
     def __init__(self, message: str):
         super().__init__(" ".join(str(message).split()))
+
+
+class SettingError(UserError):
+    """A setting that breaks a rule of a run or of its model.
+
+    `key` names the setting as pipeline.yaml spells it (a tuple for a nested one, e.g.
+    ("prlms", 0, "layer")), so that the pipeline reader can point at its line and column;
+    `detail` is the complaint without the name. A rule between two settings names the other in
+    `also`: the reader points at whichever of them the file writes.
+    """
+
+    def __init__(self, key: str | tuple, detail: str, also: tuple[str, ...] = ()):
+        self.key = key if isinstance(key, tuple) else (key,)
+        self.also = also
+        self.detail = " ".join(str(detail).split())
+        super().__init__(f"{'.'.join(map(str, self.key))}: {self.detail}")

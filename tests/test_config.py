@@ -239,3 +239,118 @@ def test_train_jobs_is_read_and_checked(tmp_path):
     msg = error_of(write(tmp_path, "train:\n  jobs: 0\n  runs: {x: {max_updates: 2}}\n", "c.yaml"))
     assert "train.jobs: expected a positive integer (runs trained at once), got 0" in msg
     assert "did you mean 'jobs'?" in error_of(write(tmp_path, "train:\n  job: 2\n", "d.yaml"))
+
+
+# Every rule of a run's model (train_fused.config.ModelConfig), each broken by one setting of one run:
+# (setting written, its value, what the refusal says). The run fuses minilm-l6 unless it sets prlms.
+MODEL_RULES = [
+    ("heads", "3", "d_model=64 must be a positive multiple of heads=3"),
+    ("d_model", "0", "d_model=0 must be a positive multiple of heads=2"),  # heads from the preset
+    ("enc_layers", "0", "expected a positive integer, got 0"),
+    ("dec_layers", "0", "expected a positive integer, got 0"),
+    ("ffn", "0", "expected a positive integer, got 0"),
+    ("dropout", "1.0", "expected a number in [0, 1), got 1.0"),
+    ("attention_dropout", "-0.1", "expected a number in [0, 1), got -0.1"),
+    ("activation_dropout", "1.5", "expected a number in [0, 1), got 1.5"),
+    ("feature_dropout", "1.0", "expected a number in [0, 1), got 1.0"),
+    ("dropnet_p", "1.5", "expected a number in [0, 1], got 1.5"),
+    ("preset", "huge", "'huge' is not one of base, summarization, small, tiny"),
+    ("merge", "concat", "'concat' is not one of sum, average, gate, dropnet, direct"),
+    ("position", "ffn2", "'ffn2' is not one of attn, add_norm1, ffn, add_norm2"),
+    ("side", "left", "'left' is not one of source, target, both, target_flow, both_flow"),
+    ("prlms", "[]", None),  # with merge: direct, below
+    ("pre_ln", "true", None),  # with position: add_norm1, below
+]
+# Rules whose setting pipeline.yaml does not hold: the BPE decides vocab_size (bpe_vocab is held to
+# a least value above the special ids), and activation and max_positions are the model's fixed choices.
+NOT_RUN_SETTINGS = {"vocab_size", "activation", "max_positions"}
+PAIRED = {
+    "prlms": ("merge: direct, prlms: []", "prlms: []", "train.runs.r.merge: 'direct' feeds PrLM features as the encoder "
+              "input; add at least one PrLM to prlms"),
+    "pre_ln": ("pre_ln: true, position: add_norm1", "add_norm1", "train.runs.r.position: 'add_norm1' merges after an "
+               "add&norm, which pre-LN layers do not have"),
+}
+
+
+def _rule_keys_of_the_model_config() -> set[str]:
+    """The setting names ModelConfig's rules raise a SettingError for, read from its source."""
+    import ast
+    import inspect
+
+    from prlmfuse.train_fused.config import ModelConfig
+
+    keys = set()
+    for node in ast.walk(ast.parse(inspect.getsource(ModelConfig))):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("SettingError", "_one_of"):
+            first = node.args[0]
+            if isinstance(first, ast.Constant):
+                keys.add(first.value)
+        if isinstance(node, ast.For) and isinstance(node.iter, ast.Tuple):  # `for key in ("dropout", ...)`
+            keys.update(e.value for e in node.iter.elts if isinstance(e, ast.Constant))
+    return keys
+
+
+def test_every_model_rule_has_a_read_time_case():
+    covered = {key for key, _, _ in MODEL_RULES} | {"side", "position", "merge"}
+    assert _rule_keys_of_the_model_config() - NOT_RUN_SETTINGS <= covered
+
+
+@pytest.mark.parametrize("key,value,detail", [r for r in MODEL_RULES if r[2] is not None], ids=lambda x: str(x))
+def test_each_model_rule_is_refused_at_read_time_where_the_setting_stands(tmp_path, key, value, detail):
+    settings = f"{key}: {value}" + (", merge: dropnet" if key == "dropnet_p" else "")
+    run_line = f"    r: {{prlms: [{{checkpoint: minilm-l6}}], {settings}}}"
+    p = write(tmp_path, "cache: {checkpoints: [{name: minilm-l6}]}\ntrain:\n  defaults: {preset: tiny, max_updates: 10}\n"
+              f"  runs:\n{run_line}\n")
+    column = run_line.index(f"{key}: {value}") + len(key) + 3
+    assert f"p.yaml:5:{column}: train.runs.r.{key}: {detail}" in error_of(p)
+
+
+@pytest.mark.parametrize("key", sorted(PAIRED))
+def test_rules_of_two_settings_point_at_the_one_named(tmp_path, key):
+    settings, value, message = PAIRED[key]
+    run_line = f"    r: {{prlms: [{{checkpoint: minilm-l6}}], {settings}}}"
+    if key == "prlms":
+        run_line = f"    r: {{{settings}}}"
+    p = write(tmp_path, "cache: {checkpoints: [{name: minilm-l6}]}\ntrain:\n  defaults: {preset: tiny, max_updates: 10}\n"
+              f"  runs:\n{run_line}\n")
+    msg = error_of(p)
+    assert message in msg and msg.startswith(f"{p}:5:"), msg
+
+
+def test_a_model_rule_broken_by_a_default_points_at_train_defaults(tmp_path):
+    p = write(tmp_path, "cache: {checkpoints: [{name: minilm-l6}]}\ntrain:\n  defaults: {preset: tiny, max_updates: 10, "
+              "pre_ln: true, position: add_norm2}\n  runs:\n    base: {}\n    f: {prlms: [{checkpoint: minilm-l6}]}\n")
+    # The baseline has no branch to merge, so only the fused run breaks the rule, at the default it inherits.
+    assert "p.yaml:3:69: train.defaults.position: 'add_norm2' merges after an add&norm" in error_of(p)
+    # A rule between two settings (heads from the preset, d_model written) points at the one written.
+    p = write(tmp_path, "train:\n  defaults: {max_updates: 10}\n  runs:\n    b: {d_model: 100}\n", "b.yaml")
+    assert "b.yaml:4:18: train.runs.b.d_model: d_model=100 must be a positive multiple of heads=8" in error_of(p)
+
+
+def test_merge_direct_takes_several_prlms_as_the_model_does(tmp_path):
+    p = write(tmp_path, "cache: {checkpoints: [{name: minilm-l6}, {name: e5-small}]}\ntrain:\n  runs:\n"
+              "    d: {max_updates: 2, merge: direct, prlms: [{checkpoint: minilm-l6}, {checkpoint: e5-small}]}\n")
+    assert [u.checkpoint for u in load_pipeline(p).run("d").prlms] == ["minilm-l6", "e5-small"]
+
+
+def test_dropnet_p_is_a_run_setting_that_reaches_run_json_and_the_model(tmp_path):
+    p = write(tmp_path, "cache: {checkpoints: [{name: minilm-l6}]}\ntrain:\n  runs:\n"
+              "    d: {max_updates: 2, merge: dropnet, dropnet_p: 0.3, prlms: [{checkpoint: minilm-l6}]}\n")
+    run = load_pipeline(p).run("d")
+    assert run.to_dict()["dropnet_p"] == 0.3 and run.model_config(500, []).dropnet_p == 0.3
+
+
+def test_the_issue_runs_are_refused_by_the_dry_run_with_their_location(tmp_path):
+    """Two runs only the model could refuse, refused by `run --dry-run` before any work."""
+    body = (f"workdir: {tmp_path / 'work'}\ncache: {{checkpoints: [{{name: minilm-l6}}]}}\ntrain:\n"
+            "  defaults: {preset: tiny, max_updates: 10}\n  runs:\n")
+    runs = {"a": "    a: {prlms: [{checkpoint: minilm-l6, layer: -2}], pre_ln: true, position: add_norm1}\n",
+            "b": "    b: {prlms: [{checkpoint: minilm-l6, layer: -2}], merge: direct, side: both}\n"}
+    expected = {"a": ":6:78: train.runs.a.position: 'add_norm1' merges after an add&norm",
+                "b": ":6:75: train.runs.b.side: merge 'direct' replaces the source input, so side must be 'source'"}
+    for name, line in runs.items():
+        p = write(tmp_path, body + line, f"{name}.yaml")
+        out = subprocess.run([sys.executable, "-m", "prlmfuse.cli", "run", str(p), "--dry-run"], capture_output=True, text=True)
+        assert out.returncode == 2 and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.startswith(f"error: {p}{expected[name]}"), out.stderr
+    assert not (tmp_path / "work").exists()

@@ -11,10 +11,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from prlmfuse.errors import UserError
+from prlmfuse.train_fused.config import LAYER_MODES, PRESETS, SIDES
 from prlmfuse.train_fused.modeling import (
-    LAYER_MODES,
-    PRESETS,
-    SIDES,
     DecoderLayer,
     EncoderLayer,
     EncoderOut,
@@ -584,7 +582,7 @@ def test_rows_without_any_real_key_stay_finite():
 def test_training_dropout_follows_torchs_seed_and_eval_is_deterministic():
     """Dropout (torch's own) draws from torch's default generator: a seed reproduces a training
     step, another seed changes it, and eval mode drops nothing."""
-    config = tiny_config(ONE_PRLM, side="both", dropout=0.3, attn_dropout=0.2)
+    config = tiny_config(ONE_PRLM, side="both", dropout=0.3, attention_dropout=0.2)
     torch.manual_seed(0)
     model = FusedTransformer(config)
     src, tgt_in, _, feats = batch_for(config)
@@ -651,7 +649,7 @@ def test_feature_dropout_reaches_what_the_branches_read():
 
 @pytest.mark.parametrize("name", ["activation_dropout", "feature_dropout"])
 def test_new_dropouts_are_validated(name):
-    with pytest.raises(UserError, match=rf"{name}=1.0 must be in \[0, 1\)"):
+    with pytest.raises(UserError, match=rf"{name}: expected a number in \[0, 1\), got 1.0"):
         tiny_config([], **{name: 1.0})
 
 

@@ -144,6 +144,24 @@ def test_feature_norm_trains_resumes_and_changing_it_is_refused(world, tmp_path)
     assert "prlm_feature_norms.0.weight" in _weights(run, 3)
 
 
+def test_a_run_json_of_the_older_format_resumes_and_loads(world, tmp_path):
+    """run.json files that name the model's attention dropout attn_dropout and lack train.dropnet_p
+    (written before both were run settings) resume as the same run and load for decoding."""
+    corpus, ckpt, paths = world
+    use = PrLMUse(checkpoint=str(ckpt))
+    caches = [small_runs.caches_for(use, paths)]
+    run = lambda updates: small_runs.tiny_run("o", prlms=[use], merge="dropnet", attention_dropout=0.1,  # noqa: E731
+                                              max_updates=updates, save_every=3)
+    run_dir = train_run(run(3), corpus, caches, tmp_path / "old", progress=False)
+    info = json.loads((run_dir / "run.json").read_text())
+    info["model"]["attn_dropout"] = info["model"].pop("attention_dropout")
+    del info["train"]["dropnet_p"]
+    (run_dir / "run.json").write_text(json.dumps(info))
+    train_run(run(6), corpus, caches, run_dir, progress=False)
+    assert json.loads((run_dir / "trainer_state.json").read_text())["update"] == 6
+    model, _, loaded = load_run(run_dir, "last")
+    assert model.config.attention_dropout == 0.1 and loaded["train"]["dropnet_p"] == 0.5
+
 def test_in_memory_features_train_like_features_from_disk(world, tmp_path):
     corpus, ckpt, paths = world
     use = PrLMUse(checkpoint=str(ckpt), layer="concat")
@@ -395,11 +413,10 @@ def test_two_gloo_processes_match_one_process(world, tmp_path):
 
 
 def test_run_dropouts_reach_the_model():
-    from prlmfuse.train_fused.run_setup import build_model_config
-
-    run = small_runs.tiny_run("d", attention_dropout=0.1, activation_dropout=0.2, feature_dropout=0.3)
-    config = build_model_config(run, vocab_size=64, specs=[])
-    assert (config.attn_dropout, config.activation_dropout, config.feature_dropout) == (0.1, 0.2, 0.3)
+    run = small_runs.tiny_run("d", attention_dropout=0.1, activation_dropout=0.2, feature_dropout=0.3, dropnet_p=0.4)
+    config = run.model_config(vocab_size=64, prlms=[])
+    assert (config.attention_dropout, config.activation_dropout, config.feature_dropout) == (0.1, 0.2, 0.3)
+    assert config.dropnet_p == 0.4
 
 
 def _trainer(tmp_path, run, corpus):
@@ -408,13 +425,13 @@ def _trainer(tmp_path, run, corpus):
     from prlmfuse.precision import Runtime
     from prlmfuse.train_fused.bpe import train_bpe
     from prlmfuse.train_fused.modeling import FusedTransformer
-    from prlmfuse.train_fused.run_setup import _encode_split, build_model_config
+    from prlmfuse.train_fused.run_setup import _encode_split
     from prlmfuse.train_fused.trainer import Trainer
     from prlmfuse.fileio import read_lines
 
     bpe = train_bpe(read_lines(corpus.src_path("train")) + read_lines(corpus.tgt_path("train")), run.bpe_vocab)
     torch.manual_seed(run.seed)
-    model = FusedTransformer(build_model_config(run, bpe.vocab_size, []))
+    model = FusedTransformer(run.model_config(bpe.vocab_size, []))
     src, tgt = _encode_split(bpe, corpus, "train", 64)
     train_set = PairDataset(src, tgt, [])
     trainer = Trainer(run, tmp_path, model, train_set, train_set, DistContext(), progress=False,

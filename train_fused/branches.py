@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from prlmfuse.cache_features import CacheReader, choose_layers, layer_rows, open_cache
 from prlmfuse.cache_features.compat import POOLED_MODES
 from prlmfuse.errors import UserError
-from prlmfuse.train_fused.config import PrLMUse
-from prlmfuse.train_fused.modeling import PrLMSpec
+from prlmfuse.train_fused.config import PrLMSpec, PrLMUse
 
 
 @dataclass(frozen=True)

@@ -1,17 +1,217 @@
-"""Typed configuration of one training run, as the trainer consumes it.
+"""Typed configuration of one training run and of the model it builds: the one home of their rules.
 
-`prlmfuse.config` parses pipeline.yaml into these objects (validated once at the edge);
-the trainer and the evaluation jobs read them back from `run.json`.
+`RunConfig` is a run as pipeline.yaml's `train.runs` and run.json's `train` state it; `ModelConfig`
+is the model it builds (`RunConfig.model_config`), stored as run.json's `model`. A setting has one
+name in all four. Every rule is checked here, by `RunConfig.check()` and the config dataclasses'
+`__post_init__`, and raised as a `SettingError` naming the setting: `prlmfuse.config` builds the
+same model configuration when it reads pipeline.yaml and points at the setting's line, and the
+trainer applies the very same rules to a RunConfig made in Python.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+from prlmfuse.cache_features.codecs import STORAGE_DTYPES
+from prlmfuse.errors import SettingError, UserError
 from prlmfuse.train_fused.bpe import MIN_VOCAB
+
+MERGES = ("sum", "average", "gate", "dropnet", "direct")
+POSITIONS = ("attn", "add_norm1", "ffn", "add_norm2")
+# target / both: bert-nmt's decoder (Zhu et al. 2020), the PrLM attention merged with the encoder
+# attention; target_flow / both_flow: the authors' fork, a PrLM flow with its own add&norm and FFN
+# merged at `position`, as in the encoder.
+SIDES = ("source", "target", "both", "target_flow", "both_flow")
+LAYER_MODES = ("fixed", "dyn_cls", "dyn_aver", "dwatt", "concat")
+# A string `layer` names a learned combination of layers; "fixed" is what an integer index means.
+STRING_LAYER_MODES = tuple(m for m in LAYER_MODES if m != "fixed")
+ACTIVATIONS = ("relu", "gelu")
+
+PRESETS: dict[str, dict] = {
+    # Transformer base (Vaswani et al. 2017), as in the paper's translation experiments.
+    "base": dict(d_model=512, enc_layers=6, dec_layers=6, heads=8, ffn=2048),
+    # The paper's summarization setting: base with 4 + 4 layers.
+    "summarization": dict(d_model=512, enc_layers=4, dec_layers=4, heads=8, ffn=2048),
+    # CPU-sized models for quick experiments and tests.
+    "small": dict(d_model=256, enc_layers=3, dec_layers=3, heads=4, ffn=1024),
+    "tiny": dict(d_model=64, enc_layers=2, dec_layers=2, heads=2, ffn=128),
+}
 
 # The least batch token budget (max_tokens) a run accepts: pipeline.yaml is held to it when read, not after caching.
 MIN_BATCH_TOKENS = 16
+
+
+def _one_of(key: str, value, choices) -> None:
+    if value not in choices:
+        raise SettingError(key, f"{value!r} is not one of {', '.join(map(str, choices))}")
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+@dataclass
+class PrLMSpec:
+    """One PrLM branch as the model sees it: the shape of its cached features and how to combine its layers.
+
+    The shape (width, num_layers, num_pooled) comes from the cache (`train_fused.branches.open_branch`);
+    `before_caching` states a branch without it, which is all the model configuration's rules read.
+    """
+
+    name: str  # checkpoint name, for humans and run.json
+    width: int | None  # its hidden size d_p
+    num_layers: int | None  # token-feature layers in the cache (1 for a fixed layer)
+    num_pooled: int | None  # pooled layers in the cache (for dyn_cls / dyn_aver)
+    layer_mode: str = "fixed"  # fixed | dyn_cls | dyn_aver | dwatt | concat
+    # dyn_cls / dyn_aver: pooled row of each token layer. CacheReader stores pooled vectors for
+    # hidden_states 0..highest and token features for `layers`, so for a cache of every layer
+    # this is the identity (the default when num_pooled == num_layers); otherwise pass
+    # [reader.pooled_layers.index(l) for l in reader.layers].
+    pooled_index: list[int] | None = None
+    feature_norm: bool = False  # LayerNorm over width on the selected features (see PrLMUse)
+
+    @classmethod
+    def before_caching(cls, use: PrLMUse) -> "PrLMSpec":
+        """The branch `use` asks for, before a cache gives its feature shape."""
+        mode = use.layer if isinstance(use.layer, str) else "fixed"
+        return cls(name=use.checkpoint, width=None, num_layers=None, num_pooled=None, layer_mode=mode,
+                   feature_norm=use.feature_norm)
+
+    @property
+    def shaped(self) -> bool:
+        return self.width is not None
+
+    def __post_init__(self):
+        where = f"PrLM {self.name!r}"
+        if self.layer_mode not in LAYER_MODES:
+            raise UserError(f"{where}: unknown layer_mode {self.layer_mode!r}; use one of {', '.join(LAYER_MODES)}")
+        if not self.shaped:
+            return
+        if self.width < 2 or self.num_layers < 1 or self.num_pooled < 0:
+            raise UserError(
+                f"{where}: width={self.width}, num_layers={self.num_layers}, num_pooled={self.num_pooled} "
+                "are not a valid feature shape; take them from the cache manifest"
+            )
+        if self.layer_mode == "fixed" and self.num_layers != 1:
+            raise UserError(
+                f"{where}: layer_mode 'fixed' needs a cache of exactly one layer, this one has {self.num_layers}; "
+                "pick one layer or use dyn_cls, dyn_aver, dwatt or concat"
+            )
+        if self.layer_mode in ("dyn_cls", "dyn_aver"):
+            if self.pooled_index is None:
+                if self.num_pooled != self.num_layers:
+                    raise UserError(
+                        f"{where}: {self.layer_mode} needs pooled_index (pooled row of each of the "
+                        f"{self.num_layers} token layers, out of {self.num_pooled} pooled rows); "
+                        "set it from CacheReader.layers and .pooled_layers"
+                    )
+                self.pooled_index = list(range(self.num_layers))
+            self.pooled_index = [int(i) for i in self.pooled_index]
+            if len(self.pooled_index) != self.num_layers or not all(
+                0 <= i < self.num_pooled for i in self.pooled_index
+            ):
+                raise UserError(
+                    f"{where}: pooled_index {self.pooled_index} must give one row in 0..{self.num_pooled - 1} "
+                    f"for each of the {self.num_layers} token layers"
+                )
+
+
+@dataclass
+class ModelConfig:
+    """Sizes and fusion options of a FusedTransformer. Stored in run.json via to_dict()."""
+
+    vocab_size: int
+    d_model: int = 512
+    enc_layers: int = 6
+    dec_layers: int = 6
+    heads: int = 8
+    ffn: int = 2048
+    dropout: float = 0.1
+    attention_dropout: float = 0.0  # on the attention weights
+    activation_dropout: float = 0.0  # after the FFN's activation, as fairseq's
+    feature_dropout: float = 0.0  # on the selected PrLM features as the branches read them
+    activation: str = "relu"
+    pre_ln: bool = False
+    max_positions: int = 1024  # decoding never goes beyond this many target positions
+    pad_id: int = 0
+    bos_id: int = 1
+    eos_id: int = 2
+    prlms: list[PrLMSpec] = field(default_factory=list)  # empty: the baseline Transformer
+    merge: str = "sum"  # sum | average | gate | dropnet | direct
+    position: str = "ffn"  # attn | add_norm1 | ffn | add_norm2 (encoder side)
+    side: str = "source"  # source | target | both | target_flow | both_flow
+    dropnet_p: float = 0.5  # merge dropnet: probability of keeping one side only
+
+    def __post_init__(self):
+        self.prlms = [p if isinstance(p, PrLMSpec) else PrLMSpec(**p) for p in self.prlms]
+        if self.vocab_size <= max(self.pad_id, self.bos_id, self.eos_id):
+            raise SettingError("vocab_size", f"{self.vocab_size} does not exceed the special token ids")
+        if not (self.d_model > 0 and self.heads > 0 and self.d_model % self.heads == 0):
+            raise SettingError("heads", f"d_model={self.d_model} must be a positive multiple of heads={self.heads}",
+                               also=("d_model",))
+        for key in ("enc_layers", "dec_layers", "ffn"):
+            if getattr(self, key) < 1:
+                raise SettingError(key, f"expected a positive integer, got {getattr(self, key)}")
+        for key in ("dropout", "attention_dropout", "activation_dropout", "feature_dropout"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise SettingError(key, f"expected a number in [0, 1), got {getattr(self, key)}")
+        if not 0.0 <= self.dropnet_p <= 1.0:
+            raise SettingError("dropnet_p", f"expected a number in [0, 1], got {self.dropnet_p}")
+        _one_of("activation", self.activation, ACTIVATIONS)
+        _one_of("merge", self.merge, MERGES)
+        _one_of("position", self.position, POSITIONS)
+        _one_of("side", self.side, SIDES)
+        if self.max_positions < 2:
+            raise SettingError("max_positions", f"expected at least 2, got {self.max_positions}")
+        if self.merge == "direct":
+            if not self.prlms:
+                raise SettingError("merge", "'direct' feeds PrLM features as the encoder input; add at least one PrLM to prlms")
+            if self.side != "source":
+                raise SettingError("side", f"merge 'direct' replaces the source input, so side must be 'source', not {self.side!r}")
+        if self.pre_ln and (self.encoder_prlms or self.decoder_flow) and self.position in ("add_norm1", "add_norm2"):
+            raise SettingError(
+                "position", f"{self.position!r} merges after an add&norm, which pre-LN layers do not have; "
+                "use position 'attn' or 'ffn', or pre_ln: false"
+            )
+
+    @property
+    def encoder_prlms(self) -> bool:
+        """Encoder layers carry PrLM branches."""
+        return bool(self.prlms) and self.merge != "direct" and self.side in ("source", "both", "both_flow")
+
+    @property
+    def decoder_prlms(self) -> bool:
+        """Decoder layers carry PrLM branches."""
+        return bool(self.prlms) and self.side != "source"
+
+    @property
+    def decoder_flow(self) -> bool:
+        """Decoder layers carry PrLM flows merged at `position` (the authors' fork), not at the encoder attention."""
+        return self.decoder_prlms and self.side.endswith("_flow")
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides) -> "ModelConfig":
+        """A preset's sizes with `overrides` on top (None values mean "not set"); vocab_size is required."""
+        _one_of("preset", name, PRESETS)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise UserError(f"model config: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        values = dict(PRESETS[name])
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if "vocab_size" not in values:
+            raise UserError(f"model preset {name!r}: vocab_size is required (the BPE vocabulary size)")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+# ----------------------------------------------------------------------------- the run
 
 
 @dataclass
@@ -29,6 +229,13 @@ class PrLMUse:
     # hidden states are not normalized, such as a causal LM's residual stream (`cache inspect`
     # shows their scale); a BERT-style encoder's states already are.
     feature_norm: bool = False
+
+    def check(self) -> None:
+        """SettingError (key "layer" or "dtype") for a layer or cache dtype no cache can give."""
+        if isinstance(self.layer, str) and self.layer not in STRING_LAYER_MODES:
+            raise SettingError("layer", f"{self.layer!r} is neither a layer index nor one of {', '.join(STRING_LAYER_MODES)}")
+        if self.dtype is not None:
+            _one_of("dtype", self.dtype, STORAGE_DTYPES)
 
 
 # The least value of each integer run setting that has one (None stays allowed where the field is optional).
@@ -57,6 +264,7 @@ class RunConfig:
     merge: str = "sum"  # sum | average | gate | dropnet | direct
     position: str = "ffn"  # attn | add_norm1 | ffn | add_norm2
     side: str = "source"  # source | target | both (bert-nmt's decoder) | target_flow | both_flow (the authors')
+    dropnet_p: float = 0.5  # merge dropnet only: probability that a layer keeps one side alone
     # Data.
     bpe_vocab: int = 8000
     max_tokens: int = 3500  # per batch, source or target side, whichever is longer
@@ -91,6 +299,37 @@ class RunConfig:
     num_workers: int = 2
     in_memory_features: bool = False
 
+    def model_config(self, vocab_size: int, prlms: list[PrLMSpec]) -> ModelConfig:
+        """The run's model: its preset resolved to sizes, its explicit overrides, the BPE vocabulary and
+        one PrLMSpec per entry of `prlms`."""
+        return ModelConfig.from_preset(
+            self.preset,
+            vocab_size=vocab_size,
+            **{key: getattr(self, key) for key in MODEL_SETTINGS},
+            prlms=list(prlms),
+        )
+
+    def check(self) -> None:
+        """Raise SettingError for the first setting that breaks a rule of the run or of its model.
+
+        The model's rules are ModelConfig's own: the run builds its model configuration with each
+        branch as stated (`PrLMSpec.before_caching`), since no rule reads a feature shape.
+        """
+        low = self.below_least_value()
+        if low is not None:
+            raise SettingError(*low)
+        if self.max_updates is None and self.max_epochs is None:
+            raise SettingError("max_updates", "set max_updates or max_epochs (or both), or training never stops")
+        if self.min_epochs is not None and self.max_epochs is not None and self.min_epochs > self.max_epochs:
+            raise SettingError("min_epochs", f"min_epochs {self.min_epochs} exceeds max_epochs {self.max_epochs}; "
+                               "lower it or raise max_epochs")
+        for i, use in enumerate(self.prlms):
+            try:
+                use.check()
+            except SettingError as e:
+                raise SettingError(("prlms", i, *e.key), e.detail) from None
+        self.model_config(self.bpe_vocab, [PrLMSpec.before_caching(use) for use in self.prlms])
+
     def below_least_value(self) -> tuple[str, str] | None:
         """(setting, "expected ..., got ...") for the first integer setting below its least value, else None."""
         for key, least in LEAST_VALUES.items():
@@ -114,6 +353,11 @@ class RunConfig:
         if "adam_betas" in d:
             d["adam_betas"] = tuple(d["adam_betas"])
         return cls(**d)
+
+
+# Settings a run hands to its ModelConfig under the same name (prlms and the preset are resolved apart).
+MODEL_SETTINGS = ("d_model", "enc_layers", "dec_layers", "heads", "ffn", "dropout", "attention_dropout",
+                  "activation_dropout", "feature_dropout", "pre_ln", "merge", "position", "side", "dropnet_p")
 
 
 def recipe_without_seed(train: dict) -> dict:

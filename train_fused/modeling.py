@@ -2,8 +2,9 @@
 
 Park & Zhao (2021) add to every encoder layer an attention over the cached PrLM states H_P and
 a PrLM feed-forward, and merge that flow with the layer's source flow. This file is the whole
-model: config dataclasses, layer selection over cached PrLM layers, encoder and decoder layers,
-the incremental decoding API used by `prlmfuse.evaluate.decode`, and the training loss.
+model: layer selection over cached PrLM layers, encoder and decoder layers and the incremental
+decoding API used by `prlmfuse.evaluate.decode`; its configuration and rules are
+`train_fused.config`'s (ModelConfig, PrLMSpec).
 
 Notation for one encoder layer with input H, PrLM features Z_1..Z_k (after layer selection,
 width d_p each), `drop` = dropout, and Merge(a_0, a_1..a_k) the merge strategy (below):
@@ -11,7 +12,7 @@ width d_p each), `drop` = dropout, and Merge(a_0, a_1..a_k) the merge strategy (
     A_S = drop(SelfAttn(H, H, H))          A_j = drop(PrLMAttn_j(H, Z_j, Z_j))
 
 The PrLM attention's key/value projections take width d_p to d_model, so PrLMs of any width
-plug in directly. `drop` is `dropout`; attention weights take `attn_dropout`, the FFN's hidden
+plug in directly. `drop` is `dropout`; attention weights take `attention_dropout`, the FFN's hidden
 activations `activation_dropout` (FFN(x) = fc2(drop_act(act(fc1(x))))), and Z_j, once per
 forward, `feature_dropout` (off by default: noise a PrLM run in train mode would give its output). Post-LN (the paper's setting, `pre_ln=False`), by merge `position`:
 
@@ -101,182 +102,22 @@ side; positions count real tokens only, so padding never changes the real tokens
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from prlmfuse.errors import UserError
-
-MERGES = ("sum", "average", "gate", "dropnet", "direct")
-POSITIONS = ("attn", "add_norm1", "ffn", "add_norm2")
-# target / both: bert-nmt's decoder (Zhu et al. 2020), the PrLM attention merged with the encoder
-# attention; target_flow / both_flow: the authors' fork, a PrLM flow with its own add&norm and FFN
-# merged at `position`, as in the encoder.
-SIDES = ("source", "target", "both", "target_flow", "both_flow")
-LAYER_MODES = ("fixed", "dyn_cls", "dyn_aver", "dwatt", "concat")
-ACTIVATIONS = ("relu", "gelu")
-
-PRESETS: dict[str, dict] = {
-    # Transformer base (Vaswani et al. 2017), as in the paper's translation experiments.
-    "base": dict(d_model=512, enc_layers=6, dec_layers=6, heads=8, ffn=2048),
-    # The paper's summarization setting: base with 4 + 4 layers.
-    "summarization": dict(d_model=512, enc_layers=4, dec_layers=4, heads=8, ffn=2048),
-    # CPU-sized models for quick experiments and tests.
-    "small": dict(d_model=256, enc_layers=3, dec_layers=3, heads=4, ffn=1024),
-    "tiny": dict(d_model=64, enc_layers=2, dec_layers=2, heads=2, ffn=128),
-}
+# The model's configuration lives in its own module, as Hugging Face's configuration_*.py files do.
+from prlmfuse.train_fused.config import ModelConfig, PrLMSpec
 
 # DWAtt hyper-parameters from ElNokrashy et al. (2022), Table 4.
 DWATT_BOTTLENECK = 0.5
 DWATT_KEY_POS_DIM = 24
 
 
-# ----------------------------------------------------------------------------- configs
-
-
-@dataclass
-class PrLMSpec:
-    """One PrLM branch: the shape of its cached features and how to combine its layers."""
-
-    name: str  # checkpoint name, for humans and run.json
-    width: int  # its hidden size d_p
-    num_layers: int  # token-feature layers in the cache (1 for a fixed layer)
-    num_pooled: int  # pooled layers in the cache (for dyn_cls / dyn_aver)
-    layer_mode: str = "fixed"  # fixed | dyn_cls | dyn_aver | dwatt | concat
-    # dyn_cls / dyn_aver: pooled row of each token layer. CacheReader stores pooled vectors for
-    # hidden_states 0..highest and token features for `layers`, so for a cache of every layer
-    # this is the identity (the default when num_pooled == num_layers); otherwise pass
-    # [reader.pooled_layers.index(l) for l in reader.layers].
-    pooled_index: list[int] | None = None
-    feature_norm: bool = False  # LayerNorm over width on the selected features (see PrLMUse)
-
-    def __post_init__(self):
-        where = f"PrLM {self.name!r}"
-        if self.layer_mode not in LAYER_MODES:
-            raise UserError(f"{where}: unknown layer_mode {self.layer_mode!r}; use one of {', '.join(LAYER_MODES)}")
-        if self.width < 2 or self.num_layers < 1 or self.num_pooled < 0:
-            raise UserError(
-                f"{where}: width={self.width}, num_layers={self.num_layers}, num_pooled={self.num_pooled} "
-                "are not a valid feature shape; take them from the cache manifest"
-            )
-        if self.layer_mode == "fixed" and self.num_layers != 1:
-            raise UserError(
-                f"{where}: layer_mode 'fixed' needs a cache of exactly one layer, this one has {self.num_layers}; "
-                "pick one layer or use dyn_cls, dyn_aver, dwatt or concat"
-            )
-        if self.layer_mode in ("dyn_cls", "dyn_aver"):
-            if self.pooled_index is None:
-                if self.num_pooled != self.num_layers:
-                    raise UserError(
-                        f"{where}: {self.layer_mode} needs pooled_index (pooled row of each of the "
-                        f"{self.num_layers} token layers, out of {self.num_pooled} pooled rows); "
-                        "set it from CacheReader.layers and .pooled_layers"
-                    )
-                self.pooled_index = list(range(self.num_layers))
-            self.pooled_index = [int(i) for i in self.pooled_index]
-            if len(self.pooled_index) != self.num_layers or not all(
-                0 <= i < self.num_pooled for i in self.pooled_index
-            ):
-                raise UserError(
-                    f"{where}: pooled_index {self.pooled_index} must give one row in 0..{self.num_pooled - 1} "
-                    f"for each of the {self.num_layers} token layers"
-                )
-
-
-@dataclass
-class ModelConfig:
-    """Sizes and fusion options of a FusedTransformer. Stored in run.json via to_dict()."""
-
-    vocab_size: int
-    d_model: int = 512
-    enc_layers: int = 6
-    dec_layers: int = 6
-    heads: int = 8
-    ffn: int = 2048
-    dropout: float = 0.1
-    attn_dropout: float = 0.0  # on the attention weights
-    activation_dropout: float = 0.0  # after the FFN's activation, as fairseq's
-    feature_dropout: float = 0.0  # on the selected PrLM features as the branches read them
-    activation: str = "relu"
-    pre_ln: bool = False
-    max_positions: int = 1024  # decoding never goes beyond this many target positions
-    pad_id: int = 0
-    bos_id: int = 1
-    eos_id: int = 2
-    prlms: list[PrLMSpec] = field(default_factory=list)  # empty: the baseline Transformer
-    merge: str = "sum"  # sum | average | gate | dropnet | direct
-    position: str = "ffn"  # attn | add_norm1 | ffn | add_norm2 (encoder side)
-    side: str = "source"  # source | target | both | target_flow | both_flow
-    dropnet_p: float = 0.5
-
-    def __post_init__(self):
-        self.prlms = [p if isinstance(p, PrLMSpec) else PrLMSpec(**p) for p in self.prlms]
-        checks = [
-            (self.vocab_size > max(self.pad_id, self.bos_id, self.eos_id), f"vocab_size={self.vocab_size} must exceed the special token ids"),
-            (self.d_model > 0 and self.heads > 0 and self.d_model % self.heads == 0, f"d_model={self.d_model} must be a positive multiple of heads={self.heads}"),
-            (self.enc_layers >= 1 and self.dec_layers >= 1 and self.ffn >= 1, "enc_layers, dec_layers and ffn must be at least 1"),
-            *[(0.0 <= getattr(self, name) < 1.0, f"{name}={getattr(self, name)} must be in [0, 1)")
-              for name in ("dropout", "attn_dropout", "activation_dropout", "feature_dropout")],
-            (0.0 <= self.dropnet_p <= 1.0, f"dropnet_p={self.dropnet_p} must be in [0, 1]"),
-            (self.activation in ACTIVATIONS, f"activation {self.activation!r} unknown; use one of {', '.join(ACTIVATIONS)}"),
-            (self.merge in MERGES, f"merge {self.merge!r} unknown; use one of {', '.join(MERGES)}"),
-            (self.position in POSITIONS, f"position {self.position!r} unknown; use one of {', '.join(POSITIONS)}"),
-            (self.side in SIDES, f"side {self.side!r} unknown; use one of {', '.join(SIDES)}"),
-            (self.max_positions >= 2, "max_positions must be at least 2"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise UserError(f"model config: {message}")
-        if self.merge == "direct":
-            if not self.prlms:
-                raise UserError("model config: merge 'direct' feeds PrLM features as the encoder input; add at least one PrLM")
-            if self.side != "source":
-                raise UserError(f"model config: merge 'direct' replaces the source input, so side must be 'source', not {self.side!r}")
-        if self.pre_ln and (self.encoder_prlms or self.decoder_flow) and self.position in ("add_norm1", "add_norm2"):
-            raise UserError(
-                f"model config: position {self.position!r} merges after an add&norm, which pre-LN layers do not have; "
-                "use position 'attn' or 'ffn', or pre_ln: false"
-            )
-
-    @property
-    def encoder_prlms(self) -> bool:
-        """Encoder layers carry PrLM branches."""
-        return bool(self.prlms) and self.merge != "direct" and self.side in ("source", "both", "both_flow")
-
-    @property
-    def decoder_prlms(self) -> bool:
-        """Decoder layers carry PrLM branches."""
-        return bool(self.prlms) and self.side != "source"
-
-    @property
-    def decoder_flow(self) -> bool:
-        """Decoder layers carry PrLM flows merged at `position` (the authors' fork), not at the encoder attention."""
-        return self.decoder_prlms and self.side.endswith("_flow")
-
-    @classmethod
-    def from_preset(cls, name: str, **overrides) -> "ModelConfig":
-        """A preset's sizes with `overrides` on top (None values mean "not set"); vocab_size is required."""
-        if name not in PRESETS:
-            raise UserError(f"model preset {name!r} unknown; use one of {', '.join(PRESETS)}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(overrides) - known)
-        if unknown:
-            raise UserError(f"model config: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        values = dict(PRESETS[name])
-        values.update({k: v for k, v in overrides.items() if v is not None})
-        if "vocab_size" not in values:
-            raise UserError(f"model preset {name!r}: vocab_size is required (the BPE vocabulary size)")
-        return cls(**values)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ModelConfig":
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in d.items() if k in known})
+# ----------------------------------------------------------------------------- inputs and outputs
 
 
 @dataclass
@@ -614,7 +455,7 @@ class _FlowMerging(nn.Module):
 
     def _build_flows(self, config: ModelConfig, prlm_widths: list[int]) -> None:
         d, k = config.d_model, len(prlm_widths)
-        self.prlm_attn = nn.ModuleList(MultiheadAttention(d, config.heads, config.attn_dropout, w) for w in prlm_widths)
+        self.prlm_attn = nn.ModuleList(MultiheadAttention(d, config.heads, config.attention_dropout, w) for w in prlm_widths)
         if not self.pre_ln and self.position != "attn":
             self.prlm_attn_layer_norm = nn.ModuleList(nn.LayerNorm(d) for _ in range(k))
         if self.position in ("ffn", "add_norm2"):
@@ -668,7 +509,7 @@ class EncoderLayer(_FlowMerging):
         self.pre_ln = config.pre_ln
         self.dropout = nn.Dropout(config.dropout)
         self.position = config.position
-        self.self_attn = MultiheadAttention(d, config.heads, config.attn_dropout)
+        self.self_attn = MultiheadAttention(d, config.heads, config.attention_dropout)
         self.self_attn_layer_norm = nn.LayerNorm(d)
         self.ffn = FeedForward(d, config.ffn, config.activation, config.activation_dropout)
         self.final_layer_norm = nn.LayerNorm(d)
@@ -699,9 +540,9 @@ class DecoderLayer(_FlowMerging):
         self.dropout = nn.Dropout(config.dropout)
         # bert-nmt style merges where the encoder attention's output is; a flow merges at `position`.
         self.position = config.position if config.decoder_flow else "attn"
-        self.self_attn = MultiheadAttention(d, config.heads, config.attn_dropout)
+        self.self_attn = MultiheadAttention(d, config.heads, config.attention_dropout)
         self.self_attn_layer_norm = nn.LayerNorm(d)
-        self.encoder_attn = MultiheadAttention(d, config.heads, config.attn_dropout)
+        self.encoder_attn = MultiheadAttention(d, config.heads, config.attention_dropout)
         self.encoder_attn_layer_norm = nn.LayerNorm(d)
         self.ffn = FeedForward(d, config.ffn, config.activation, config.activation_dropout)
         self.final_layer_norm = nn.LayerNorm(d)
@@ -750,6 +591,10 @@ class FusedTransformer(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
+        unshaped = [p.name for p in config.prlms if not p.shaped]
+        if unshaped:
+            raise ValueError(f"PrLM branch(es) {', '.join(unshaped)} have no feature shape; take each PrLMSpec "
+                             "from its cache (train_fused.branches.open_branch)")
         self.config = config
         d = config.d_model
         widths = [p.width for p in config.prlms]

@@ -139,6 +139,17 @@ def read_run_info(run_dir: str | os.PathLike) -> dict:
         raise UserError(f"{path} lacks its model or corpus section; it was not written by prlmfuse train")
     if not info["corpus"].get("root"):
         raise UserError(f"{path} records no corpus root; it was not written by prlmfuse train")
+    return upgrade_run_info(info)
+
+
+def upgrade_run_info(info: dict) -> dict:
+    """run.json as the current code writes it, from a file an older prlmfuse wrote: the one place
+    that knows the old formats (as fairseq's upgrade_state_dict)."""
+    model, train = info["model"], info.get("train")
+    if "attn_dropout" in model:  # older files name the model's attention_dropout so
+        model["attention_dropout"] = model.pop("attn_dropout")
+    if isinstance(train, dict) and "dropnet_p" not in train:  # older runs could not set it: the model's value
+        train["dropnet_p"] = model.get("dropnet_p", 0.5)
     return info
 
 
@@ -536,7 +547,7 @@ def load_run(
     run_dir = Path(run_dir)
     if weights not in WEIGHTS_CHOICES:
         raise UserError(f"weights={weights!r}: choose best, last or average")
-    info = read_json(run_dir / RUN_JSON, "run.json")
+    info = read_run_info(run_dir)
     bpe = BPE.load(run_dir / BPE_JSON)
     model = FusedTransformer(ModelConfig.from_dict(info["model"]))
     if weights == "best":

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from prlmfuse.distributed import DistContext, barrier, broadcast_parameters, init_distributed
-from prlmfuse.errors import UserError
+from prlmfuse.errors import SettingError, UserError
 from prlmfuse.fileio import disk_full_error, is_disk_full, read_lines
 from prlmfuse.precision import Runtime, resolve_runtime
 from prlmfuse.train_fused import run_dir as rundir
@@ -25,7 +25,7 @@ from prlmfuse.train_fused.bpe import BPE, train_bpe_in_child
 from prlmfuse.train_fused.branches import PrLMBranch, open_branch
 from prlmfuse.train_fused.config import RunConfig
 from prlmfuse.train_fused.data import PairDataset
-from prlmfuse.train_fused.modeling import FusedTransformer, ModelConfig, PrLMSpec
+from prlmfuse.train_fused.modeling import FusedTransformer
 from prlmfuse.train_fused.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -34,34 +34,11 @@ logger = logging.getLogger(__name__)
 TRAIN_SPLITS = ("train", "dev", "test")
 
 
-def build_model_config(run: RunConfig, vocab_size: int, specs: list[PrLMSpec]) -> ModelConfig:
-    """The run's preset resolved to sizes, with its explicit overrides and the BPE vocabulary."""
-    return ModelConfig.from_preset(
-        run.preset,
-        vocab_size=vocab_size,
-        d_model=run.d_model,
-        enc_layers=run.enc_layers,
-        dec_layers=run.dec_layers,
-        heads=run.heads,
-        ffn=run.ffn,
-        dropout=run.dropout,
-        attn_dropout=run.attention_dropout,
-        activation_dropout=run.activation_dropout,
-        feature_dropout=run.feature_dropout,
-        pre_ln=run.pre_ln,
-        prlms=list(specs),
-        merge=run.merge,
-        position=run.position,
-        side=run.side,
-    )
-
-
 def _check_run(run: RunConfig, caches: list[dict[str, str]]) -> None:
-    if run.max_updates is None and run.max_epochs is None:
-        raise UserError(f"run {run.name}: set max_updates or max_epochs, or training never stops")
-    low = run.below_least_value()
-    if low is not None:
-        raise UserError(f"run {run.name}: {low[0]}: {low[1]}")
+    try:
+        run.check()  # pipeline.yaml's runs passed it when read; a RunConfig made in Python meets it here
+    except SettingError as e:
+        raise UserError(f"run {run.name}: {e}") from None
     if len(caches) != len(run.prlms):
         raise UserError(
             f"run {run.name} fuses {len(run.prlms)} PrLM(s) but {len(caches)} cache set(s) were given; "
@@ -184,7 +161,7 @@ def _train_locked(run: RunConfig, corpus, branches: dict[str, list[PrLMBranch]],
     bpe = BPE.load(bpe_path)
 
     torch.manual_seed(run.seed)
-    model_config = build_model_config(run, bpe.vocab_size, [b.spec for b in branches["train"]])
+    model_config = run.model_config(bpe.vocab_size, [b.spec for b in branches["train"]])
     model = FusedTransformer(model_config).to(runtime.device)
     broadcast_parameters(ctx, model)
 
@@ -214,5 +191,5 @@ def _train_locked(run: RunConfig, corpus, branches: dict[str, list[PrLMBranch]],
     reason = trainer.fit()
     if ctx.is_main:
         # Also on a rerun of a finished run, which trains nothing: say that it is finished, and why.
-        logger.info("train: %s done at update %d (%s reached)", run.name, trainer.state["update"], reason)
+        logger.info("train: %s done at update %d (%s reached)", run.name, trainer.state.update, reason)
     return run_dir
