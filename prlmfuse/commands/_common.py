@@ -1,0 +1,112 @@
+"""Options and helpers that several commands share: the pipeline file, --jobs, --device, --precision,
+the decoding options of `evaluate` and `translate`, and the evaluation summary."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+DEFAULT_PIPELINE = "pipeline.yaml"
+# The demo pipeline ships beside the package's modules (package-data), one folder up from here.
+_PACKAGED_PIPELINE = Path(__file__).parent.parent / "pipeline.yaml"
+
+
+def _pipeline_path(path: str | None) -> Path:
+    """The pipeline file given, else ./pipeline.yaml, else the demo that ships inside the package."""
+    if path:
+        return Path(path)
+    if Path(DEFAULT_PIPELINE).is_file():
+        return Path(DEFAULT_PIPELINE)
+    return _PACKAGED_PIPELINE
+
+
+def _load_pipeline(path: str | None, device: str | None, precision: str | None):
+    """The pipeline config of _pipeline_path(path), with the command line's --device / --precision."""
+    from prlmfuse.config import load_pipeline
+
+    file = _pipeline_path(path)
+    cfg = load_pipeline(file)
+    if file == _PACKAGED_PIPELINE:
+        # The shipped demo's workdir is relative to the current directory: the installed package's
+        # own directory may be read-only, and is no place for a user's data and runs.
+        cfg.workdir = Path.cwd() / cfg.workdir.relative_to(_PACKAGED_PIPELINE.resolve().parent)
+    return _runtime_overrides(cfg, device, precision)
+
+
+def _variadic(first: tuple[str, ...], rest: tuple[str, ...]) -> list[str]:
+    # `--runs a b c` reads as --runs a plus the extra arguments b c: click has no variadic options.
+    return [*first, *rest]
+
+
+# `train` and `run` take the same option.
+_jobs_option = click.option(
+    "--jobs", "-j", "parallel", type=click.IntRange(min=1),
+    help="Train this many runs at once, each in its own process with cores/JOBS threads (log: runs/NAME/train.log). "
+    "Default: the pipeline file's train.jobs, else 1.",
+)
+
+
+# Every stage takes the device; the stages that choose a compute precision take that too.
+_DEVICE_HELP = ("auto (CUDA when torch sees one, else CPU), cpu, cuda or cuda:N; under torchrun cuda is each rank's "
+                "LOCAL_RANK GPU.")
+_device_option = click.option(
+    "--device", default=None, metavar="DEVICE",
+    help=_DEVICE_HELP + " Overrides the pipeline file's `device` (default: auto).",
+)
+# The commands that read no pipeline file have no `device` of a file to override.
+_device_option_alone = click.option("--device", default=None, metavar="DEVICE", help=_DEVICE_HELP + " Default: auto.")
+_precision_option = click.option(
+    "--precision", default=None, type=click.Choice(["auto", "bf16", "fp16", "fp32"]),
+    help="Autocast precision; auto is bf16 where the device multiplies it fast, fp16 on GPUs without bf16, "
+    "else fp32. Overrides the pipeline file's `precision` (default: auto).",
+)
+
+
+def _runtime_overrides(cfg, device: str | None, precision: str | None):
+    """The pipeline config with the command line's --device / --precision in place of the file's."""
+    from prlmfuse.precision import check_device_text
+
+    if device is not None:
+        cfg.device = check_device_text(device)
+    if precision is not None:
+        cfg.precision = precision
+    return cfg
+
+
+def _split_names(values: tuple[str, ...]) -> list[str] | None:
+    names = [n for v in values for n in v.split(",") if n]
+    return names or None
+
+
+def _decode_options(command):
+    """`evaluate` and `translate` decode alike: the same options, with the defaults of evaluate/settings.py."""
+    from prlmfuse.evaluate.settings import AVERAGE, AVERAGE_CHOICES, AVERAGE_LAST, DEFAULTS, SUMMARIZATION_NO_REPEAT_NGRAM
+
+    options = [
+        click.option("--beam", default=DEFAULTS.beam, show_default=True, type=click.IntRange(min=1), help="Beam size; 1 is greedy decoding."),
+        click.option("--lenpen", default=DEFAULTS.lenpen, show_default=True, help="Length penalty: a hypothesis scores log-prob / length^LENPEN."),
+        click.option("--max-len-a", default=DEFAULTS.max_len_a, show_default=True, type=click.FloatRange(min=0),
+                     help="Output length limit: at most MAX_LEN_A * source length + MAX_LEN_B tokens."),
+        click.option("--max-len-b", default=DEFAULTS.max_len_b, show_default=True, type=click.IntRange(min=0),
+                     help="See --max-len-a."),
+        click.option("--min-len", default=DEFAULTS.min_len, show_default=True, type=click.IntRange(min=0), help="At least this many tokens before </s>."),
+        click.option("--no-repeat-ngram-size", type=click.IntRange(min=0),
+                     help=f"Block repeated n-grams (default: {SUMMARIZATION_NO_REPEAT_NGRAM} for summarization runs, "
+                     f"else {DEFAULTS.no_repeat_ngram_size})."),
+        click.option("--average-last", default=AVERAGE_LAST, show_default=True, type=click.IntRange(min=0),
+                     help="Average this many newest checkpoints (0: best)."),
+        click.option("--average", default=AVERAGE, show_default=True, type=click.Choice(AVERAGE_CHOICES),
+                     help="Which checkpoints --average-last counts: the newest saves, or those saved at an epoch end."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _print_summary(results) -> None:
+    """The evaluation summary that `evaluate` and `run` print."""
+    from prlmfuse.evaluate import summary_lines
+
+    for line in summary_lines(results):
+        click.echo(line)

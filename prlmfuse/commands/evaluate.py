@@ -1,0 +1,26 @@
+"""`prlmfuse evaluate`: stage three, decoding and scoring trained runs."""
+
+from __future__ import annotations
+
+import click
+
+from prlmfuse.commands._common import _decode_options, _device_option_alone, _print_summary, _variadic
+
+
+@click.command()
+@click.option("--runs", "runs", multiple=True, required=True, help="Run directories (several may follow).")
+@click.argument("more_runs", nargs=-1)
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Where results.md/csv/json and plots go.")
+@click.option("--baseline", help="Run name to compare against (deltas, bootstrap p-values).")
+@click.option("--split", "splits", multiple=True, type=click.Choice(["test", "dev"]),
+              help="Which split to decode and score (repeat for both; default test). Choose settings on dev, "
+              "report test.")
+@_decode_options
+@_device_option_alone
+def evaluate(runs, more_runs, out, baseline, splits, device, **decoding) -> None:
+    """Stage three: decode and score every run on its test set (or dev); write results.md and plots."""
+    from prlmfuse.evaluate import evaluate_runs
+
+    results = evaluate_runs(_variadic(runs, more_runs), out=out, baseline=baseline, device=device or "auto",
+                            test_sets=list(splits) or None, **decoding)
+    _print_summary(results)
