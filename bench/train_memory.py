@@ -303,7 +303,7 @@ def phases_child(workdir: Path, name: str, every: int, updates: int) -> None:
     mark("trainer built")
     done = 0
     while done < updates:
-        trainer.train_sampler.set_epoch(trainer.state["epoch"], 0)
+        trainer.train_sampler.set_epoch(trainer.state.epoch, 0)
         for batch in trainer._on_device(trainer.train_loader):
             trainer.train_step([batch])
             done += 1
@@ -311,7 +311,7 @@ def phases_child(workdir: Path, name: str, every: int, updates: int) -> None:
                 mark(f"{done} updates")
             if done >= updates:
                 break
-        trainer.state["epoch"] += 1
+        trainer.state.epoch += 1
     trainer.dev_loss()
     mark("dev loss")
 

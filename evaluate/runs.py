@@ -53,14 +53,12 @@ class RunView:
     def budget(self) -> dict:
         """What training cost: updates, target tokens seen and wall seconds (the trainer state)."""
         try:
-            state = rundir.latest_trainer_state(self.run_dir) or {}
+            state = rundir.latest_trainer_state(self.run_dir)
         except UserError:
-            state = {}
-        return {
-            "updates": int(state.get("update", 0)),
-            "train_tokens": int(state.get("tokens_seen", 0)),
-            "train_seconds": float(state.get("wall_time", float("nan"))),
-        }
+            state = None
+        if state is None:
+            return {"updates": 0, "train_tokens": 0, "train_seconds": float("nan")}
+        return {"updates": state.update, "train_tokens": state.tokens_seen, "train_seconds": state.wall_time}
 
     def describe(self) -> dict:
         """The columns of the paper's tables: PrLM, layer, merge, position, side."""

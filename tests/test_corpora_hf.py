@@ -199,7 +199,7 @@ def test_cli_prints_the_pipeline_lines_and_a_pipeline_from_them_trains_two_updat
     jobs = build_caches(cfg, corpus)
     train_runs(cfg, jobs=jobs)
     state = rundir.latest_trainer_state(run_path(cfg, "fused"))
-    assert state["update"] == 2
+    assert state.update == 2
     assert rundir.read_run_info(run_path(cfg, "fused"))["corpus"]["root"] == str(corpus.root)
 
 

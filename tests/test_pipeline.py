@@ -131,7 +131,7 @@ def test_jobs_trains_runs_in_their_own_processes_and_names_the_one_that_failed(t
     assert line.startswith("error: 1 of 2 runs failed: fused (exit 2: error: ") and needle in line, line
     assert failed.stderr.count("(own process, 1 thread(s);") == 2 and "baseline finished in" in failed.stderr
     runs = tmp_path / "work" / "runs"
-    assert latest_trainer_state(runs / "baseline")["update"] == 6
+    assert latest_trainer_state(runs / "baseline").update == 6
     assert f"train: baseline -> " in (runs / "baseline" / "train.log").read_text(encoding="utf-8")
 
     shutil.rmtree(train_cache)
@@ -142,7 +142,7 @@ def test_jobs_trains_runs_in_their_own_processes_and_names_the_one_that_failed(t
     repaired = _prlmfuse("run", str(pipe), "--only", "train", cwd=tmp_path)
     assert repaired.returncode == 0, repaired.stderr[-3000:]
     assert repaired.stderr.count("finished in") == 2 and repaired.stderr.count("(own process, 1 thread(s);") == 2
-    assert latest_trainer_state(runs / "fused")["update"] == 6
+    assert latest_trainer_state(runs / "fused").update == 6
 
 
 def _two_line_corpus_files(raw: Path) -> Path:

@@ -69,7 +69,7 @@ def _assert_every_checkpoint_file_is_whole(run_dir: Path) -> None:
             assert json.loads(path.read_text())["update"] == int(path.stem.split("-")[1])
     state = rundir.latest_trainer_state(run_dir)
     if state is not None:
-        assert (run_dir / state["checkpoint"]).is_file() and (run_dir / state["optimizer"]).is_file()
+        assert (run_dir / state.checkpoint).is_file() and (run_dir / state.optimizer).is_file()
 
 
 # ------------------------------------------------------------------------------------------ full disk
@@ -96,7 +96,7 @@ def test_disk_full_while_saving_a_checkpoint_then_rerun(world, tmp_path, monkeyp
         f"disk full while writing checkpoint update-00000008 in {out}; free space and rerun to resume"
     )
     # The previous checkpoint is whole and still the one to resume from; no torn file anywhere.
-    assert rundir.latest_trainer_state(out)["update"] == 4
+    assert rundir.latest_trainer_state(out).update == 4
     assert rundir.complete_checkpoints(out) == [4]
     assert reliability.temp_leftovers(out) == []
     _assert_every_checkpoint_file_is_whole(out)
@@ -171,7 +171,7 @@ def test_temp_files_of_a_killed_save_are_removed_on_resume(world, tmp_path):
     mine.write_text("keep")
     train_run(small_runs.tiny_run("base", max_updates=4, save_every=2), world["corpus"], [], run_dir, progress=False)
     assert not any(p.exists() for p in torn) and mine.read_text() == "keep"
-    assert rundir.latest_trainer_state(run_dir)["update"] == 4
+    assert rundir.latest_trainer_state(run_dir).update == 4
 
 
 # ------------------------------------------------------------------------------------------ slow: kill -9
@@ -192,7 +192,7 @@ def test_several_kill_9_at_random_moments_then_resume(world, tmp_path):
             offset = rng.uniform(0.35, 0.9) * duration
             status = zygote.run_and_kill("job_train", tmp_path / "killed.log", offset, out=str(killed), **job)
             state = rundir.latest_trainer_state(killed) if killed.is_dir() else None
-            at_kill.append((round(offset, 2), status, state["update"] if state else 0))
+            at_kill.append((round(offset, 2), status, state.update if state else 0))
             if status == -9:
                 _assert_every_checkpoint_file_is_whole(killed)
         status, _ = zygote.run("job_train", tmp_path / "killed.log", out=str(killed), **job)
@@ -253,7 +253,7 @@ for case, size in args["sizes"].items():
     entry["metrics"] = open(metrics, "rb").read().decode() if os.path.exists(metrics) else None
     subprocess.run(["mount", "-o", "remount,size=64m", mnt], check=True)  # space is back
     train_run(run, corpus, [], out, progress=False)
-    entry["resumed_update"] = rundir.latest_trainer_state(out)["update"]
+    entry["resumed_update"] = rundir.latest_trainer_state(out).update
 print(json.dumps(report))
 """
 
@@ -309,7 +309,7 @@ def test_fresh_starts_over_and_keeps_the_old_run_until_the_new_one_saves(world, 
         train_run(fresh, world["corpus"], [], out, resume=False, progress=False)
     # ... has lost nothing: the old run is set aside whole, and resuming brings it back.
     assert rundir.latest_trainer_state(out) is None
-    assert rundir.latest_trainer_state(out / rundir.PREVIOUS_RUN)["update"] == 8
+    assert rundir.latest_trainer_state(out / rundir.PREVIOUS_RUN).update == 8
     monkeypatch.setattr(checkpointing, "save_model", original)
     train_run(small_runs.tiny_run("r", max_updates=8, save_every=4, lr=1e-3), world["corpus"], [], out, progress=False)
     assert not (out / rundir.PREVIOUS_RUN).exists() and rundir.complete_checkpoints(out) == [4, 8]
@@ -317,7 +317,7 @@ def test_fresh_starts_over_and_keeps_the_old_run_until_the_new_one_saves(world, 
 
     # A fresh start that saves: the new run's files only, the old run gone.
     train_run(fresh, world["corpus"], [], out, resume=False, progress=False)
-    assert rundir.complete_checkpoints(out) == [4] and rundir.latest_trainer_state(out)["update"] == 4
+    assert rundir.complete_checkpoints(out) == [4] and rundir.latest_trainer_state(out).update == 4
     assert not (out / rundir.PREVIOUS_RUN).exists() and reliability.temp_leftovers(out) == []
     assert json.loads((out / "run.json").read_text())["train"]["lr"] == fresh.lr
     assert [r["update"] for r in _metrics(out)] == sorted(r["update"] for r in _metrics(out))
@@ -358,4 +358,4 @@ def test_averages_are_written_under_the_run_directory_lock(world, tmp_path, caps
     averager = reliability.hold_lock(run_dir / ".lock", "averaging", 1.5)
     train_run(small_runs.tiny_run("base", max_updates=6, save_every=2), world["corpus"], [], run_dir, progress=False)
     averager.wait()
-    assert rundir.latest_trainer_state(run_dir)["update"] == 6
+    assert rundir.latest_trainer_state(run_dir).update == 6

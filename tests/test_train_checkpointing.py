@@ -39,8 +39,8 @@ def _train_some(model, optimizer, steps: int, seed: int = 0):
         optimizer.step()
 
 
-def _state(update: int) -> dict:
-    return {"update": update, "epoch": 0, "batch_in_epoch": update, "torch_rng_state": [1, 2, 3]}
+def _state(update: int) -> rd.TrainingState:
+    return rd.TrainingState(update=update, epoch=0, batch_in_epoch=update, torch_rng_state=[1, 2, 3])
 
 
 def test_save_resume_gives_identical_continuation(tmp_path):
@@ -55,12 +55,27 @@ def test_save_resume_gives_identical_continuation(tmp_path):
     again = TiedLM()
     opt2 = torch.optim.Adam(again.parameters(), lr=1e-2, betas=(0.9, 0.98))
     state = rd.latest_trainer_state(tmp_path)
-    assert state["update"] == 3 and state["checkpoint"] == "checkpoints/update-00000003.safetensors"
+    assert state.update == 3 and state.checkpoint == "checkpoints/update-00000003.safetensors"
     ck.load_checkpoint(tmp_path, state, again, opt2)
     assert again.out.weight is again.embed.weight  # tying survives loading
     _train_some(again, opt2, 4, seed=1)
     for a, b in zip(model.state_dict().values(), again.state_dict().values()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_trainer_state_file_round_trips_key_for_key():
+    saved = {
+        "update": 12, "epoch": 2, "batch_in_epoch": 0, "best_dev_loss": 5.5, "best_epoch_dev_loss": 5.5,
+        "bad_epochs": 0, "last_dev_loss": 5.75, "tokens_seen": 4096, "wall_time": 3.25, "seed": 1,
+        "batches_per_epoch": 6, "world_size": 1, "lr": 0.0004, "torch_rng_state": [1, 2, 3],
+        "checkpoint": "checkpoints/update-00000012.safetensors", "optimizer": "checkpoints/optimizer-00000012.safetensors",
+    }
+    state = rd.TrainingState.from_dict(saved)
+    assert state.to_dict() == saved  # no cuda_rng_state or grad_scaler key appears for a CPU fp32 run
+    assert rd.is_epoch_end(state)
+    # A key the trainer no longer writes is ignored; one an older file lacks takes the default.
+    older = rd.TrainingState.from_dict({k: v for k, v in saved.items() if k != "best_epoch_dev_loss"} | {"bad_evals": 3})
+    assert older == rd.TrainingState(**{**saved, "best_epoch_dev_loss": None})
 
 
 def test_optimizer_tensors_have_stable_names(tmp_path):
@@ -101,10 +116,10 @@ def test_half_written_checkpoint_is_ignored(tmp_path):
     # A kill after the weights of update 2 but before its JSON and trainer_state.json.
     ck.save_weights(model, rd.weights_path(tmp_path, 2))
     assert rd.complete_checkpoints(tmp_path) == [1]
-    assert rd.latest_trainer_state(tmp_path)["update"] == 1
+    assert rd.latest_trainer_state(tmp_path).update == 1
     # trainer_state.json missing entirely: fall back to the newest complete checkpoint's own JSON.
     (tmp_path / "trainer_state.json").unlink()
-    assert rd.latest_trainer_state(tmp_path)["update"] == 1
+    assert rd.latest_trainer_state(tmp_path).update == 1
 
 
 def test_average_is_the_mean_and_is_reused(tmp_path):

@@ -454,7 +454,7 @@ def test_update_freq_n_batches_give_the_gradient_of_one_batch_of_all(world, tmp_
     # weights: Adam turns the float noise of a zero gradient (a key bias's) into a full-size step.
     for (name, a), b in zip(accumulated.model.named_parameters(), whole.model.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
-    assert accumulated.state["update"] == whole.state["update"] == 1
+    assert accumulated.state.update == whole.state.update == 1
 
 
 def test_update_freq_counts_updates_and_resumes_exactly(world, tmp_path):

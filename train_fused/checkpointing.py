@@ -9,6 +9,7 @@ tensors are safetensors, everything else (update count, epoch position, RNG stat
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from prlmfuse.train_fused.run_dir import (
     BEST,
     CHECKPOINT_DIR,
     TRAINER_STATE,
+    TrainingState,
     checkpoint_file_update,
     complete_checkpoints,
     discard_previous_run,
@@ -80,7 +82,7 @@ def save_checkpoint(
     run_dir: str | os.PathLike,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    trainer_state: dict,
+    trainer_state: TrainingState,
     *,
     is_best: bool,
     keep_last: int,
@@ -92,7 +94,7 @@ def save_checkpoint(
     checkpoint (still the one trainer_state.json names) is untouched, so a rerun resumes from it.
     """
     run_dir = Path(run_dir)
-    update = int(trainer_state["update"])
+    update = trainer_state.update
     try:
         return _save_checkpoint(run_dir, update, model, optimizer, trainer_state, is_best=is_best, keep_last=keep_last,
                                 keep_last_epochs=keep_last_epochs)
@@ -102,15 +104,15 @@ def save_checkpoint(
         raise
 
 
-def _save_checkpoint(run_dir: Path, update: int, model, optimizer, trainer_state: dict, *, is_best: bool,
+def _save_checkpoint(run_dir: Path, update: int, model, optimizer, trainer_state: TrainingState, *, is_best: bool,
                      keep_last: int, keep_last_epochs: int) -> Path:
     weights = weights_path(run_dir, update)
     save_weights(model, weights, metadata={"update": str(update)})
     with atomic_path(optimizer_path(run_dir, update)) as tmp:
         save_file(optimizer_tensors(optimizer, model), str(tmp), metadata={"update": str(update)})
-    state = dict(trainer_state)
-    state["checkpoint"] = relative_name(weights)
-    state["optimizer"] = relative_name(optimizer_path(run_dir, update))
+    state = dataclasses.replace(
+        trainer_state, checkpoint=relative_name(weights), optimizer=relative_name(optimizer_path(run_dir, update))
+    ).to_dict()
     atomic_write_json(state_path(run_dir, update), state)
     if is_best:
         save_weights(model, run_dir / BEST, metadata={"update": str(update)})
@@ -129,7 +131,7 @@ def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int, keep_last_epoc
         keep.update(epoch_end_checkpoints(run_dir)[-keep_last_epochs:])
     named = latest_trainer_state(run_dir)
     if named is not None:
-        keep.add(int(named["update"]))
+        keep.add(named.update)
     for entry in (run_dir / CHECKPOINT_DIR).iterdir():
         update = checkpoint_file_update(entry.name)
         if update is not None and update not in keep:
@@ -137,13 +139,13 @@ def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int, keep_last_epoc
 
 
 def load_checkpoint(
-    run_dir: str | os.PathLike, state: dict, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    run_dir: str | os.PathLike, state: TrainingState, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 ) -> None:
     """Restore the weights (and optimizer state) of the checkpoint a trainer state names."""
     run_dir = Path(run_dir)
-    load_weights(model, run_dir / state["checkpoint"])
+    load_weights(model, run_dir / state.checkpoint)
     if optimizer is not None:
-        path = run_dir / state["optimizer"]
+        path = run_dir / state.optimizer
         try:
             tensors = load_file(str(path))
         except (FileNotFoundError, SafetensorError) as e:

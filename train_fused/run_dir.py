@@ -20,6 +20,7 @@ the pipeline only read them, through the functions here.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import json
 import logging
@@ -187,6 +188,45 @@ def _first_difference(a, b, prefix: str = "") -> str:
 # ------------------------------------------------------------------------------------ trainer state
 
 
+# The TrainingState fields a save adds to restore that checkpoint; a file has no key for those left unset.
+CHECKPOINT_FIELDS = ("lr", "torch_rng_state", "cuda_rng_state", "grad_scaler", "checkpoint", "optimizer")
+
+
+@dataclasses.dataclass
+class TrainingState:
+    """How far a run has trained: the trainer's running state, saved as JSON with each checkpoint
+    (checkpoints/update-N.json and trainer_state.json) together with the CHECKPOINT_FIELDS."""
+
+    update: int = 0  # optimizer updates done
+    epoch: int = 0  # epochs completed
+    batch_in_epoch: int = 0  # batches of the current epoch trained on; 0 at an epoch end
+    best_dev_loss: float | None = None  # lowest dev loss of any save (best.safetensors)
+    best_epoch_dev_loss: float | None = None  # lowest dev loss at an epoch end, what patience compares with
+    bad_epochs: int = 0  # epoch ends since the last one that lowered best_epoch_dev_loss
+    last_dev_loss: float | None = None
+    tokens_seen: int = 0  # target tokens trained on, summed over ranks
+    wall_time: float = 0.0  # seconds in training updates, data wait included, summed over resumes
+    seed: int | None = None
+    batches_per_epoch: int | None = None  # a resume refuses data that forms a different number
+    world_size: int | None = None  # ranks the run was started with
+    lr: float | None = None  # learning rate of the checkpoint's last update
+    torch_rng_state: list[int] | None = None
+    cuda_rng_state: list[int] | None = None  # runs on a CUDA device only
+    grad_scaler: dict | None = None  # fp16 runs only
+    checkpoint: str | None = None  # weights file, relative to the run directory
+    optimizer: str | None = None  # optimizer state file, relative to the run directory
+
+    def to_dict(self) -> dict:
+        """The JSON object of a trainer state file."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: v for k, v in values.items() if v is not None or k not in CHECKPOINT_FIELDS}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> TrainingState:
+        """A trainer state file's object: unknown keys are ignored, a key absent or null takes the field's default."""
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if data.get(f.name) is not None})
+
+
 def complete_checkpoints(run_dir: str | os.PathLike) -> list[int]:
     """Update counts of checkpoints whose weights, optimizer state and JSON all exist, ascending."""
     directory = Path(run_dir) / CHECKPOINT_DIR
@@ -207,9 +247,9 @@ def list_checkpoints(run_dir: str | os.PathLike) -> list[Path]:
     return [weights_path(run_dir, u) for u in complete_checkpoints(run_dir)]
 
 
-def is_epoch_end(state: dict) -> bool:
+def is_epoch_end(state: TrainingState) -> bool:
     """Whether a checkpoint's trainer state was saved at the end of an epoch (none of the next one begun)."""
-    return int(state.get("epoch") or 0) > 0 and int(state.get("batch_in_epoch") or 0) == 0
+    return state.epoch > 0 and state.batch_in_epoch == 0
 
 
 def epoch_end_checkpoints(run_dir: str | os.PathLike) -> list[int]:
@@ -220,7 +260,7 @@ def epoch_end_checkpoints(run_dir: str | os.PathLike) -> list[int]:
             state = json.loads(state_path(run_dir, u).read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue  # unreadable: not a checkpoint an average may trust
-        if isinstance(state, dict) and is_epoch_end(state):
+        if isinstance(state, dict) and is_epoch_end(TrainingState.from_dict(state)):
             updates.append(u)
     return updates
 
@@ -239,7 +279,7 @@ def averageable_checkpoints(run_dir: str | os.PathLike, average: str) -> list[in
     return updates
 
 
-def latest_trainer_state(run_dir: str | os.PathLike) -> dict | None:
+def latest_trainer_state(run_dir: str | os.PathLike) -> TrainingState | None:
     """The trainer state to resume from, or None for a fresh run.
 
     trainer_state.json is authoritative. If it is missing (a kill between the first checkpoint's
@@ -251,9 +291,9 @@ def latest_trainer_state(run_dir: str | os.PathLike) -> dict | None:
     path = run_dir / TRAINER_STATE
     if path.is_file():
         state = _checked_state(read_json(path, "trainer state"), path)
-        if not (run_dir / state.get("checkpoint", "")).is_file():
+        if not (run_dir / state.checkpoint).is_file():
             raise UserError(
-                f"{path} names {state.get('checkpoint')!r}, which is missing; "
+                f"{path} names {state.checkpoint!r}, which is missing; "
                 "restore it or start the run afresh in a new directory"
             )
         return state
@@ -264,8 +304,9 @@ def latest_trainer_state(run_dir: str | os.PathLike) -> dict | None:
     return _checked_state(read_json(newest, "checkpoint state"), newest)
 
 
-def _checked_state(state: dict, path: Path) -> dict:
-    """File names read from a trainer state must stay inside the run's checkpoints/ folder."""
+def _checked_state(state: dict, path: Path) -> TrainingState:
+    """A trainer state file's object as a TrainingState: it has an integer update, and the files it
+    names are inside the run's checkpoints/ folder."""
     if not isinstance(state, dict) or not isinstance(state.get("update"), int):
         raise UserError(f"{path} is not a trainer state written by prlmfuse (no integer 'update'); "
                         "restore it or start the run afresh in a new directory")
@@ -274,33 +315,31 @@ def _checked_state(state: dict, path: Path) -> dict:
         if not isinstance(name, str) or not pattern.match(name):
             raise UserError(f"{path}: {key} {name!r} is not a file of this run's {CHECKPOINT_DIR}/ folder; "
                             "the trainer state is corrupt, restore it or start the run afresh in a new directory")
-    return state
+    return TrainingState.from_dict(state)
 
 
-def stop_reason(run, state: dict) -> str | None:
+def stop_reason(run, state: TrainingState) -> str | None:
     """Why training `run` is over at this trainer state ("max_updates", "max_epochs", "patience"), or None.
 
     patience counts epochs: the run stops once the epoch-end dev loss has not improved on its best for
     `patience` epochs in a row, and not before `min_epochs` epochs.
     """
-    update, epoch = int(state.get("update", 0)), int(state.get("epoch", 0))
-    if run.max_updates is not None and update >= run.max_updates:
+    if run.max_updates is not None and state.update >= run.max_updates:
         return "max_updates"
-    if run.max_epochs is not None and epoch >= run.max_epochs:
+    if run.max_epochs is not None and state.epoch >= run.max_epochs:
         return "max_epochs"
-    if run.patience is not None and int(state.get("bad_epochs", 0)) >= run.patience and epoch >= (run.min_epochs or 0):
+    if run.patience is not None and state.bad_epochs >= run.patience and state.epoch >= (run.min_epochs or 0):
         return "patience"
     return None
 
 
-def training_progress(run, state: dict | None) -> tuple[str, int]:
+def training_progress(run, state: TrainingState | None) -> tuple[str, int]:
     """What training `run` still has to do: ("new" | "resume at update N" | "done at update N", updates done)."""
     if state is None:
         return "new", 0
-    update = int(state.get("update", 0))
     if stop_reason(run, state) is not None:
-        return f"done at update {update}", update
-    return f"resume at update {update}", update
+        return f"done at update {state.update}", state.update
+    return f"resume at update {state.update}", state.update
 
 
 def training_lock(run_dir: Path) -> contextlib.AbstractContextManager[None]:
@@ -556,7 +595,7 @@ def load_run(
         state = latest_trainer_state(run_dir)
         if state is None:
             raise UserError(f"{run_dir} has no checkpoint yet; train the run first")
-        path = run_dir / state["checkpoint"]
+        path = run_dir / state.checkpoint
     else:
         path = average_checkpoints(run_dir, last=last, average=average)
     load_weights(model, path)

@@ -186,7 +186,7 @@ def _train_locked(run: RunConfig, corpus, branches: dict[str, list[PrLMBranch]],
     if existing is not None:
         trainer.restore(existing)
     if ctx.is_main:
-        rundir.truncate_metrics(run_dir, int(existing["update"]) if existing is not None else 0)
+        rundir.truncate_metrics(run_dir, existing.update if existing is not None else 0)
     barrier(ctx)
     reason = trainer.fit()
     if ctx.is_main:

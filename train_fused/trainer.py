@@ -16,6 +16,7 @@ order and the RNG, so an interrupted run ends with the weights an uninterrupted 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -178,12 +179,9 @@ class Trainer:
         )
         # Dev is read in-process: it is small, and the loop waits for it anyway.
         self.dev_loader = make_loader(dev_set, self.dev_sampler, num_workers=0, pin_memory=on_gpu)
-        self.state = {
-            "update": 0, "epoch": 0, "batch_in_epoch": 0, "best_dev_loss": None, "best_epoch_dev_loss": None,
-            "bad_epochs": 0, "last_dev_loss": None, "tokens_seen": 0, "wall_time": 0.0, "seed": run.seed,
-            "batches_per_epoch": len(self.train_sampler.batches),
-            "world_size": ctx.world_size,
-        }
+        self.state = rundir.TrainingState(
+            seed=run.seed, batches_per_epoch=len(self.train_sampler.batches), world_size=ctx.world_size
+        )
 
     @staticmethod
     def _usable(dataset: PairDataset, model: FusedTransformer) -> np.ndarray:
@@ -196,21 +194,24 @@ class Trainer:
 
     # -- resume ------------------------------------------------------------------------------
 
-    def restore(self, state: dict) -> None:
+    def restore(self, state: rundir.TrainingState) -> None:
         checkpointing.load_checkpoint(self.run_dir, state, self.model, self.optimizer)
-        for k in self.state:
-            if k in state:
-                self.state[k] = state[k]
-        if state.get("batches_per_epoch") not in (None, len(self.train_sampler.batches)):
+        # The checkpoint's progress; a field it lacks keeps this run's value, and the next save writes its own
+        # CHECKPOINT_FIELDS (learning rate, RNG, file names).
+        for field in dataclasses.fields(state):
+            value = getattr(state, field.name)
+            if value is not None and field.name not in rundir.CHECKPOINT_FIELDS:
+                setattr(self.state, field.name, value)
+        if state.batches_per_epoch not in (None, len(self.train_sampler.batches)):
             raise UserError(
                 f"{self.run_dir}: the training data now forms {len(self.train_sampler.batches)} batches per epoch, "
-                f"the checkpoint was made with {state['batches_per_epoch']}; resume with the same data and max_tokens"
+                f"the checkpoint was made with {state.batches_per_epoch}; resume with the same data and max_tokens"
             )
-        torch.set_rng_state(torch.tensor(state["torch_rng_state"], dtype=torch.uint8))
-        if self.device.type == "cuda" and state.get("cuda_rng_state") is not None:
-            torch.cuda.set_rng_state(torch.tensor(state["cuda_rng_state"], dtype=torch.uint8), self.device)
-        if self.scaler.is_enabled() and state.get("grad_scaler"):
-            self.scaler.load_state_dict(state["grad_scaler"])
+        torch.set_rng_state(torch.tensor(state.torch_rng_state, dtype=torch.uint8))
+        if self.device.type == "cuda" and state.cuda_rng_state is not None:
+            torch.cuda.set_rng_state(torch.tensor(state.cuda_rng_state, dtype=torch.uint8), self.device)
+        if self.scaler.is_enabled() and state.grad_scaler:
+            self.scaler.load_state_dict(state.grad_scaler)
 
     # -- batches on the device -----------------------------------------------------------------
 
@@ -264,7 +265,7 @@ class Trainer:
         """
         micro = batch if isinstance(batch, list) else [batch]
         self.model.train()
-        lr = inverse_sqrt_lr(self.state["update"] + 1, self.run.lr, self.run.warmup)
+        lr = inverse_sqrt_lr(self.state.update + 1, self.run.lr, self.run.warmup)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
@@ -289,8 +290,8 @@ class Trainer:
                 torch.nn.utils.clip_grad_norm_(self.params, self.run.clip_norm)
             self.scaler.step(self.optimizer)
             self.scaler.update()
-        self.state["update"] += 1
-        self.state["tokens_seen"] += int(ntokens)
+        self.state.update += 1
+        self.state.tokens_seen += int(ntokens)
         return totals[0], totals[1], int(ntokens)
 
     @torch.no_grad()
@@ -312,32 +313,32 @@ class Trainer:
 
     def evaluate_and_save(self, metrics: _MetricsLog) -> None:
         dev_loss, dev_nll = self.dev_loss()
-        best = self.state["best_dev_loss"]
-        is_best = best is None or dev_loss < best
+        state = self.state
+        is_best = state.best_dev_loss is None or dev_loss < state.best_dev_loss
         if is_best:
-            self.state["best_dev_loss"] = dev_loss
-        if rundir.is_epoch_end(self.state):
-            best_epoch = self.state["best_epoch_dev_loss"]
-            if best_epoch is None or dev_loss < best_epoch:
-                self.state["best_epoch_dev_loss"] = dev_loss
-                self.state["bad_epochs"] = 0
+            state.best_dev_loss = dev_loss
+        if rundir.is_epoch_end(state):
+            if state.best_epoch_dev_loss is None or dev_loss < state.best_epoch_dev_loss:
+                state.best_epoch_dev_loss = dev_loss
+                state.bad_epochs = 0
             else:
-                self.state["bad_epochs"] += 1
-        self.state["last_dev_loss"] = dev_loss
+                state.bad_epochs += 1
+        state.last_dev_loss = dev_loss
         metrics.log({
-            "update": self.state["update"], "epoch": self.state["epoch"], "dev_loss": dev_loss, "dev_nll_loss": dev_nll,
-            "best_dev_loss": self.state["best_dev_loss"], "wall_time": round(self.state["wall_time"], 3),
+            "update": state.update, "epoch": state.epoch, "dev_loss": dev_loss, "dev_nll_loss": dev_nll,
+            "best_dev_loss": state.best_dev_loss, "wall_time": round(state.wall_time, 3),
         })
         if self.ctx.is_main:
-            state = dict(self.state)
-            state["lr"] = inverse_sqrt_lr(max(self.state["update"], 1), self.run.lr, self.run.warmup)
-            state["torch_rng_state"] = torch.get_rng_state().tolist()
-            if self.device.type == "cuda":
-                state["cuda_rng_state"] = torch.cuda.get_rng_state(self.device).tolist()
-            if self.scaler.is_enabled():
-                state["grad_scaler"] = self.scaler.state_dict()
+            on_cuda = self.device.type == "cuda"
+            saved = dataclasses.replace(
+                state,
+                lr=inverse_sqrt_lr(max(state.update, 1), self.run.lr, self.run.warmup),
+                torch_rng_state=torch.get_rng_state().tolist(),
+                cuda_rng_state=torch.cuda.get_rng_state(self.device).tolist() if on_cuda else None,
+                grad_scaler=self.scaler.state_dict() if self.scaler.is_enabled() else None,
+            )
             checkpointing.save_checkpoint(
-                self.run_dir, self.model, self.optimizer, state, is_best=is_best, keep_last=self.run.keep_last,
+                self.run_dir, self.model, self.optimizer, saved, is_best=is_best, keep_last=self.run.keep_last,
                 keep_last_epochs=self.run.keep_last_epochs,
             )
         barrier(self.ctx)
@@ -352,12 +353,12 @@ class Trainer:
         batches_per_epoch = len(self.train_sampler.batches)
         updates_per_epoch = -(-batches_per_epoch // run.update_freq)
         total = run.max_updates if run.max_updates is not None else updates_per_epoch * (run.max_epochs or 1)
-        metrics = _MetricsLog(self.run_dir, run, self.ctx, self.progress, total, state["update"])
-        last_saved = state["update"] if state["update"] > 0 else -1
+        metrics = _MetricsLog(self.run_dir, run, self.ctx, self.progress, total, state.update)
+        last_saved = state.update if state.update > 0 else -1
         window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "updates": 0, "step_time": 0.0, "wait_time": 0.0}
         try:
             while (reason := self.stop_reason()) is None:
-                self.train_sampler.set_epoch(state["epoch"], state["batch_in_epoch"])
+                self.train_sampler.set_epoch(state.epoch, state.batch_in_epoch)
                 batches = self._on_device(self.train_loader)
                 while True:
                     t_wait = time.perf_counter()
@@ -368,28 +369,28 @@ class Trainer:
                     t_step = time.perf_counter()
                     loss_sum, nll_sum, ntokens = self.train_step(group)
                     t_end = time.perf_counter()
-                    state["batch_in_epoch"] += len(group)
-                    state["wall_time"] += t_end - t_wait
+                    state.batch_in_epoch += len(group)
+                    state.wall_time += t_end - t_wait
                     window["loss"] += loss_sum
                     window["nll"] += nll_sum
                     window["tokens"] += ntokens
                     window["updates"] += 1
                     window["step_time"] += t_end - t_step
                     window["wait_time"] += t_step - t_wait
-                    end_of_epoch = state["batch_in_epoch"] >= batches_per_epoch
+                    end_of_epoch = state.batch_in_epoch >= batches_per_epoch
                     if end_of_epoch:
-                        state["epoch"] += 1
-                        state["batch_in_epoch"] = 0
+                        state.epoch += 1
+                        state.batch_in_epoch = 0
                     metrics.tick(self._postfix(window))
-                    if state["update"] % run.log_every == 0:
+                    if state.update % run.log_every == 0:
                         metrics.log(self._train_record(window))
                         window = dict.fromkeys(window, 0)
-                    if end_of_epoch or state["update"] % run.save_every == 0:
+                    if end_of_epoch or state.update % run.save_every == 0:
                         self.evaluate_and_save(metrics)
-                        last_saved = state["update"]
+                        last_saved = state.update
                     if end_of_epoch or self.stop_reason() is not None:
                         break
-            if last_saved != state["update"] and state["update"] > 0:
+            if last_saved != state.update and state.update > 0:
                 self.evaluate_and_save(metrics)
         finally:
             metrics.close()
@@ -408,15 +409,15 @@ class Trainer:
     def _train_record(self, window: dict) -> dict:
         elapsed = max(window["step_time"] + window["wait_time"], 1e-9)
         return {
-            "update": self.state["update"],
-            "epoch": self.state["epoch"],
+            "update": self.state.update,
+            "epoch": self.state.epoch,
             "loss": window["loss"] / max(window["tokens"], 1),
             "nll_loss": window["nll"] / max(window["tokens"], 1),
-            "lr": inverse_sqrt_lr(self.state["update"], self.run.lr, self.run.warmup),
+            "lr": inverse_sqrt_lr(self.state.update, self.run.lr, self.run.warmup),
             "tokens_per_s": window["tokens"] / elapsed,
             "updates_per_s": window["updates"] / elapsed,
             "data_wait_fraction": window["wait_time"] / elapsed,
-            "wall_time": round(self.state["wall_time"], 3),
+            "wall_time": round(self.state.wall_time, 3),
         }
 
 
