@@ -449,106 +449,158 @@ def build_layer_selection(spec: PrLMSpec) -> nn.Module:
 # ----------------------------------------------------------------------------- layers
 
 
-class _FlowMerging(nn.Module):
-    """What encoder and decoder layers share: PrLM flows with their own add&norm and FFN beside the
-    layer's main attention, merged with it at `position` (a bert-nmt decoder layer is the `attn` case)."""
+class FusedLayer(nn.Module):
+    """What encoder and decoder layers share: the FFN sublayer after the layer's main attention and,
+    with PrLM branches, one PrLM flow per branch merged with the main flow at `position`.
 
-    def _build_flows(self, config: ModelConfig, prlm_widths: list[int]) -> None:
+    The main attention is the self-attention in the encoder and the encoder attention in the decoder
+    (a bert-nmt decoder layer is position `attn`). The `merge_at_<position>` methods are the module
+    docstring's equations: each takes H (`h`, the sublayer's input and so its residual), A_S (`a_s`) and
+    A_1..A_k (`a_prlm`), the attention outputs after dropout, and returns H'. LN1 is the main
+    attention's add&norm, passed in as `norm1`; LN2 is `final_layer_norm`. PrLM flow j has
+    LN1_j = prlm_attn_layer_norm[j], FFN_j = prlm_ffn[j] and LN2_j = prlm_final_layer_norm[j].
+    """
+
+    def __init__(self, config: ModelConfig, position: str):
+        super().__init__()
+        self.pre_ln = config.pre_ln
+        self.position = position
+        self.dropout = nn.Dropout(config.dropout)
+
+    def add_ffn_and_prlm_flows(self, config: ModelConfig, prlm_widths: list[int]) -> None:
+        """The FFN sublayer, then per PrLM an attention and the add&norms and FFN its flow has at `position`.
+
+        Subclasses call this after creating their attentions: creation order fixes the seeded init
+        and the parameter order that saved optimizer states follow.
+        """
         d, k = config.d_model, len(prlm_widths)
+        self.ffn = FeedForward(d, config.ffn, config.activation, config.activation_dropout)
+        self.final_layer_norm = nn.LayerNorm(d)
+        self.num_prlms = k
+        if not k:
+            return
         self.prlm_attn = nn.ModuleList(MultiheadAttention(d, config.heads, config.attention_dropout, w) for w in prlm_widths)
+        # Each module below exists only where the position's equations read it, so checkpoints hold no unused weights.
         if not self.pre_ln and self.position != "attn":
             self.prlm_attn_layer_norm = nn.ModuleList(nn.LayerNorm(d) for _ in range(k))
         if self.position in ("ffn", "add_norm2"):
-            self.prlm_ffn = nn.ModuleList(FeedForward(d, config.ffn, config.activation, config.activation_dropout) for _ in range(k))
+            self.prlm_ffn = nn.ModuleList(
+                FeedForward(d, config.ffn, config.activation, config.activation_dropout) for _ in range(k)
+            )
             if self.pre_ln or self.position == "add_norm2":
                 self.prlm_final_layer_norm = nn.ModuleList(nn.LayerNorm(d) for _ in range(k))
         self.merge = FlowMerge(config.merge, d, k, config.dropnet_p)
 
-    def _ffn_block(self, x: Tensor) -> Tensor:
+    def ffn_sublayer(self, x: Tensor) -> Tensor:
+        """LN2(x + drop(FFN(x))); pre-LN: x + drop(FFN(LN2(x)))."""
         if self.pre_ln:
             return x + self.dropout(self.ffn(self.final_layer_norm(x)))
         return self.final_layer_norm(x + self.dropout(self.ffn(x)))
 
-    def _merge_flows(self, residual: Tensor, attn_s: Tensor, attn_p: list[Tensor], main_norm: nn.LayerNorm) -> Tensor:
-        """The rest of the layer from the main attention's output attn_s and the PrLM attentions' attn_p
-        (both after dropout); main_norm is the main attention's add&norm LayerNorm."""
-        if self.position == "attn":
-            x = residual + self.merge([attn_s, *attn_p])
-            return self._ffn_block(x if self.pre_ln else main_norm(x))
+    def merge_flows(self, h: Tensor, a_s: Tensor, a_prlm: list[Tensor], norm1: nn.LayerNorm) -> Tensor:
+        """H' from the main attention's output a_s and the PrLM attentions' a_prlm, merged at `position`."""
+        # Looked up per call: a bound method stored on the module would make a reference cycle, so a
+        # deleted model's (GPU) memory would wait for the garbage collector.
+        merge_at = {
+            "attn": self.merge_at_attn,
+            "add_norm1": self.merge_at_add_norm1,
+            "ffn": self.merge_at_ffn,
+            "add_norm2": self.merge_at_add_norm2,
+        }[self.position]
+        return merge_at(h, a_s, a_prlm, norm1)
 
-        x_s = residual + attn_s
-        x_p = [residual + a for a in attn_p]
+    def merge_at_attn(self, h: Tensor, a_s: Tensor, a_prlm: list[Tensor], norm1: nn.LayerNorm) -> Tensor:
+        """Position `attn`:
+
+            x = LN1(H + Merge(A_S, A_1..A_k));  H' = LN2(x + drop(FFN(x)))
+            pre-LN:  x = H + Merge(A_S, A_1..A_k);  H' = x + drop(FFN(LN2(x)))
+        """
+        x = h + self.merge([a_s, *a_prlm])
         if not self.pre_ln:
-            x_s = main_norm(x_s)
-            x_p = [norm(x) for norm, x in zip(self.prlm_attn_layer_norm, x_p)]
+            x = norm1(x)
+        return self.ffn_sublayer(x)
 
-        if self.position == "add_norm1":  # post-LN only
-            return self._ffn_block(self.merge([x_s, *x_p]))
+    def merge_at_add_norm1(self, h: Tensor, a_s: Tensor, a_prlm: list[Tensor], norm1: nn.LayerNorm) -> Tensor:
+        """Position `add_norm1` (post-LN only; ModelConfig rejects it with pre_ln):
 
-        if self.position == "ffn":
-            if self.pre_ln:
-                flow_s = self.dropout(self.ffn(self.final_layer_norm(x_s)))
-                flow_p = [self.dropout(ffn(norm(x))) for ffn, norm, x in zip(self.prlm_ffn, self.prlm_final_layer_norm, x_p)]
-                return x_s + self.merge([flow_s, *flow_p])
-            flow_s = self.dropout(self.ffn(x_s))
-            flow_p = [self.dropout(ffn(x)) for ffn, x in zip(self.prlm_ffn, x_p)]
-            return self.final_layer_norm(x_s + self.merge([flow_s, *flow_p]))
+            x_S = LN1(H + A_S);  x_j = LN1_j(H + A_j)
+            x = Merge(x_S, x_1..x_k);  H' = LN2(x + drop(FFN(x)))
+        """
+        x_s, x_prlm = self.first_add_norms(h, a_s, a_prlm, norm1)
+        return self.ffn_sublayer(self.merge([x_s, *x_prlm]))
 
-        # add_norm2, post-LN only
-        y_s = self._ffn_block(x_s)
-        y_p = [norm(x + self.dropout(ffn(x))) for ffn, norm, x in zip(self.prlm_ffn, self.prlm_final_layer_norm, x_p)]
-        return self.merge([y_s, *y_p])
+    def merge_at_ffn(self, h: Tensor, a_s: Tensor, a_prlm: list[Tensor], norm1: nn.LayerNorm) -> Tensor:
+        """Position `ffn` (the default):
+
+            x_S = LN1(H + A_S);  x_j = LN1_j(H + A_j)
+            F_S = drop(FFN(x_S));  F_j = drop(FFN_j(x_j))
+            H' = LN2(x_S + Merge(F_S, F_1..F_k))
+            pre-LN:  x_S = H + A_S;  x_j = H + A_j
+                     H' = x_S + Merge(drop(FFN(LN2(x_S))), drop(FFN_j(LN2_j(x_j)))..)
+        """
+        if self.pre_ln:
+            x_s, x_prlm = h + a_s, [h + a for a in a_prlm]
+            f_s = self.dropout(self.ffn(self.final_layer_norm(x_s)))
+            f_prlm = [self.dropout(ffn(norm(x))) for ffn, norm, x in zip(self.prlm_ffn, self.prlm_final_layer_norm, x_prlm)]
+            return x_s + self.merge([f_s, *f_prlm])
+        x_s, x_prlm = self.first_add_norms(h, a_s, a_prlm, norm1)
+        f_s = self.dropout(self.ffn(x_s))
+        f_prlm = [self.dropout(ffn(x)) for ffn, x in zip(self.prlm_ffn, x_prlm)]
+        return self.final_layer_norm(x_s + self.merge([f_s, *f_prlm]))
+
+    def merge_at_add_norm2(self, h: Tensor, a_s: Tensor, a_prlm: list[Tensor], norm1: nn.LayerNorm) -> Tensor:
+        """Position `add_norm2` (post-LN only; ModelConfig rejects it with pre_ln):
+
+            x_S = LN1(H + A_S);  x_j = LN1_j(H + A_j)
+            y_S = LN2(x_S + drop(FFN(x_S)));  y_j = LN2_j(x_j + drop(FFN_j(x_j)))
+            H' = Merge(y_S, y_1..y_k)
+        """
+        x_s, x_prlm = self.first_add_norms(h, a_s, a_prlm, norm1)
+        y_s = self.final_layer_norm(x_s + self.dropout(self.ffn(x_s)))
+        y_prlm = [norm(x + self.dropout(ffn(x))) for ffn, norm, x in zip(self.prlm_ffn, self.prlm_final_layer_norm, x_prlm)]
+        return self.merge([y_s, *y_prlm])
+
+    def first_add_norms(
+        self, h: Tensor, a_s: Tensor, a_prlm: list[Tensor], norm1: nn.LayerNorm
+    ) -> tuple[Tensor, list[Tensor]]:
+        """The post-LN first add&norms: x_S = LN1(H + A_S);  x_j = LN1_j(H + A_j)."""
+        return norm1(h + a_s), [norm(h + a) for norm, a in zip(self.prlm_attn_layer_norm, a_prlm)]
 
 
-class EncoderLayer(_FlowMerging):
+class EncoderLayer(FusedLayer):
     """A Transformer encoder layer, with one PrLM branch per width in `prlm_widths` (see module docstring)."""
 
     def __init__(self, config: ModelConfig, prlm_widths: list[int]):
-        super().__init__()
-        d = config.d_model
-        self.pre_ln = config.pre_ln
-        self.dropout = nn.Dropout(config.dropout)
-        self.position = config.position
-        self.self_attn = MultiheadAttention(d, config.heads, config.attention_dropout)
-        self.self_attn_layer_norm = nn.LayerNorm(d)
-        self.ffn = FeedForward(d, config.ffn, config.activation, config.activation_dropout)
-        self.final_layer_norm = nn.LayerNorm(d)
-        self.num_prlms = len(prlm_widths)
-        if prlm_widths:
-            self._build_flows(config, prlm_widths)
+        super().__init__(config, position=config.position)
+        self.self_attn = MultiheadAttention(config.d_model, config.heads, config.attention_dropout)
+        self.self_attn_layer_norm = nn.LayerNorm(config.d_model)
+        self.add_ffn_and_prlm_flows(config, prlm_widths)
 
-    def forward(self, x: Tensor, mask: Tensor, prlm: list[tuple[Tensor, Tensor]]) -> Tensor:
-        """x [B, S, d], mask [B, S]; prlm: per branch (Z [B, M, d_p], mask [B, M])."""
-        residual = x
-        h = self.self_attn_layer_norm(x) if self.pre_ln else x
-        attn_s = self.dropout(self.self_attn(h, h, mask))
+    def forward(self, x: Tensor, mask: Tensor, prlm_states: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """x [B, S, d], mask [B, S]; prlm_states: per branch (Z_j [B, M_j, d_p], its mask [B, M_j])."""
+        # Pre-LN: the self-attention and the PrLM attentions share the normalised query h = LN1(H).
+        attn_in = self.self_attn_layer_norm(x) if self.pre_ln else x
+        a_s = self.dropout(self.self_attn(attn_in, attn_in, mask))
         if not self.num_prlms:
-            x = residual + attn_s
-            return self._ffn_block(x if self.pre_ln else self.self_attn_layer_norm(x))
-        attn_p = [self.dropout(attn(h, z, z_mask)) for attn, (z, z_mask) in zip(self.prlm_attn, prlm)]
-        return self._merge_flows(residual, attn_s, attn_p, self.self_attn_layer_norm)
+            x = x + a_s
+            return self.ffn_sublayer(x if self.pre_ln else self.self_attn_layer_norm(x))
+        a_prlm = [self.dropout(attn(attn_in, z, z_mask)) for attn, (z, z_mask) in zip(self.prlm_attn, prlm_states)]
+        return self.merge_flows(x, a_s, a_prlm, norm1=self.self_attn_layer_norm)
 
 
-class DecoderLayer(_FlowMerging):
+class DecoderLayer(FusedLayer):
     """Causal self-attention, encoder attention and FFN; PrLM attentions on the target side merge with the
     encoder attention (bert-nmt style) or, for a `*_flow` side, as flows of their own at `position`."""
 
     def __init__(self, config: ModelConfig, prlm_widths: list[int]):
-        super().__init__()
-        d = config.d_model
-        self.pre_ln = config.pre_ln
-        self.dropout = nn.Dropout(config.dropout)
         # bert-nmt style merges where the encoder attention's output is; a flow merges at `position`.
-        self.position = config.position if config.decoder_flow else "attn"
+        super().__init__(config, position=config.position if config.decoder_flow else "attn")
+        d = config.d_model
         self.self_attn = MultiheadAttention(d, config.heads, config.attention_dropout)
         self.self_attn_layer_norm = nn.LayerNorm(d)
         self.encoder_attn = MultiheadAttention(d, config.heads, config.attention_dropout)
         self.encoder_attn_layer_norm = nn.LayerNorm(d)
-        self.ffn = FeedForward(d, config.ffn, config.activation, config.activation_dropout)
-        self.final_layer_norm = nn.LayerNorm(d)
-        self.num_prlms = len(prlm_widths)
-        if prlm_widths:
-            self._build_flows(config, prlm_widths)
+        self.add_ffn_and_prlm_flows(config, prlm_widths)
 
     def forward(
         self, x: Tensor, enc: EncoderOut, layer_index: int, past_kv: tuple[Tensor, Tensor] | None
@@ -558,29 +610,27 @@ class DecoderLayer(_FlowMerging):
         Returns the layer output and the self-attention (k, v) of all positions so far.
         """
         # Causal self-attention over the cached positions plus the new ones.
-        residual = x
-        h = self.self_attn_layer_norm(x) if self.pre_ln else x
-        keys, values = self.self_attn.project_kv(h)
+        attn_in = self.self_attn_layer_norm(x) if self.pre_ln else x
+        keys, values = self.self_attn.project_kv(attn_in)
         if past_kv is not None:
             keys = torch.cat([past_kv[0], keys], dim=2)
             values = torch.cat([past_kv[1], values], dim=2)
-        x = residual + self.dropout(self.self_attn.attend(h, keys, values, causal=True))
+        x = x + self.dropout(self.self_attn.attend(attn_in, keys, values, causal=True))
         if not self.pre_ln:
             x = self.self_attn_layer_norm(x)
 
-        # Encoder attention, and the PrLM attentions (same query) merged with it at self.position.
-        residual = x
-        h = self.encoder_attn_layer_norm(x) if self.pre_ln else x
+        # Encoder attention, and the PrLM attentions reading the same query, merged at self.position.
+        attn_in = self.encoder_attn_layer_norm(x) if self.pre_ln else x
         enc_k, enc_v = enc.cross_kv[layer_index]
-        attended = self.dropout(self.encoder_attn.attend(h, enc_k, enc_v, enc.mask))
+        a_enc = self.dropout(self.encoder_attn.attend(attn_in, enc_k, enc_v, enc.mask))
         if not self.num_prlms:
-            x = residual + attended
-            return self._ffn_block(x if self.pre_ln else self.encoder_attn_layer_norm(x)), (keys, values)
-        prlm_attended = [
-            self.dropout(attn.attend(h, k, v, m))
+            x = x + a_enc
+            return self.ffn_sublayer(x if self.pre_ln else self.encoder_attn_layer_norm(x)), (keys, values)
+        a_prlm = [
+            self.dropout(attn.attend(attn_in, k, v, m))
             for attn, (k, v), m in zip(self.prlm_attn, enc.prlm_kv[layer_index], enc.prlm_masks)
         ]
-        return self._merge_flows(residual, attended, prlm_attended, self.encoder_attn_layer_norm), (keys, values)
+        return self.merge_flows(x, a_enc, a_prlm, norm1=self.encoder_attn_layer_norm), (keys, values)
 
 
 # ----------------------------------------------------------------------------- the model
@@ -630,17 +680,17 @@ class FusedTransformer(nn.Module):
 
     # -- encoder
 
-    def _check_features(self, prlm: list[PrLMFeatures] | None, batch: int) -> list[PrLMFeatures]:
-        prlm = list(prlm or [])
+    def _check_features(self, prlm_features: list[PrLMFeatures] | None, batch: int) -> list[PrLMFeatures]:
+        prlm_features = list(prlm_features or [])
         specs = self.config.prlms
-        if len(prlm) != len(specs):
+        if len(prlm_features) != len(specs):
             raise UserError(
                 f"model has {len(specs)} PrLM branch(es) ({', '.join(s.name for s in specs) or 'baseline'}) "
-                f"but got features of {len(prlm)}; pass one PrLMFeatures per configured PrLM, in order"
+                f"but got features of {len(prlm_features)}; pass one PrLMFeatures per configured PrLM, in order"
             )
         dtype = self.embed_tokens.weight.dtype
         checked = []
-        for spec, feats in zip(specs, prlm):
+        for spec, feats in zip(specs, prlm_features):
             states, mask = feats.states, feats.mask
             if states.dim() != 4 or states.shape[0] != batch or states.shape[1] != spec.num_layers or states.shape[3] != spec.width:
                 raise UserError(
@@ -661,35 +711,37 @@ class FusedTransformer(nn.Module):
             checked.append(PrLMFeatures(states.to(dtype), mask.to(torch.bool), pooled))
         return checked
 
-    def encode(self, src_tokens: Tensor, prlm: list[PrLMFeatures] | None) -> EncoderOut:
+    def encode(self, src_tokens: Tensor, prlm_features: list[PrLMFeatures] | None) -> EncoderOut:
         """Run the encoder over src_tokens [B, S] (or, for merge 'direct', over the PrLM features)."""
         config = self.config
         batch = src_tokens.shape[0]
-        features = self._check_features(prlm, batch)
-        # Z_j [B, M_j, d_p], read by the key/value projections of every branch attention; one
-        # feature-dropout mask per forward, as a PrLM run in train mode gives every layer one output.
-        selected = [(self.feature_dropout(norm(select(f))), f.mask)
-                    for select, norm, f in zip(self.prlm_layers, self.prlm_feature_norms, features)]
+        prlm_features = self._check_features(prlm_features, batch)
+        # (Z_j [B, M_j, d_p], mask [B, M_j]) per PrLM, read by the key/value projections of every branch
+        # attention; one feature-dropout mask per forward, as a PrLM run in train mode gives every layer one output.
+        prlm_states = [(self.feature_dropout(norm(select(f))), f.mask)
+                       for select, norm, f in zip(self.prlm_layers, self.prlm_feature_norms, prlm_features)]
 
         if config.merge == "direct":
-            pieces = [proj(z) + self.embed_positions(positions_from_mask(m)) for proj, (z, m) in zip(self.direct_proj, selected)]
+            pieces = [proj(z) + self.embed_positions(positions_from_mask(m))
+                      for proj, (z, m) in zip(self.direct_proj, prlm_states)]
             x = torch.cat(pieces, dim=1)
-            mask = torch.cat([m for _, m in selected], dim=1)
+            mask = torch.cat([m for _, m in prlm_states], dim=1)
         else:
             mask = src_tokens != config.pad_id
             x = self.embed_scale * self.embed_tokens(src_tokens) + self.embed_positions(positions_from_mask(mask))
         x = self.embed_dropout(x)
 
-        encoder_branches = selected if config.encoder_prlms else []
+        encoder_prlm_states = prlm_states if config.encoder_prlms else []
         for layer in self.encoder_layers:
-            x = layer(x, mask, encoder_branches)
+            x = layer(x, mask, encoder_prlm_states)
         if config.pre_ln:
             x = self.encoder_layer_norm(x)
 
         cross_kv = [layer.encoder_attn.project_kv(x) for layer in self.decoder_layers]
         if config.decoder_prlms:
-            prlm_kv = [[attn.project_kv(z) for attn, (z, _) in zip(layer.prlm_attn, selected)] for layer in self.decoder_layers]
-            prlm_masks = [m for _, m in selected]
+            prlm_kv = [[attn.project_kv(z) for attn, (z, _) in zip(layer.prlm_attn, prlm_states)]
+                       for layer in self.decoder_layers]
+            prlm_masks = [m for _, m in prlm_states]
         else:
             prlm_kv = [[] for _ in self.decoder_layers]
             prlm_masks = []
@@ -736,7 +788,7 @@ class FusedTransformer(nn.Module):
         return [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in cache]
 
     def forward(
-        self, src_tokens: Tensor, tgt_in: Tensor, prlm: list[PrLMFeatures] | None, scored: Tensor | None = None
+        self, src_tokens: Tensor, tgt_in: Tensor, prlm_features: list[PrLMFeatures] | None, scored: Tensor | None = None
     ) -> Tensor:
         """Teacher-forced logits [B, T, V]; tgt_in starts with bos and is padded on the right.
 
@@ -744,7 +796,7 @@ class FusedTransformer(nn.Module):
         N positions only, in row-major order. Why: the tied output projection, its float32 cast and
         the loss are the widest tensors of a training step; padding rows are never computed.
         """
-        states, _ = self.decoder_states(tgt_in, self.encode(src_tokens, prlm))
+        states, _ = self.decoder_states(tgt_in, self.encode(src_tokens, prlm_features))
         if scored is not None:
             # index_select rather than states[scored]: its backward is an index_add, not an index_put
             # with accumulate, which is the slower of the two on CPU.
