@@ -233,7 +233,7 @@ class PrLMUse:
     def check(self) -> None:
         """SettingError (key "layer" or "dtype") for a layer or cache dtype no cache can give."""
         if isinstance(self.layer, str) and self.layer not in STRING_LAYER_MODES:
-            raise SettingError("layer", f"{self.layer!r} is neither a layer index nor one of {', '.join(STRING_LAYER_MODES)}")
+            raise SettingError("layer", f"{self.layer!r} is not a layer index or one of {', '.join(STRING_LAYER_MODES)}")
         if self.dtype is not None:
             _one_of("dtype", self.dtype, STORAGE_DTYPES)
 
