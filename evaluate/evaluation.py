@@ -30,7 +30,7 @@ from prlmfuse.evaluate.results import EvaluationResults, RunResult, stable_order
 from prlmfuse.evaluate.runs import RunView, load_model, open_run, select_weights, weights_fingerprint
 from prlmfuse.evaluate.settings import AVERAGE, AVERAGE_LAST, BATCH_TOKENS, DEFAULTS, DecodeSettings
 from prlmfuse.fileio import atomic_write_json, atomic_write_text, read_lines, sha256_file
-from prlmfuse.precision import Runtime, resolve_runtime
+from prlmfuse.precision import Runtime, machine_line, resolve_runtime
 from prlmfuse.train_fused import run_dir as rundir
 
 logger = logging.getLogger(__name__)
@@ -191,6 +191,7 @@ def evaluate_runs(
             } if hyps else {}
             sentence_level[(run.name, split)] = stats
             refs_sha[(run.name, split)] = sha256_file(tgt_path)
+            ref_file = _keep_references(out, split, tgt_path, refs_sha[(run.name, split)])
             desc = run.describe()
             rows.append(
                 RunResult(
@@ -204,7 +205,10 @@ def evaluate_runs(
                     decode_seconds=float(meta.get("seconds", float("nan"))),
                     checkpoints=[Path(p).name for p in meta.get("checkpoints", [])],
                     hyp_file=hyp_path.name, reused=reused is not None, signature=scores["signature"],
-                    main_metric=main_metric, **run.budget(),
+                    main_metric=main_metric, **run.budget(), **run.training_end(),
+                    seed=(run.record.get("train") or {}).get("seed"), tgt_lang=run.tgt_lang,
+                    hyp_sha256=sha256_file(hyp_path), ref_file=ref_file, ref_sha256=refs_sha[(run.name, split)],
+                    corpus_sha256=run.corpus_digest(),
                 )
             )
         del model
@@ -220,12 +224,22 @@ def evaluate_runs(
         "max_len_b": max_len_b, "min_len": min_len, "no_repeat_ngram_size": no_repeat_ngram_size, "bf16": bf16,
         "bleu_tokenize": bleu_tokenize,
         "bootstrap_samples": bootstrap_samples, "seed": seed, "test_sets": splits,
+        "machine": machine_line(runtime.device),
     }
     results = EvaluationResults(out=out, baseline=baseline_name, rows=rows, settings=settings_record)
     write_results(results)
     plot_scores(results, out / "scores.png")
     plot_dev_loss(runs, out / "dev_loss.png", baseline_name)
     return results
+
+
+def _keep_references(out: Path, split: str, tgt_path: Path, sha256: str) -> str:
+    """Copy a test set's references beside the results (named by their digest), so that the results,
+    hypotheses and references travel together and `prlmfuse report` can score them elsewhere."""
+    name = f"ref.{_safe_name(split)}.{sha256[:12]}.txt"
+    if not (out / name).is_file() or sha256_file(out / name) != sha256:
+        atomic_write_text(out / name, Path(tgt_path).read_text(encoding="utf-8"))
+    return name
 
 
 def _resolve_baseline(runs: list[RunView], baseline: str | None) -> str | None:

@@ -48,6 +48,18 @@ class RunResult:
     updates: int = 0
     train_tokens: int = 0
     train_seconds: float = float("nan")
+    # How training ended: max_updates | max_epochs | patience ("" unfinished); dev loss at each epoch end.
+    stopped_by: str = ""
+    epoch_dev_losses: list[float] = field(default_factory=list)
+    seed: int | None = None
+    # What `prlmfuse report` checks when it merges evaluations made apart: the hypothesis file and the
+    # copy of the references beside results.json (ref_file), each by sha256, the target language
+    # (BLEU's tokenizer) and one digest of the training corpus's files.
+    tgt_lang: str = ""
+    hyp_sha256: str = ""
+    ref_file: str = ""
+    ref_sha256: str = ""
+    corpus_sha256: str = ""
 
     def to_dict(self) -> dict:
         # `reused` says how this call got the hypotheses, not what they score: it stays out of the

@@ -5,6 +5,7 @@ File names and run.json's schema belong to train_fused.run_dir; this module read
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -59,6 +60,27 @@ class RunView:
         if state is None:
             return {"updates": 0, "train_tokens": 0, "train_seconds": float("nan")}
         return {"updates": state.update, "train_tokens": state.tokens_seen, "train_seconds": state.wall_time}
+
+    def training_end(self) -> dict:
+        """How training ended: `stopped_by` (max_updates, max_epochs, patience; "" while unfinished) and
+        `epoch_dev_losses`, the dev loss at each epoch end, oldest first."""
+        try:
+            state = rundir.latest_trainer_state(self.run_dir)
+        except UserError:
+            state = None
+        if state is None or not state.batches_per_epoch:
+            return {"stopped_by": "", "epoch_dev_losses": []}
+        run = RunConfig.from_dict(self.record.get("train") or {"name": self.name})
+        # An epoch ends with an update of its own, so epoch ends fall every ceil(batches / update_freq) updates.
+        per_epoch = -(-state.batches_per_epoch // run.update_freq)
+        curve = rundir.read_dev_curve(self.run_dir)
+        return {"stopped_by": rundir.stop_reason(run, state) or "",
+                "epoch_dev_losses": [loss for update, loss in curve if update % per_epoch == 0]}
+
+    def corpus_digest(self) -> str:
+        """One sha256 over the digests of every file of the corpus the run trained on."""
+        digests = json.dumps((self.record.get("corpus") or {}).get("sha256") or {}, sort_keys=True)
+        return hashlib.sha256(digests.encode("utf-8")).hexdigest()
 
     def describe(self) -> dict:
         """The columns of the paper's tables: PrLM, layer, merge, position, side."""

@@ -32,6 +32,7 @@ from prlmfuse.commands.cache import cache
 from prlmfuse.commands.checkpoints import checkpoints
 from prlmfuse.commands.data import data
 from prlmfuse.commands.evaluate import evaluate
+from prlmfuse.commands.report import report
 from prlmfuse.commands.run import run
 from prlmfuse.commands.train import train
 from prlmfuse.commands.translate import translate
@@ -99,7 +100,7 @@ def cli(quiet: bool, verbose: bool) -> None:
 
 
 # `prlmfuse --help` lists the commands sorted by name, whatever the order here.
-for _command in (data, checkpoints, cache, train, evaluate, translate, run):
+for _command in (data, checkpoints, cache, train, evaluate, report, translate, run):
     cli.add_command(_command)
 
 

@@ -140,3 +140,23 @@ def resolve_runtime(device: str | torch.device | None = "auto", precision: str |
 def grad_scaler(runtime: Runtime) -> "torch.amp.GradScaler":
     """Loss scaling for fp16 autocast (its gradients underflow without it); a no-op scaler otherwise."""
     return torch.amp.GradScaler(runtime.device.type, enabled=runtime.dtype == torch.float16)
+
+
+def machine_line(device: torch.device | str = "cpu") -> str:
+    """The machine a figure came from, for results files: CPU model and cores with its bf16 support,
+    the GPU when `device` is one, and the torch build."""
+    import os
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    bf16 = "fast bf16" if cpu_has_fast_bf16() else "no fast bf16"
+    line = f"{cpu}, {os.cpu_count()} cores ({bf16})"
+    device = torch.device(device)
+    if device.type == "cuda":
+        line += f"; {torch.cuda.get_device_name(device)}"
+    return f"{line}; torch {torch.__version__}"

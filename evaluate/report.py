@@ -1,0 +1,324 @@
+"""One table from evaluations made apart: seeds trained as separate jobs, on other days or other machines.
+
+Each input is a results.json that `evaluate` wrote, read together with the files it names beside it:
+each run's hypotheses (`hyp_file`) and the test set's references (`ref_file`), both checked by sha256.
+The inputs must have been scored alike: the same test sets and references, the same training corpus,
+the same metrics (sacrebleu and ROUGE signatures) and the same decoding and bootstrap settings; a
+difference is refused in one line that names it. Each fused run keeps the baseline its evaluation
+compared it with (the baseline of its own seed where the grid has one); its Δ and paired-bootstrap p
+are computed again here from the hypothesis files, and each system (a run name without its
+`.seed-N`) gets the mean and standard deviation of its scores over seeds.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import logging
+import math
+import re
+import statistics
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from prlmfuse.errors import UserError
+from prlmfuse.evaluate.bootstrap import add_bootstrap
+from prlmfuse.evaluate.metrics import sentence_stats
+from prlmfuse.evaluate.results import SIGNIFICANCE, EvaluationResults, RunResult, results_csv
+from prlmfuse.fileio import atomic_write_json, atomic_write_text, read_json, read_lines, sha256_file
+
+logger = logging.getLogger(__name__)
+
+# Settings two evaluations must share for their rows to stand in one table (the machine may differ).
+SHARED_SETTINGS = ("beam", "lenpen", "average_last", "average", "max_len_a", "max_len_b", "min_len",
+                   "no_repeat_ngram_size", "bf16", "bleu_tokenize", "bootstrap_samples", "seed", "test_sets")
+# What every row of one test set must share, with how a refusal names it.
+SHARED_PER_TEST_SET = {"ref_sha256": "references", "num_sentences": "number of sentences",
+                       "corpus_sha256": "training corpus", "main_metric": "main metric", "signature": "metric signatures",
+                       "tgt_lang": "target language", "task": "task"}
+SEED_SUFFIX = re.compile(r"\.seed-[^.]+")
+
+
+@dataclass
+class Evaluation:
+    """One input: a results.json and the folder its hypothesis and reference files are read from."""
+
+    path: Path
+    baseline: str | None
+    settings: dict
+    rows: list[RunResult]
+
+    @property
+    def folder(self) -> Path:
+        return self.path.parent
+
+    @property
+    def machine(self) -> str:
+        return str(self.settings.get("machine") or "machine not recorded")
+
+
+@dataclass
+class SystemSummary:
+    """One system over its seeds on one test set: mean and sample standard deviation."""
+
+    system: str
+    test_set: str
+    runs: list[str]
+    metric: str
+    mean: float
+    sd: float
+    chrf_mean: float
+    chrf_sd: float
+    delta_mean: float | None = None  # of Δ against each seed's own baseline
+    delta_sd: float | None = None
+    significant: int = 0  # seeds whose Δ has p < SIGNIFICANCE
+    compared: int = 0  # seeds with a Δ
+
+
+@dataclass
+class Report:
+    out: Path
+    inputs: list[Evaluation]
+    rows: list[RunResult]  # with the file each came from in `sources`
+    sources: dict[str, Path]  # run -> results.json it came from
+    systems: list[SystemSummary] = field(default_factory=list)
+
+    @property
+    def files(self) -> dict[str, Path]:
+        return {name: self.out / name for name in ("results.md", "results.csv", "results.json", "scores.png")}
+
+
+def read_evaluation(path: str | Path) -> Evaluation:
+    """A results.json written by `evaluate`, with every row's hypothesis and reference files checked."""
+    path = Path(path)
+    data = read_json(path, what="evaluation results")
+    if not isinstance(data, dict) or not isinstance(data.get("rows"), list) or not isinstance(data.get("settings"), dict):
+        raise UserError(f"{path} is not a results.json written by `prlmfuse evaluate` (no rows and settings)")
+    known = {f.name for f in fields(RunResult)}
+    rows = []
+    for d in data["rows"]:
+        missing = [k for k in ("hyp_sha256", "ref_file", "ref_sha256", "corpus_sha256") if not d.get(k)]
+        if missing:
+            raise UserError(f"{path}: run {d.get('run', '?')} records no {missing[0]}: it was written by an older "
+                            "prlmfuse; evaluate the runs again (their hypotheses are reused) to record what a merge checks")
+        values = {k: (float("nan") if v is None and k in _FLOAT_FIELDS else v) for k, v in d.items() if k in known}
+        rows.append(RunResult(**{"reused": False, **values}))
+    evaluation = Evaluation(path, data.get("baseline"), data["settings"], rows)
+    for row in rows:
+        for name, digest, what in ((row.hyp_file, row.hyp_sha256, "hypothesis"), (row.ref_file, row.ref_sha256, "reference")):
+            file = evaluation.folder / name
+            if not file.is_file():
+                raise UserError(f"{path}: the {what} file {name} of run {row.run} is missing from {evaluation.folder}; "
+                                "copy it beside the results.json it belongs to")
+            if sha256_file(file) != digest:
+                raise UserError(f"{path}: the {what} file {file} of run {row.run} is not the one that was scored "
+                                "(its sha256 differs); restore the file the evaluation wrote")
+    return evaluation
+
+
+_FLOAT_FIELDS = {f.name for f in fields(RunResult) if f.type in ("float", float)}
+
+
+def _first_difference(a: Evaluation, b: Evaluation) -> str | None:
+    for key in SHARED_SETTINGS:
+        if a.settings.get(key) != b.settings.get(key):
+            return f"{key} {b.settings.get(key)!r} in {b.path}, {a.settings.get(key)!r} in {a.path}"
+    return None
+
+
+def merge_evaluations(paths: list[str | Path], out: str | Path) -> Report:
+    """Read, check and merge the results.json files at `paths`; write the merged report into `out`."""
+    if not paths:
+        raise UserError("no results.json given; pass the results of at least one evaluation")
+    inputs = [read_evaluation(p) for p in paths]
+    first = inputs[0]
+    for other in inputs[1:]:
+        difference = _first_difference(first, other)
+        if difference is not None:
+            raise UserError(f"the evaluations were not scored alike: {difference}; merge results decoded and "
+                            "scored with the same settings")
+
+    rows: list[RunResult] = []
+    sources: dict[str, Path] = {}
+    by_key: dict[tuple[str, str], tuple[RunResult, Evaluation]] = {}
+    for evaluation in inputs:
+        for row in evaluation.rows:
+            key = (row.run, row.test_set)
+            if key in by_key:
+                earlier, where = by_key[key]
+                if earlier.hyp_sha256 != row.hyp_sha256:
+                    raise UserError(f"run {row.run} ({row.test_set}) is in {where.path} and {evaluation.path} with "
+                                    "different hypotheses; give each run's results once, or rename one of the runs")
+                continue
+            by_key[key] = (row, evaluation)
+            rows.append(row)
+            sources.setdefault(row.run, evaluation.path)
+    for split in dict.fromkeys(r.test_set for r in rows):
+        split_rows = [r for r in rows if r.test_set == split]
+        for attr, what in SHARED_PER_TEST_SET.items():
+            values = {json.dumps(getattr(r, attr), sort_keys=True): r for r in split_rows}
+            if len(values) > 1:
+                a, b = list(values.values())[:2]
+                raise UserError(f"{sources[a.run]} and {sources[b.run]} differ in their {what} on test set {split!r} "
+                                f"(runs {a.run} and {b.run}); merge evaluations of one test set and corpus")
+
+    # Each row keeps the baseline its own evaluation chose; the comparison is computed again from the files.
+    baseline_of = {r.run: r.compared_with for r in rows if r.compared_with}
+    missing = sorted({b for b in baseline_of.values() if b not in sources})
+    if missing:
+        raise UserError(f"the baseline run {missing[0]} that {sources[_first(baseline_of, missing[0])]} compares with "
+                        "is in none of the files; add the results.json that holds it")
+    sentence_level, refs_sha = {}, {}
+    settings = first.settings
+    for row, evaluation in by_key.values():
+        hyps = read_lines(evaluation.folder / row.hyp_file, check_text=False) if row.num_sentences else []
+        refs = read_lines(evaluation.folder / row.ref_file)
+        tested = ("bleu", "rougeL") if row.task == "summarization" else ("bleu",)
+        sentence_level[(row.run, row.test_set)] = {
+            m: sentence_stats(hyps, refs, metric=m, tgt_lang=row.tgt_lang, bleu_tokenize=settings.get("bleu_tokenize"))
+            for m in tested
+        } if hyps else {}
+        refs_sha[(row.run, row.test_set)] = row.ref_sha256
+        row.delta, row.p_value, row.compared_with = {}, {}, None
+    add_bootstrap(rows, sentence_level, refs_sha, baseline_of, n_samples=int(settings["bootstrap_samples"]),
+                  seed=int(settings["seed"]))
+
+    baselines = {b for b in baseline_of.values()} | {e.baseline for e in inputs if e.baseline}
+    order = {name: i for i, name in enumerate(_report_order([r.run for r in rows], baselines))}
+    rows.sort(key=lambda r: (settings["test_sets"].index(r.test_set) if r.test_set in settings["test_sets"] else 0,
+                             order[r.run]))
+    report = Report(out=Path(out), inputs=inputs, rows=rows, sources=sources, systems=_systems(rows))
+    write_report(report)
+    return report
+
+
+def _first(mapping: dict[str, str], value: str) -> str:
+    return next(k for k, v in mapping.items() if v == value)
+
+
+def _report_order(names: list[str], baselines: set[str]) -> list[str]:
+    """Baselines first, then the others, each by system and seed."""
+    return sorted(dict.fromkeys(names), key=lambda n: (n not in baselines, system_of(n), n))
+
+
+def system_of(run: str) -> str:
+    """The system a run belongs to: its name without the `.seed-N` a seed grid adds."""
+    return SEED_SUFFIX.sub("", run)
+
+
+def _mean_sd(values: list[float]) -> tuple[float, float]:
+    values = [v for v in values if v is not None and math.isfinite(v)]
+    if not values:
+        return float("nan"), float("nan")
+    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else float("nan")
+
+
+def _systems(rows: list[RunResult]) -> list[SystemSummary]:
+    out = []
+    for split in dict.fromkeys(r.test_set for r in rows):
+        for system in dict.fromkeys(system_of(r.run) for r in rows if r.test_set == split):
+            group = [r for r in rows if r.test_set == split and system_of(r.run) == system]
+            metric = group[0].main_metric
+            mean, sd = _mean_sd([getattr(r, metric) for r in group])
+            chrf_mean, chrf_sd = _mean_sd([r.chrf for r in group])
+            deltas = [r.delta[metric] for r in group if metric in r.delta]
+            summary = SystemSummary(system, split, [r.run for r in group], metric, mean, sd, chrf_mean, chrf_sd,
+                                    compared=len(deltas),
+                                    significant=sum(1 for r in group if r.p_value.get(metric, 1.0) < SIGNIFICANCE))
+            if deltas:
+                summary.delta_mean, summary.delta_sd = _mean_sd(deltas)
+            out.append(summary)
+    return out
+
+
+# ---------------------------------------------------------------------------------------- files
+
+
+def _fmt(x, digits: int = 2) -> str:
+    return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{digits}f}"
+
+
+def report_markdown(report: Report) -> str:
+    s = report.inputs[0].settings
+    lines = ["# prlmfuse report", "",
+             f"Merged from {len(report.inputs)} evaluation(s), all decoded with beam {s['beam']}, length penalty "
+             f"{s['lenpen']}, the average of the last {s['average_last']} {'epoch-end ' if s.get('average') == 'epochs' else ''}"
+             f"checkpoints, and compared by paired bootstrap ({s['bootstrap_samples']} samples, seed {s['seed']}). "
+             f"Each run's Δ and p are against the baseline its evaluation named (the baseline of its own seed where "
+             f"there is one); * marks p < {SIGNIFICANCE:g}.", "", "| file | machine | runs |", "|---|---|---|"]
+    for e in report.inputs:
+        runs = ", ".join(dict.fromkeys(r.run for r in e.rows))
+        lines.append(f"| {e.path.name} | {e.machine} | {runs} |")
+    for split in dict.fromkeys(r.test_set for r in report.rows):
+        rows = [r for r in report.rows if r.test_set == split]
+        metric = rows[0].main_metric
+        name = {"bleu": "BLEU", "rougeL": "ROUGE-L"}.get(metric, metric)
+        lines += ["", f"## {split} ({rows[0].num_sentences} sentences)", "",
+                  f"| run | file | {name} | Δ | p | vs | chrF | updates | epochs | stopped by | dev loss, last 3 epoch ends |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in rows:
+            delta, p = r.delta.get(metric), r.p_value.get(metric)
+            mark = "*" if p is not None and p < SIGNIFICANCE else ""
+            last3 = ", ".join(f"{x:.3f}" for x in r.epoch_dev_losses[-3:]) or "-"
+            lines.append(
+                f"| {r.run} | {report.sources[r.run].name} | {_fmt(getattr(r, metric))} | "
+                f"{'-' if delta is None else f'{delta:+.2f}'} | {'-' if p is None else f'{p:.3f}{mark}'} | "
+                f"{r.compared_with or '-'} | {_fmt(r.chrf)} | {r.updates} | {len(r.epoch_dev_losses)} | "
+                f"{r.stopped_by or 'unfinished'} | {last3} |"
+            )
+        systems = [m for m in report.systems if m.test_set == split]
+        lines += ["", f"Over seeds ({name}: mean ± sd; sd needs two seeds or more):", "",
+                  f"| system | seeds | {name} | chrF | Δ vs own seed's baseline | seeds ahead with p < {SIGNIFICANCE:g} |",
+                  "|---|---|---|---|---|---|"]
+        for m in systems:
+            delta = "-" if m.delta_mean is None else f"{m.delta_mean:+.2f} ± {_fmt(m.delta_sd)}"
+            ahead = f"{m.significant} of {m.compared}" if m.compared else "-"
+            lines.append(f"| {m.system} | {len(m.runs)} | {_fmt(m.mean)} ± {_fmt(m.sd)} | "
+                         f"{_fmt(m.chrf_mean)} ± {_fmt(m.chrf_sd)} | {delta} | {ahead} |")
+        signatures = dict.fromkeys(f"{k}: {v}" for r in rows for k, v in sorted(r.signature.items()))
+        lines += ["", "Signatures:", ""] + [f"- `{sig}`" for sig in signatures]
+    return "\n".join(lines) + "\n"
+
+
+def _json_safe(obj):
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_json_safe(v) for v in obj]
+    return obj
+
+
+def write_report(report: Report) -> None:
+    from dataclasses import asdict
+
+    from prlmfuse.evaluate.plots import plot_scores
+
+    out = report.out
+    out.mkdir(parents=True, exist_ok=True)
+    as_results = EvaluationResults(out=out, baseline=None, rows=report.rows, settings=report.inputs[0].settings)
+    atomic_write_text(out / "results.md", report_markdown(report))
+    csv_text = results_csv(as_results)
+    buf = io.StringIO()
+    reader = csv.reader(io.StringIO(csv_text))
+    writer = csv.writer(buf, lineterminator="\n")
+    for i, line in enumerate(reader):
+        run = line[1]
+        writer.writerow(line + (["file", "machine"] if i == 0 else [report.sources[run].name, _machine_of(report, run)]))
+    atomic_write_text(out / "results.csv", buf.getvalue())
+    atomic_write_json(out / "results.json", _json_safe({
+        "inputs": [{"file": str(e.path), "machine": e.machine, "baseline": e.baseline,
+                    "runs": list(dict.fromkeys(r.run for r in e.rows))} for e in report.inputs],
+        "settings": {k: report.inputs[0].settings.get(k) for k in SHARED_SETTINGS},
+        "rows": [{**r.to_dict(), "file": report.sources[r.run].name, "machine": _machine_of(report, r.run)}
+                 for r in report.rows],
+        "systems": [asdict(m) for m in report.systems],
+    }))
+    plot_scores(as_results, out / "scores.png")
+
+
+def _machine_of(report: Report, run: str) -> str:
+    path = report.sources[run]
+    return next(e.machine for e in report.inputs if e.path == path)

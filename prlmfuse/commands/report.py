@@ -1,0 +1,26 @@
+"""`prlmfuse report`: one table from results.json files evaluated apart (seeds as separate jobs or machines)."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.command()
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Where the merged results.md/csv/json and scores.png go.")
+def report(files: tuple[str, ...], out: str) -> None:
+    """Merge FILES (results.json of `evaluate`, each with its hyp.* and ref.* files beside it) into one table.
+
+    Each fused run is compared again with the baseline its evaluation named (its own seed's), from the
+    hypothesis files; each system gets its mean ± sd over seeds. Files scored on other test sets or
+    corpora, with other metric or decoding settings, or whose hypotheses are missing or changed are refused.
+    """
+    from prlmfuse.evaluate.report import merge_evaluations
+
+    merged = merge_evaluations(list(files), out)
+    click.echo(f"results: {merged.files['results.md']}")
+    for m in merged.systems:
+        name = {"bleu": "BLEU", "rougeL": "ROUGE-L"}.get(m.metric, m.metric)
+        delta = "" if m.delta_mean is None else f", Δ {m.delta_mean:+.2f} (± {m.delta_sd:.2f} over seeds)"
+        click.echo(f"  {m.test_set} {m.system}: {name} {m.mean:.2f} ± {m.sd:.2f} over {len(m.runs)} run(s){delta}")
+    click.echo(f"plot: {merged.files['scores.png']}")

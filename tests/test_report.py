@@ -1,0 +1,146 @@
+"""`prlmfuse report`: seeds trained and evaluated apart, merged into one table; mismatched inputs refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import small_runs
+from prlmfuse.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory):
+    """Two seeds of a baseline and a fused run on real Bible verses, each seed's pair evaluated on its own
+    (as separate jobs would), and the two evaluations' files copied into one folder as seed-K.json."""
+    from prlmfuse.evaluate import evaluate_runs
+    from prlmfuse.train_fused import train_run
+    from prlmfuse.train_fused.config import PrLMUse
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("report")
+    corpus = small_runs.small_bible(root, train=120, dev=12, test=16)
+    checkpoint = small_runs.tiny_prlm(root / "prlm")
+    paths = small_runs.build_caches(checkpoint, corpus, root / "caches")
+    use = PrLMUse(checkpoint=str(checkpoint))
+    merged_in = root / "merged-in"
+    merged_in.mkdir()
+    evaluations = {}
+    for seed in (1, 2):
+        dirs = [
+            train_run(small_runs.tiny_run(f"baseline.seed-{seed}", seed=seed, max_updates=8), corpus, [],
+                      root / "runs" / f"baseline.seed-{seed}", progress=False),
+            train_run(small_runs.tiny_run(f"fused.seed-{seed}", seed=seed, max_updates=8, prlms=[use]), corpus,
+                      [small_runs.caches_for(use, paths)], root / "runs" / f"fused.seed-{seed}", progress=False),
+        ]
+        out = root / f"eval-{seed}"
+        evaluations[seed] = evaluate_runs(dirs, out=out, beam=2, average_last=2, progress=False)
+        shutil.copy(out / "results.json", merged_in / f"seed-{seed}.json")
+        for f in list(out.glob("hyp.*.txt")) + list(out.glob("ref.*.txt")):
+            shutil.copy(f, merged_in / f.name)
+    return {"root": root, "corpus": corpus, "dirs": root / "runs", "in": merged_in, "evaluations": evaluations}
+
+
+def _copy_inputs(evaluated, to: Path) -> Path:
+    shutil.copytree(evaluated["in"], to)
+    return to
+
+
+def test_the_merge_compares_each_fused_seed_with_its_own_baseline(evaluated, tmp_path):
+    from prlmfuse.evaluate.report import merge_evaluations
+
+    files = [evaluated["in"] / "seed-1.json", evaluated["in"] / "seed-2.json"]
+    report = merge_evaluations(files, tmp_path / "merged")
+    rows = {r.run: r for r in report.rows}
+    assert list(rows) == ["baseline.seed-1", "baseline.seed-2", "fused.seed-1", "fused.seed-2"]
+    for seed in (1, 2):
+        fused, evaluation = rows[f"fused.seed-{seed}"], evaluated["evaluations"][seed].row(f"fused.seed-{seed}")
+        assert fused.compared_with == f"baseline.seed-{seed}"
+        # The same hypotheses, references and bootstrap settings give the evaluation's own Δ and p.
+        assert fused.delta["bleu"] == pytest.approx(evaluation.delta["bleu"])
+        assert fused.p_value["bleu"] == pytest.approx(evaluation.p_value["bleu"])
+        assert report.sources[fused.run].name == f"seed-{seed}.json"
+    systems = {m.system: m for m in report.systems}
+    bleus = [rows["baseline.seed-1"].bleu, rows["baseline.seed-2"].bleu]
+    assert systems["baseline"].runs == ["baseline.seed-1", "baseline.seed-2"]
+    assert systems["baseline"].mean == pytest.approx(sum(bleus) / 2)
+    assert systems["baseline"].sd == pytest.approx(abs(bleus[0] - bleus[1]) / 2 ** 0.5)
+    deltas = [rows["fused.seed-1"].delta["bleu"], rows["fused.seed-2"].delta["bleu"]]
+    assert systems["fused"].delta_mean == pytest.approx(sum(deltas) / 2) and systems["fused"].compared == 2
+    for name in ("results.md", "results.csv", "results.json", "scores.png"):
+        assert (tmp_path / "merged" / name).is_file(), name
+    saved = json.loads((tmp_path / "merged" / "results.json").read_text())
+    assert [r["file"] for r in saved["rows"]] == ["seed-1.json", "seed-2.json", "seed-1.json", "seed-2.json"]
+    assert saved["inputs"][0]["machine"] and all(r["stopped_by"] == "max_updates" for r in saved["rows"])
+    md = (tmp_path / "merged" / "results.md").read_text()
+    assert "| fused | 2 |" in md and "vs" in md
+
+
+def test_report_through_the_cli(evaluated, tmp_path):
+    out = subprocess.run([sys.executable, "-m", "prlmfuse.cli", "report", str(evaluated["in"] / "seed-1.json"),
+                          str(evaluated["in"] / "seed-2.json"), "--out", str(tmp_path / "m")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert f"results: {tmp_path / 'm' / 'results.md'}" in out.stdout and "test fused: BLEU" in out.stdout
+
+
+def _refusal(files: list[Path], out: Path) -> str:
+    proc = subprocess.run([sys.executable, "-m", "prlmfuse.cli", "report", *map(str, files), "--out", str(out)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert not out.exists()  # nothing written that a later run could take for a merged table
+    return proc.stderr
+
+
+def test_a_changed_or_missing_hypothesis_file_is_refused(evaluated, tmp_path):
+    folder = _copy_inputs(evaluated, tmp_path / "in")
+    files = [folder / "seed-1.json", folder / "seed-2.json"]
+    hyp = folder / "hyp.fused.seed-2.test.txt"
+    hyp.write_text(hyp.read_text(encoding="utf-8").replace("\n", " 。\n", 1), encoding="utf-8")
+    assert "hyp.fused.seed-2.test.txt of run fused.seed-2 is not the one that was scored" in _refusal(files, tmp_path / "o1")
+    hyp.unlink()
+    assert "the hypothesis file hyp.fused.seed-2.test.txt of run fused.seed-2 is missing from" in _refusal(files, tmp_path / "o2")
+
+
+def test_other_decoding_settings_or_another_test_set_are_refused(evaluated, tmp_path):
+    folder = _copy_inputs(evaluated, tmp_path / "in")
+    files = [folder / "seed-1.json", folder / "seed-2.json"]
+    data = json.loads(files[1].read_text())
+    data["settings"]["beam"] = 5
+    files[1].write_text(json.dumps(data))
+    assert "not scored alike: beam 5 in" in _refusal(files, tmp_path / "o1")
+
+    data["settings"]["beam"] = 2
+    # Another test set: other references (a copy of them beside the file, as an evaluation would write).
+    ref = folder / data["rows"][0]["ref_file"]
+    other = folder / "ref.test.other.txt"
+    other.write_text(ref.read_text(encoding="utf-8").replace("\n", "。\n", 1), encoding="utf-8")
+    from prlmfuse.fileio import sha256_file
+
+    for row in data["rows"]:
+        row["ref_file"], row["ref_sha256"] = other.name, sha256_file(other)
+    files[1].write_text(json.dumps(data))
+    assert "differ in their references on test set 'test'" in _refusal(files, tmp_path / "o2")
+
+
+def test_an_older_results_file_and_a_lost_baseline_are_refused(evaluated, tmp_path):
+    from prlmfuse.evaluate.report import merge_evaluations
+
+    folder = _copy_inputs(evaluated, tmp_path / "in")
+    data = json.loads((folder / "seed-1.json").read_text())
+    for row in data["rows"]:
+        del row["hyp_sha256"]
+    (folder / "old.json").write_text(json.dumps(data))
+    with pytest.raises(UserError, match="records no hyp_sha256: it was written by an older prlmfuse"):
+        merge_evaluations([folder / "old.json"], tmp_path / "o1")
+
+    data = json.loads((folder / "seed-2.json").read_text())
+    data["rows"] = [r for r in data["rows"] if r["run"] != "baseline.seed-2"]
+    (folder / "fused-only.json").write_text(json.dumps(data))
+    with pytest.raises(UserError, match="the baseline run baseline.seed-2 that .*fused-only.json compares with is in none"):
+        merge_evaluations([folder / "seed-1.json", folder / "fused-only.json"], tmp_path / "o2")
