@@ -19,6 +19,7 @@ from prlmfuse.corpora import Corpus, load_corpus
 from prlmfuse.errors import UserError
 from prlmfuse.evaluate.settings import AVERAGE
 from prlmfuse.train_fused import run_dir as rundir
+from prlmfuse.train_fused import weights as weights_of_runs
 from prlmfuse.train_fused.branches import PrLMBranch, open_branch
 from prlmfuse.train_fused.config import RunConfig
 
@@ -175,13 +176,13 @@ def load_model(run: RunView, weights: Sequence[Path], average: str = AVERAGE):
     or average-epochs{K}.safetensors, and rewritten only when the set changes).
     """
     if len(weights) == 1 and Path(weights[0]).name == rundir.BEST:
-        model, bpe, _ = rundir.load_run(run.run_dir, "best")
+        model, bpe, _ = weights_of_runs.load_run(run.run_dir, "best")
     elif len(weights) == 1:
-        model, bpe, info = rundir.load_run(run.run_dir, "last")
+        model, bpe, info = weights_of_runs.load_run(run.run_dir, "last")
         if Path(info["weights"]).resolve() != Path(weights[0]).resolve():
-            rundir.load_weights(model, weights[0])
+            weights_of_runs.load_weights(model, weights[0])
     else:
-        model, bpe, info = rundir.load_run(run.run_dir, "average", last=len(weights), average=average)
+        model, bpe, info = weights_of_runs.load_run(run.run_dir, "average", last=len(weights), average=average)
         # The average is picked again by name and count: it must hold exactly the checkpoints chosen.
         chosen = [Path(w).name for w in weights]
         averaged = [name for name, _sha256 in json.loads(_metadata(Path(info["weights"])).get("averaged", "[]"))]

@@ -230,11 +230,11 @@ def test_a_damaged_live_cache_is_refused_like_a_test_cache(world, tmp_path):
 
 def test_an_average_is_redone_after_the_run_was_retrained_in_place(world, tmp_path):
     from prlmfuse.train_fused import run_dir as rundir
-    from prlmfuse.train_fused import train_run
+    from prlmfuse.train_fused import train_run, weights
 
     run_dir = tmp_path / "fused"
     shutil.copytree(world["root"] / "runs" / "fused", run_dir)
-    first = rundir.average_checkpoints(run_dir, last=2)
+    first = weights.average_checkpoints(run_dir, last=2)
     stale = load_file(str(first))
 
     # Retrained in place with another seed: the same checkpoint names, other weights.
@@ -245,8 +245,8 @@ def test_an_average_is_redone_after_the_run_was_retrained_in_place(world, tmp_pa
     train_run(retrained, world["corpus"], [world["paths"]], run_dir, progress=False)
     assert first.is_file()  # the old average is still there, under the name a reuse would look for
 
-    again = rundir.average_checkpoints(run_dir, last=2)
-    fresh = rundir.average_checkpoints(run_dir, last=2, out=tmp_path / "fresh.safetensors")
+    again = weights.average_checkpoints(run_dir, last=2)
+    fresh = weights.average_checkpoints(run_dir, last=2, out=tmp_path / "fresh.safetensors")
     averaged, expected = load_file(str(again)), load_file(str(fresh))
     assert any(not torch.equal(averaged[k], stale[k]) for k in averaged)
     assert all(torch.equal(averaged[k], expected[k]) for k in expected)

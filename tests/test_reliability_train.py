@@ -25,6 +25,7 @@ from prlmfuse.errors import UserError
 from prlmfuse.train_fused import PrLMUse, load_run, train_run
 from prlmfuse.train_fused import checkpointing
 from prlmfuse.train_fused import run_dir as rundir
+from prlmfuse.train_fused import weights
 from prlmfuse.train_fused.trainer import inverse_sqrt_lr
 
 from helpers import reliability, small_runs
@@ -350,7 +351,7 @@ def test_averages_are_written_under_the_run_directory_lock(world, tmp_path, caps
     # Another averager holds it: this one waits for it, then averages.
     averager = reliability.hold_lock(run_dir / ".lock", "averaging", 1.5)
     caplog.set_level(logging.INFO, logger="prlmfuse")
-    path = rundir.average_checkpoints(run_dir, last=2)
+    path = weights.average_checkpoints(run_dir, last=2)
     averager.wait()
     assert f"waiting for pid {averager.pid} to finish averaging" in caplog.text
     assert path == run_dir / "average-last2.safetensors" and path.is_file()

@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from prlmfuse.errors import UserError
 from prlmfuse.train_fused import checkpointing as ck
 from prlmfuse.train_fused import run_dir as rd
+from prlmfuse.train_fused import weights
 
 torch.set_num_threads(1)
 
@@ -130,25 +131,25 @@ def test_average_is_the_mean_and_is_reused(tmp_path):
         _train_some(model, opt, 1, seed=u)
         ck.save_checkpoint(tmp_path, model, opt, _state(u), is_best=False, keep_last=5)
         saved.append({k: v.clone() for k, v in load_file(str(rd.weights_path(tmp_path, u))).items()})
-    out = rd.average_checkpoints(tmp_path, last=2)
+    out = weights.average_checkpoints(tmp_path, last=2)
     assert out == tmp_path / "average-last2.safetensors"
     averaged = load_file(str(out))
     for name in averaged:
         torch.testing.assert_close(averaged[name], (saved[1][name] + saved[2][name]) / 2)
     mtime = out.stat().st_mtime_ns
-    assert rd.average_checkpoints(tmp_path, last=2) == out and out.stat().st_mtime_ns == mtime
+    assert weights.average_checkpoints(tmp_path, last=2) == out and out.stat().st_mtime_ns == mtime
     fresh = TiedLM()
-    rd.load_weights(fresh, out)
+    weights.load_weights(fresh, out)
     torch.testing.assert_close(fresh.embed.weight, averaged["embed.weight"])
 
 
 def test_errors_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="no complete checkpoints"):
-        rd.average_checkpoints(tmp_path)
+        weights.average_checkpoints(tmp_path)
     (tmp_path / "bad.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(UserError, match="corrupt"):
-        rd.load_weights(TiedLM(), tmp_path / "bad.safetensors")
+        weights.load_weights(TiedLM(), tmp_path / "bad.safetensors")
     other = torch.nn.Linear(3, 3)
     ck.save_weights(other, tmp_path / "other.safetensors")
     with pytest.raises(UserError, match="do not fit"):
-        rd.load_weights(TiedLM(), tmp_path / "other.safetensors")
+        weights.load_weights(TiedLM(), tmp_path / "other.safetensors")

@@ -5,8 +5,8 @@
     average_checkpoints(run_dir, last=5, out=None) -> path of the averaged safetensors
     load_run(run_dir, weights="average"|"best"|"last", *, last=5) -> (model in eval mode, BPE, run_info)
 
-Modules: config (PrLMUse, RunConfig), run_dir (the run directory's files, run.json, trainer state,
-load_run), branches (a PrLM branch opened over its cache), data (batches), modeling (the model),
+Modules: config (RunConfig, ModelConfig and their rules), run_dir (the run directory's files, run.json,
+trainer state), weights (load_run, averages), branches (a PrLM branch opened over its cache), data (batches), modeling (the model),
 trainer (the loop), run_setup (train_run), checkpointing (writing checkpoints), bpe.
 The rest is imported on first use, so `prlmfuse.train_fused.config` (read by the pipeline
 parser) stays cheap to import.
@@ -18,8 +18,8 @@ from prlmfuse.train_fused.config import PrLMUse, RunConfig
 
 _LAZY = {
     "train_run": "prlmfuse.train_fused.run_setup",
-    "average_checkpoints": "prlmfuse.train_fused.run_dir",
-    "load_run": "prlmfuse.train_fused.run_dir",
+    "average_checkpoints": "prlmfuse.train_fused.weights",
+    "load_run": "prlmfuse.train_fused.weights",
     "BPE": "prlmfuse.train_fused.bpe",
     "train_bpe": "prlmfuse.train_fused.bpe",
 }

@@ -29,12 +29,12 @@ from prlmfuse.train_fused.run_dir import (
     discard_previous_run,
     epoch_end_checkpoints,
     latest_trainer_state,
-    load_weights,
     optimizer_path,
     relative_name,
     state_path,
     weights_path,
 )
+from prlmfuse.train_fused.weights import load_weights
 
 
 def save_weights(model: torch.nn.Module, path: str | os.PathLike, metadata: dict[str, str] | None = None) -> None:

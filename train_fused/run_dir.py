@@ -14,14 +14,13 @@
     .previous-run/                            the run `train --fresh` replaces, until the new one saves
 
 The trainer writes these (train_fused.checkpointing for the checkpoint files); the evaluator and
-the pipeline only read them, through the functions here.
+the pipeline only read them, through the functions here and train_fused.weights (loading, averaging).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import json
 import logging
 import os
@@ -29,16 +28,11 @@ import re
 import shutil
 from pathlib import Path
 
-import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, load_model, save_file
 
 import prlmfuse
 from prlmfuse.errors import UserError
 from prlmfuse.evaluate.settings import AVERAGE_CHOICES
-from prlmfuse.fileio import FileDigests, atomic_path, atomic_write_json, atomic_write_text, fsync_dir, pid_lock, read_json
-from prlmfuse.train_fused.bpe import BPE
-from prlmfuse.train_fused.modeling import FusedTransformer, ModelConfig
+from prlmfuse.fileio import atomic_write_json, atomic_write_text, fsync_dir, pid_lock, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +47,6 @@ TRAIN_LOG = "train.log"  # a training child's output under `prlmfuse train --job
 TENSORBOARD_DIR = "tensorboard"
 # `train --fresh` moves the run it replaces here; deleted once the new run has saved its first checkpoint.
 PREVIOUS_RUN = ".previous-run"
-WEIGHTS_CHOICES = ("best", "last", "average")
 
 _WEIGHTS_RE = re.compile(r"^update-(\d{8})\.safetensors$")
 _CHECKPOINT_FILE_RE = re.compile(r"^(?:update|optimizer)-(\d{8})\.(?:safetensors|json)$")
@@ -479,127 +472,3 @@ def truncate_metrics(run_dir: str | os.PathLike, update: int) -> None:
     if path.is_file():
         kept = [r for r in read_metrics(run_dir) if r["update"] <= update]
         atomic_write_text(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept))
-
-
-# ------------------------------------------------------------------------------------ weights
-
-
-def load_weights(model: torch.nn.Module, path: str | os.PathLike) -> None:
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"weights not found: {path}; train the run first or pick another checkpoint")
-    try:
-        missing, unexpected = load_model(model, str(path), strict=False)
-    except SafetensorError as e:
-        raise UserError(f"weights file {path} is corrupt ({e}); delete it and use another checkpoint") from None
-    if missing or unexpected:
-        raise UserError(
-            f"weights {path} do not fit this model (missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]}); "
-            "it belongs to a different run configuration"
-        )
-
-
-def average_checkpoints(
-    run_dir: str | os.PathLike, last: int = 5, out: str | os.PathLike | None = None, *, average: str = "saves"
-) -> Path:
-    """Average the weights of the newest `last` checkpoints into one safetensors file.
-
-    average: "saves" takes the newest saves, "epochs" the newest epoch-end saves (fewer if fewer exist).
-    Default output: run_dir/average-last{K}.safetensors (saves) or average-epochs{K}.safetensors.
-    Its metadata lists the averaged checkpoints with their sha256, and an existing file over exactly
-    those files is reused as is (a run retrained in place writes checkpoints of the same names with
-    other weights). Done under the run directory's lock (averaging_lock): a trainer pruning
-    checkpoints meanwhile is refused.
-    """
-    if not Path(run_dir).is_dir():
-        raise UserError(f"no complete checkpoints under {Path(run_dir) / CHECKPOINT_DIR}; train the run first")
-    try:
-        with averaging_lock(Path(run_dir)):
-            return _average_checkpoints(run_dir, last, out, average)
-    except OSError as e:
-        # A run directory this process may not write (shared, read-only) still serves an average made before.
-        found = _average_checkpoints(run_dir, last, out, average, reuse_only=True) if e.errno in _NOT_WRITABLE else None
-        if found is None:
-            raise
-        return found
-
-
-_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
-
-
-def _average_checkpoints(run_dir: str | os.PathLike, last: int, out: str | os.PathLike | None, average: str, *,
-                         reuse_only: bool = False) -> Path | None:
-    run_dir = Path(run_dir)
-    if last < 1:
-        raise UserError(f"average_checkpoints: last={last}; average at least 1 checkpoint")
-    updates = averageable_checkpoints(run_dir, average)
-    if not updates:
-        raise UserError(f"no complete checkpoints under {run_dir / CHECKPOINT_DIR}; train the run first")
-    default_name = f"average-epochs{last}.safetensors" if average == "epochs" else f"average-last{last}.safetensors"
-    chosen = updates[-last:]
-    out = Path(out) if out is not None else run_dir / default_name
-    digests = FileDigests()
-    sources = json.dumps([[weights_path(run_dir, u).name, digests.sha256(weights_path(run_dir, u))] for u in chosen])
-    digests.save()
-    if out.is_file():
-        try:
-            with safe_open(str(out), framework="pt") as f:
-                if (f.metadata() or {}).get("averaged") == sources:
-                    return out
-        except SafetensorError:
-            pass  # corrupt: rebuild below
-    if reuse_only:
-        return None
-    total: dict[str, torch.Tensor] = {}
-    dtypes: dict[str, torch.dtype] = {}
-    for u in chosen:
-        try:
-            tensors = load_file(str(weights_path(run_dir, u)))
-        except SafetensorError as e:
-            raise UserError(f"weights file {weights_path(run_dir, u)} is corrupt ({e}); delete that checkpoint "
-                            "(its update-*.safetensors, optimizer-*.safetensors and .json) and average again") from None
-        if total and set(tensors) != set(total):
-            raise UserError(
-                f"checkpoint {weights_path(run_dir, u)} has different tensors from the others; "
-                "the run directory mixes two configurations"
-            )
-        for name, t in tensors.items():
-            dtypes.setdefault(name, t.dtype)
-            if name in total:
-                total[name] += t.to(torch.float64)
-            else:
-                total[name] = t.to(torch.float64)
-    averaged = {name: (t / len(chosen)).to(dtypes[name]).contiguous() for name, t in total.items()}
-    with atomic_path(out) as tmp:
-        save_file(averaged, str(tmp), metadata={"averaged": sources, "update": str(chosen[-1])})
-    return out
-
-
-def load_run(
-    run_dir: str | os.PathLike, weights: str = "average", *, last: int = 5, average: str = "saves"
-) -> tuple[FusedTransformer, BPE, dict]:
-    """(model in eval mode with the chosen weights, the run's BPE, run.json + "weights" path).
-
-    weights: "best" (lowest dev loss), "last" (newest checkpoint) or "average" (of the last `last`
-    saves, or epoch-end saves for average="epochs").
-    """
-    run_dir = Path(run_dir)
-    if weights not in WEIGHTS_CHOICES:
-        raise UserError(f"weights={weights!r}: choose best, last or average")
-    info = read_run_info(run_dir)
-    bpe = BPE.load(run_dir / BPE_JSON)
-    model = FusedTransformer(ModelConfig.from_dict(info["model"]))
-    if weights == "best":
-        path = run_dir / BEST
-    elif weights == "last":
-        state = latest_trainer_state(run_dir)
-        if state is None:
-            raise UserError(f"{run_dir} has no checkpoint yet; train the run first")
-        path = run_dir / state.checkpoint
-    else:
-        path = average_checkpoints(run_dir, last=last, average=average)
-    load_weights(model, path)
-    model.eval()
-    info = dict(info)
-    info["weights"] = str(path)
-    return model, bpe, info
