@@ -19,13 +19,13 @@ import logging
 import math
 import re
 import statistics
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from prlmfuse.errors import UserError
 from prlmfuse.evaluate.bootstrap import add_bootstrap
 from prlmfuse.evaluate.metrics import sentence_stats
-from prlmfuse.evaluate.results import SIGNIFICANCE, EvaluationResults, RunResult, results_csv
+from prlmfuse.evaluate.results import SIGNIFICANCE, EvaluationResults, RunResult, json_safe, results_csv
 from prlmfuse.fileio import atomic_write_json, atomic_write_text, read_json, read_lines, sha256_file
 
 logger = logging.getLogger(__name__)
@@ -281,20 +281,8 @@ def report_markdown(report: Report) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _json_safe(obj):
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
 def write_report(report: Report) -> None:
-    from dataclasses import asdict
-
-    from prlmfuse.evaluate.plots import plot_scores
+    from prlmfuse.evaluate.plots import plot_scores  # matplotlib: imported when a report is written
 
     out = report.out
     out.mkdir(parents=True, exist_ok=True)
@@ -308,7 +296,7 @@ def write_report(report: Report) -> None:
         run = line[1]
         writer.writerow(line + (["file", "machine"] if i == 0 else [report.sources[run].name, _machine_of(report, run)]))
     atomic_write_text(out / "results.csv", buf.getvalue())
-    atomic_write_json(out / "results.json", _json_safe({
+    atomic_write_json(out / "results.json", json_safe({
         "inputs": [{"file": str(e.path), "machine": e.machine, "baseline": e.baseline,
                     "runs": list(dict.fromkeys(r.run for r in e.rows))} for e in report.inputs],
         "settings": {k: report.inputs[0].settings.get(k) for k in SHARED_SETTINGS},

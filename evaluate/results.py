@@ -196,13 +196,14 @@ def results_csv(results: EvaluationResults) -> str:
     return buf.getvalue()
 
 
-def _json_safe(obj):
+def json_safe(obj):
+    """obj with every NaN or infinity as null, which JSON can hold."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
     if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
+        return {k: json_safe(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_json_safe(v) for v in obj]
+        return [json_safe(v) for v in obj]
     return obj
 
 
@@ -212,5 +213,5 @@ def write_results(results: EvaluationResults) -> None:
     atomic_write_text(out / "results.csv", results_csv(results))
     atomic_write_json(
         out / "results.json",
-        _json_safe({"baseline": results.baseline, "settings": results.settings, "rows": [r.to_dict() for r in results.rows]}),
+        json_safe({"baseline": results.baseline, "settings": results.settings, "rows": [r.to_dict() for r in results.rows]}),
     )
