@@ -10,6 +10,7 @@ test cache. The temporary directory is removed afterwards; nothing is left under
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import tempfile
@@ -63,7 +64,8 @@ def live_features(
             corpus_file,
             workdir / f"prlm-{i}",
             layers=[int(x) for x in trained["layers"]],
-            backend="zarr",
+            # A private cache read once: either backend serves, and an offline node may lack zarr.
+            backend="zarr" if importlib.util.find_spec("zarr") is not None else "hdf5",
             dtype=str(trained["dtype"]),
             max_tokens=max_tokens,
             # the precision the run's training features were computed at, on whichever device runs it here

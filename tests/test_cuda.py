@@ -349,14 +349,12 @@ def test_translate_with_its_prlm_live_on_the_device_equals_decoding_a_cache_buil
     from prlmfuse.evaluate.corpus_decode import decode_corpus
     from prlmfuse.evaluate.settings import DecodeSettings
 
-    if importlib.util.find_spec("zarr") is None:
-        pytest.skip("translate always writes its live features as a zarr cache (evaluate/live.py); zarr is missing")
     runtime = resolve_runtime(device)
     trained = json.loads((world.fused / "run.json").read_text())["prlms"][0]
     fields = trained["key_fields"]
     # As live_features builds it: the trained layers, storage dtype and precision; the device's default batch.
     cache = build_cache(str(world.checkpoint), world.corpus.src_path("test"), tmp_path / "test-cache",
-                        layers=[int(x) for x in fields["layers"]], backend="zarr", dtype=str(fields["dtype"]),
+                        layers=[int(x) for x in fields["layers"]], backend=cache_backend(), dtype=str(fields["dtype"]),
                         precision=precision_of(fields), device=str(runtime.device), progress=False).path
     assert precision_of(fields) == "fp32"
     reader = CacheReader(cache)
