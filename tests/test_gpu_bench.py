@@ -1,0 +1,74 @@
+"""bench/gpu.py, the one command that gathers every GPU figure, runs end to end on the CPU at toy sizes.
+
+The GPU run happens rarely and on a machine lent for minutes, so the script must not rot in between:
+`--device cpu --tiny` takes the same code paths, and its gpu.json must hold every section with numbers
+and a met/not verdict for every target.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).parents[1] / "bench" / "gpu.py"
+
+SYSTEMS = ("baseline", "fused_disk", "fused_disk_more_workers", "fused_gpu_memory", "fused_live_prlm")
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@pytest.mark.slow
+def test_gpu_bench_runs_every_section_on_the_cpu(tmp_path):
+    out = tmp_path / "out"
+    done = subprocess.run([sys.executable, str(BENCH), "--device", "cpu", "--tiny", "--out", str(out),
+                           "--scratch", str(tmp_path / "scratch")],
+                          capture_output=True, text=True, timeout=1200, cwd=BENCH.parents[1])
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("RESULT ")
+    summary = json.loads(last.removeprefix("RESULT "))
+    report = json.loads((out / "gpu.json").read_text(encoding="utf-8"))
+    assert "RESULT " in (out / "gpu.log").read_text(encoding="utf-8")
+    assert report["errors"] == [] and summary["errors"] == []
+
+    sections = report["sections"]
+    assert set(sections) == {"env", "tests", "inputs", "cache", "train", "decode", "torchrun", "compile"}
+    assert all(_number(s["seconds"]) for s in sections.values())
+    env = sections["env"]
+    assert env["torch"] and env["cache_backend"] in ("zarr", "hdf5") and env["device"] == "cpu"
+    # On the CPU the CUDA-marked tests are collected and all skipped, and the run says so.
+    assert sections["tests"]["returncode"] == 0 and "skipped" in sections["tests"]["summary"]
+    assert _number(sections["inputs"]["matmul_peak"]["tflops"])
+
+    assert sections["cache"]["backend"] == env["cache_backend"]
+    for prlm in ("minilm-l6", "bert-random"):
+        cache = sections["cache"][prlm]
+        for key in ("naive_tokens_per_s", "bare_tokens_per_s", "build_tokens_per_s", "build_over_naive",
+                    "build_over_bare"):
+            assert _number(cache[key]) and cache[key] > 0, (prlm, key)
+
+    train = sections["train"]
+    assert set(train["systems"]) == set(SYSTEMS)
+    for name in SYSTEMS:
+        system = train["systems"][name]
+        for key in ("step_ms_median", "timed_s", "target_tokens_per_s", "data_wait_fraction", "mfu"):
+            assert _number(system[key]), (name, key)
+    assert _number(train["systems"]["fused_live_prlm"]["prlm_non_embedding_parameters"])
+
+    assert _number(sections["decode"]["fused_over_baseline"])
+    torchrun = sections["torchrun"]
+    assert torchrun["ok"] and torchrun["child"]["backend"] == "gloo" and torchrun["child"]["updates"] == 2
+    assert _number(sections["compile"]["compile_true"]["step_ms_median"]) and _number(sections["compile"]["off_over_on"])
+
+    targets = report["targets"]
+    assert len(targets) == 9
+    for target in targets:
+        assert isinstance(target["met"], bool) and _number(target["value"]), target
+        assert summary["targets"][target["target"]] == {"value": target["value"], "met": target["met"]}
