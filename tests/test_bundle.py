@@ -13,7 +13,8 @@ import pytest
 from packaging.tags import Tag
 from packaging.utils import parse_wheel_filename
 
-from prlmfuse.bundle import build_bundle, parse_target
+from prlmfuse.bundle import build_bundle
+from prlmfuse.bundle_wheels import parse_target
 from prlmfuse.errors import UserError
 from prlmfuse.fileio import sha256_file
 
