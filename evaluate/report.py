@@ -5,9 +5,10 @@ each run's hypotheses (`hyp_file`) and the test set's references (`ref_file`), b
 The inputs must have been scored alike: the same test sets and references, the same training corpus,
 the same metrics (sacrebleu and ROUGE signatures) and the same decoding and bootstrap settings; a
 difference is refused in one line that names it. Each fused run keeps the baseline its evaluation
-compared it with (the baseline of its own seed where the grid has one); its Δ and paired-bootstrap p
-are computed again here from the hypothesis files, and each system (a run name without its
-`.seed-N`) gets the mean and standard deviation of its scores over seeds.
+compared it with (the baseline of its own seed where the grid has one, or of its own batch: runs of one
+name with other hypotheses in several files, such as each batch's `baseline`, are told apart by their
+file's name); its Δ and paired-bootstrap p are computed again here from the hypothesis files, and each
+system (a run name without its `.seed-N`) gets the mean and standard deviation of its scores over seeds.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ SHARED_PER_TEST_SET = {"ref_sha256": "references", "num_sentences": "number of s
                        "corpus_sha256": "training corpus", "main_metric": "main metric", "signature": "metric signatures",
                        "tgt_lang": "target language", "task": "task"}
 SEED_SUFFIX = re.compile(r"\.seed-[^.]+")
+FILE_LABEL = re.compile(r" \[[^\]]*\]$")
 
 
 @dataclass
@@ -139,17 +141,14 @@ def merge_evaluations(paths: list[str | Path], out: str | Path) -> Report:
             raise UserError(f"the evaluations were not scored alike: {difference}; merge results decoded and "
                             "scored with the same settings")
 
+    _name_apart(inputs)
     rows: list[RunResult] = []
     sources: dict[str, Path] = {}
     by_key: dict[tuple[str, str], tuple[RunResult, Evaluation]] = {}
     for evaluation in inputs:
         for row in evaluation.rows:
             key = (row.run, row.test_set)
-            if key in by_key:
-                earlier, where = by_key[key]
-                if earlier.hyp_sha256 != row.hyp_sha256:
-                    raise UserError(f"run {row.run} ({row.test_set}) is in {where.path} and {evaluation.path} with "
-                                    "different hypotheses; give each run's results once, or rename one of the runs")
+            if key in by_key:  # the same run evaluated into two files: the same hypotheses, once in the table
                 continue
             by_key[key] = (row, evaluation)
             rows.append(row)
@@ -193,6 +192,26 @@ def merge_evaluations(paths: list[str | Path], out: str | Path) -> Report:
     return report
 
 
+def _name_apart(inputs: list[Evaluation]) -> None:
+    """Runs of one name with other hypotheses in several files (each batch's `baseline`) are different runs:
+    each gets its file's name in brackets, in its rows and in the comparisons made within its file."""
+    hyps: dict[str, set[str]] = {}
+    for evaluation in inputs:
+        for row in evaluation.rows:
+            hyps.setdefault(row.run, set()).add(row.hyp_sha256)
+    clashing = {name for name, digests in hyps.items() if len(digests) > 1}
+    labels = [e.path.parent.name if e.path.stem == "results" else e.path.stem for e in inputs]
+    if clashing and len(set(labels)) < len(labels):
+        raise UserError(f"run {sorted(clashing)[0]} has other hypotheses in each of several files whose names do not tell "
+                        "them apart; give each evaluation's results.json a name of its own (e.g. batch-1.json)")
+    for evaluation, label in zip(inputs, labels):
+        renamed = {name: f"{name} [{label}]" for name in clashing}
+        for row in evaluation.rows:
+            row.run = renamed.get(row.run, row.run)
+            row.compared_with = renamed.get(row.compared_with, row.compared_with)
+        evaluation.baseline = renamed.get(evaluation.baseline, evaluation.baseline)
+
+
 def _first(mapping: dict[str, str], value: str) -> str:
     return next(k for k, v in mapping.items() if v == value)
 
@@ -203,8 +222,8 @@ def _report_order(names: list[str], baselines: set[str]) -> list[str]:
 
 
 def system_of(run: str) -> str:
-    """The system a run belongs to: its name without the `.seed-N` a seed grid adds."""
-    return SEED_SUFFIX.sub("", run)
+    """The system a run belongs to: its name without the `.seed-N` a seed grid adds or the `[file]` a merge adds."""
+    return SEED_SUFFIX.sub("", FILE_LABEL.sub("", run))
 
 
 def _mean_sd(values: list[float]) -> tuple[float, float]:

@@ -144,3 +144,24 @@ def test_an_older_results_file_and_a_lost_baseline_are_refused(evaluated, tmp_pa
     (folder / "fused-only.json").write_text(json.dumps(data))
     with pytest.raises(UserError, match="the baseline run baseline.seed-2 that .*fused-only.json compares with is in none"):
         merge_evaluations([folder / "seed-1.json", folder / "fused-only.json"], tmp_path / "o2")
+
+
+def test_batches_with_runs_of_one_name_are_told_apart_by_their_file(evaluated, tmp_path):
+    """Table batches each have their own `baseline`: a run name with other hypotheses in another file is another
+    run, named with its file, and each fused row stays compared with the baseline of its own file."""
+    from prlmfuse.evaluate.report import merge_evaluations
+
+    folder = _copy_inputs(evaluated, tmp_path / "in")
+    data = json.loads((folder / "seed-2.json").read_text())
+    for row in data["rows"]:
+        row["run"] = row["run"].replace("seed-2", "seed-1")
+        row["compared_with"] = row["compared_with"] and row["compared_with"].replace("seed-2", "seed-1")
+    (folder / "batch-2.json").write_text(json.dumps(data))
+    report = merge_evaluations([folder / "seed-1.json", folder / "batch-2.json"], tmp_path / "merged")
+    rows = {r.run: r for r in report.rows}
+    assert set(rows) == {"baseline.seed-1 [seed-1]", "baseline.seed-1 [batch-2]", "fused.seed-1 [seed-1]",
+                         "fused.seed-1 [batch-2]"}
+    second = rows["fused.seed-1 [batch-2]"]
+    assert second.compared_with == "baseline.seed-1 [batch-2]"
+    assert second.delta["bleu"] == pytest.approx(evaluated["evaluations"][2].row("fused.seed-2").delta["bleu"])
+    assert {m.system: len(m.runs) for m in report.systems} == {"baseline": 2, "fused": 2}
