@@ -434,7 +434,7 @@ def inputs(report: Report, sizes: Sizes, device: torch.device, scratch: Path, sh
     try:
         prlms["minilm-l6"] = resolve_checkpoint("minilm-l6")
         # MiniLM's tokenizer is bert-base-uncased's vocabulary: real sentences tokenize to real lengths.
-        tokenizer = AutoTokenizer.from_pretrained(prlms["minilm-l6"].path)
+        tokenizer = AutoTokenizer.from_pretrained(prlms["minilm-l6"].path, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - the bundle on the GPU node may lack it; the random BERT still runs
         missing["minilm-l6"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         report.print(f"   note: minilm-l6 unavailable ({missing['minilm-l6']}); the random BERT gets a WordPiece "

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
-from prlmfuse.cache_features.codecs import STORAGE_DTYPES
 from prlmfuse.errors import SettingError, UserError
 from prlmfuse.train_fused.bpe import MIN_VOCAB
 
@@ -235,6 +234,9 @@ class PrLMUse:
         if isinstance(self.layer, str) and self.layer not in STRING_LAYER_MODES:
             raise SettingError("layer", f"{self.layer!r} is not a layer index or one of {', '.join(STRING_LAYER_MODES)}")
         if self.dtype is not None:
+            # Imported here: cache_features brings torch, which the BPE child importing this module never needs.
+            from prlmfuse.cache_features.codecs import STORAGE_DTYPES
+
             _one_of("dtype", self.dtype, STORAGE_DTYPES)
 
 
