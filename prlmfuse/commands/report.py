@@ -21,6 +21,8 @@ def report(files: tuple[str, ...], out: str) -> None:
     click.echo(f"results: {merged.files['results.md']}")
     for m in merged.systems:
         name = {"bleu": "BLEU", "rougeL": "ROUGE-L"}.get(m.metric, m.metric)
-        delta = "" if m.delta_mean is None else f", Δ {m.delta_mean:+.2f} (± {m.delta_sd:.2f} over seeds)"
-        click.echo(f"  {m.test_set} {m.system}: {name} {m.mean:.2f} ± {m.sd:.2f} over {len(m.runs)} run(s){delta}")
+        several = len(m.runs) > 1  # a standard deviation needs two runs
+        delta = "" if m.delta_mean is None else f", Δ {m.delta_mean:+.2f}" + (f" ± {m.delta_sd:.2f}" if m.compared > 1 else "")
+        spread = f" ± {m.sd:.2f} over {len(m.runs)} runs" if several else " (one run)"
+        click.echo(f"  {m.test_set} {m.system}: {name} {m.mean:.2f}{spread}{delta}")
     click.echo(f"plot: {merged.files['scores.png']}")
