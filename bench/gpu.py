@@ -308,15 +308,20 @@ def pick_backend() -> str:
 # ----------------------------------------------------------------------------- 2. CUDA tests
 
 
+def run_child(cmd: list[str], timeout_s: float) -> tuple[str, int | None]:
+    """(stdout + stderr, exit status) of a child process run from the repo; status None when it timed out."""
+    try:
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+        return done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as e:
+        return ((e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or "")), None
+
+
 def cuda_tests(report: Report, sizes: Sizes) -> dict:
     # A subprocess: the tests set their own torch state, and a crash there must not end this run.
     cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider"]
     start = time.perf_counter()
-    try:
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=sizes.subprocess_timeout_s)
-        output, rc = done.stdout + done.stderr, done.returncode
-    except subprocess.TimeoutExpired as e:
-        output, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), None
+    output, rc = run_child(cmd, sizes.subprocess_timeout_s)
     lines = [line for line in output.splitlines() if line.strip()]
     summary = next((line for line in reversed(lines) if re.search(r"\b(passed|failed|skipped|error|deselected)\b", line)),
                    lines[-1] if lines else "")
@@ -756,11 +761,7 @@ def torchrun_section(report: Report, sizes: Sizes, device: torch.device, scratch
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
            str(Path(__file__).resolve()), "--torchrun-child", "--device", str(device), "--out", str(scratch / "torchrun")]
     start = time.perf_counter()
-    try:
-        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=sizes.subprocess_timeout_s)
-        output, rc = done.stdout + done.stderr, done.returncode
-    except subprocess.TimeoutExpired as e:
-        output, rc = (e.stdout or b"").decode() if isinstance(e.stdout, bytes) else (e.stdout or ""), None
+    output, rc = run_child(cmd, sizes.subprocess_timeout_s)
     wall = time.perf_counter() - start
     report.log_file.write(output[-6000:] + "\n")
     child = next((json.loads(line.removeprefix("RESULT ")) for line in reversed(output.splitlines())

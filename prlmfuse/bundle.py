@@ -34,7 +34,7 @@ from packaging.utils import parse_wheel_filename
 from prlmfuse import __version__
 from prlmfuse.bundle_wheels import NODE_PACKAGES, SOURCE_TREE, Lacking, parse_target, resolve_wheels
 from prlmfuse.errors import UserError
-from prlmfuse.fileio import atomic_write_json, atomic_write_text, fsync_dir, sha256_file
+from prlmfuse.fileio import atomic_write_json, atomic_write_text, publish_directory, sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -253,13 +253,4 @@ def _publish(tmp: Path, out: Path) -> None:
     for p in tmp.rglob("*"):
         if p.is_file():
             p.chmod(0o755 if p.name == "install.sh" else 0o644)
-            with open(p, "rb+") as f:
-                os.fsync(f.fileno())
-    old = None
-    if out.exists():
-        old = out.parent / f".{out.name}.old-{os.getpid()}"
-        os.rename(out, old)
-    os.rename(tmp, out)
-    fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    publish_directory(tmp, out)

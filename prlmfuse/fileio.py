@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -119,6 +120,27 @@ def fsync_dir(directory: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _fsync_tree(directory: Path) -> None:
+    for p in directory.rglob("*"):
+        if p.is_file():
+            with open(p, "rb+") as f:
+                os.fsync(f.fileno())
+    fsync_dir(directory)
+
+
+def publish_directory(tmp: Path, final: Path) -> None:
+    """Rename a fully written temp directory into place, replacing a stale copy if one exists."""
+    _fsync_tree(tmp)
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{os.getpid()}-{time.time_ns()}"
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 @contextlib.contextmanager

@@ -20,19 +20,17 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
-import os
 import re
 import shutil
 import socket
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 from urllib.parse import urlparse
 
 from prlmfuse.errors import UserError
-from prlmfuse.fileio import atomic_write_json, fsync_dir, prlmfuse_home
+from prlmfuse.fileio import atomic_write_json, prlmfuse_home, publish_directory
 from prlmfuse.prlms.convert_e5 import convert_e5
 from prlmfuse.prlms.convert_gguf import convert_gguf
 from prlmfuse.prlms.identity import IDENTITY_PATTERNS, checkpoint_identity
@@ -135,27 +133,6 @@ def _prepare_lock(alias: _Alias) -> Iterator[None]:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
-def _fsync_tree(directory: Path) -> None:
-    for p in directory.rglob("*"):
-        if p.is_file():
-            with open(p, "rb+") as f:
-                os.fsync(f.fileno())
-    fsync_dir(directory)
-
-
-def _publish_dir(tmp: Path, final: Path) -> None:
-    """Rename a fully written temp directory into place, replacing a stale copy if one exists."""
-    _fsync_tree(tmp)
-    old = None
-    if final.exists():
-        old = final.parent / f".{final.name}.old-{os.getpid()}-{time.time_ns()}"
-        os.rename(final, old)
-    os.rename(tmp, final)
-    fsync_dir(final.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def _source_file(alias: _Alias) -> Path:
     pkg = _package_dir(alias)
     if alias.name == "e5-small-multilingual":
@@ -198,7 +175,7 @@ def prepare_alias(alias: str) -> CheckpointInfo:
                 try:
                     _CONVERTERS[spec.name](source, tmp)
                     atomic_write_json(tmp / _SOURCE_MARKER, _source_record(spec, source))
-                    _publish_dir(tmp, final)
+                    publish_directory(tmp, final)
                 except BaseException:
                     shutil.rmtree(tmp, ignore_errors=True)
                     raise
