@@ -205,9 +205,9 @@ def evaluate_runs(
                     decode_seconds=float(meta.get("seconds", float("nan"))),
                     checkpoints=[Path(p).name for p in meta.get("checkpoints", [])],
                     hyp_file=hyp_path.name, reused=reused is not None, signature=scores["signature"],
-                    main_metric=main_metric, **run.budget(), **run.training_end(),
+                    main_metric=main_metric, **run.budget(),
                     seed=(run.record.get("train") or {}).get("seed"), tgt_lang=run.tgt_lang,
-                    hyp_sha256=sha256_file(hyp_path), ref_file=ref_file, ref_sha256=refs_sha[(run.name, split)],
+                    hyp_sha256=meta["hyp_sha256"], ref_file=ref_file, ref_sha256=refs_sha[(run.name, split)],
                     corpus_sha256=run.corpus_digest(),
                 )
             )

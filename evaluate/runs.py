@@ -53,29 +53,24 @@ class RunView:
         return dict(self.record.get("model") or {})
 
     def budget(self) -> dict:
-        """What training cost: updates, target tokens seen and wall seconds (the trainer state)."""
-        try:
-            state = rundir.latest_trainer_state(self.run_dir)
-        except UserError:
-            state = None
-        if state is None:
-            return {"updates": 0, "train_tokens": 0, "train_seconds": float("nan")}
-        return {"updates": state.update, "train_tokens": state.tokens_seen, "train_seconds": state.wall_time}
-
-    def training_end(self) -> dict:
-        """How training ended: `stopped_by` (max_updates, max_epochs, patience; "" while unfinished) and
+        """What training cost and how it ended, from the trainer state: updates, target tokens seen, wall
+        seconds, `stopped_by` (max_updates, max_epochs, patience; "" while unfinished) and
         `epoch_dev_losses`, the dev loss at each epoch end, oldest first."""
         try:
             state = rundir.latest_trainer_state(self.run_dir)
         except UserError:
             state = None
-        if state is None or not state.batches_per_epoch:
-            return {"stopped_by": "", "epoch_dev_losses": []}
+        if state is None:
+            return {"updates": 0, "train_tokens": 0, "train_seconds": float("nan"), "stopped_by": "",
+                    "epoch_dev_losses": []}
+        spent = {"updates": state.update, "train_tokens": state.tokens_seen, "train_seconds": state.wall_time}
+        if not state.batches_per_epoch:
+            return {**spent, "stopped_by": "", "epoch_dev_losses": []}
         run = RunConfig.from_dict(self.record.get("train") or {"name": self.name})
         # An epoch ends with an update of its own, so epoch ends fall every ceil(batches / update_freq) updates.
         per_epoch = -(-state.batches_per_epoch // run.update_freq)
         curve = rundir.read_dev_curve(self.run_dir)
-        return {"stopped_by": rundir.stop_reason(run, state) or "",
+        return {**spent, "stopped_by": rundir.stop_reason(run, state) or "",
                 "epoch_dev_losses": [loss for update, loss in curve if update % per_epoch == 0]}
 
     def corpus_digest(self) -> str:
