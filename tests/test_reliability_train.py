@@ -165,7 +165,8 @@ def test_temp_files_of_a_killed_save_are_removed_on_resume(world, tmp_path):
                         tmp_path / "base", progress=False)
     torn = [run_dir / "checkpoints" / ".update-00000004.safetensors.k2j3h4.tmp",
             run_dir / "checkpoints" / ".optimizer-00000004.safetensors.a1b2c3.tmp",
-            run_dir / ".trainer_state.json.x7y8z9.tmp", run_dir / ".best.safetensors.q1w2e3.tmp"]
+            run_dir / ".trainer_state.json.x7y8z9.tmp", run_dir / ".best.safetensors.q1w2e3.tmp",
+            run_dir / "checkpoints" / ".tmpC3cHOz", run_dir / ".tmpLvMaVs"]  # safetensors' own temp files
     for path in torn:
         path.write_bytes(b"torn")
     mine = run_dir / ".notes"  # not a name prlmfuse writes: left alone

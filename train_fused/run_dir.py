@@ -59,7 +59,10 @@ _NAMED_FILE_RE = {
 # what a kill -9 mid-save leaves behind (both write under the run directory's lock).
 _STALE_TEMP_RE = re.compile(r"^\.(update-\d{8}\.(safetensors|json)|optimizer-\d{8}\.safetensors|"
                             r"trainer_state\.json|best\.safetensors|run\.json|bpe\.json|metrics\.jsonl|"
-                            r"average-(last|epochs)\d+\.safetensors)\..+\.tmp$")
+                            r"average-(last|epochs)\d+\.safetensors)\..+\.tmp$"
+                            # safetensors' save_file writes through a Rust tempfile (".tmp" + 6 characters)
+                            # in the target's folder, so a kill mid-save leaves one of those too.
+                            r"|^\.tmp[A-Za-z0-9]{6}$")
 # RunConfig fields that only steer when to stop, how often to log, or how to feed data: a resumed
 # run may change them. Every other field defines the run and must match the run directory.
 RESUMABLE_FIELDS = frozenset({
