@@ -23,7 +23,7 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -310,42 +310,35 @@ def _build(spec: BuildSpec, lines: list[str], dist: DistContext) -> dict:
     extractor = FeatureExtractor(model, selection, runtime=runtime)
     on_gpu = runtime.device.type == "cuda"
     pad_id = pad_token_id(tokenizer)
-    layers = selection.token_layers
-    n_pooled = len(selection.pooled_layers)
     total_sentences = sum(len(p.sentence_ids) for p in mine)
     initial = total_sentences - sum(len(p.sentence_ids) for p in todo)
 
+    def forward(batch: np.ndarray):
+        input_ids, attention_mask = collate(corpus, batch, pad_id)
+        if on_gpu:  # page-locked, so the extractor's copy to the GPU does not block
+            input_ids, attention_mask = input_ids.pin_memory(), attention_mask.pin_memory()
+        token_states, pooled = extractor(input_ids, attention_mask)
+        return token_states, pooled, attention_mask
+
     failed = 0
     error: BaseException | None = None
-    writer = BackgroundWriter(location, spec.backend, key)
-    copies = _HostCopies(writer, layers, dtype, runtime.device)
     try:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total_sentences, initial=initial, unit="sent", disable=not spec.progress,
                    desc=f"cache{'' if not dist.enabled else f' rank {dist.rank}'}", dynamic_ncols=True)
         started, tokens_done = time.perf_counter(), 0
+
+        def on_batch(batch: np.ndarray, tokens: int) -> None:
+            nonlocal tokens_done
+            tokens_done += tokens
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{tokens_done / max(time.perf_counter() - started, 1e-9):,.0f}", refresh=False)
+
         with bar:
-            for plan in todo:
-                specs, first_rows, meta = _shard_specs(plan, corpus, layers, n_pooled, d, dtype)
-                writer.open(names[plan.index], specs, first_rows, meta)
-                for batch in plan.batches:
-                    input_ids, attention_mask = collate(corpus, batch, pad_id)
-                    if on_gpu:  # page-locked, so the extractor's copy to the GPU does not block
-                        input_ids, attention_mask = input_ids.pin_memory(), attention_mask.pin_memory()
-                    token_states, pooled = extractor(input_ids, attention_mask)
-                    copies.push(token_states, pooled, attention_mask)
-                    tokens_done += int(attention_mask.sum())
-                    bar.update(len(batch))
-                    bar.set_postfix(tok_s=f"{tokens_done / max(time.perf_counter() - started, 1e-9):,.0f}",
-                                    refresh=False)
-                copies.flush()
-                writer.commit()
-        writer.close()
+            write_shards(spec, corpus, todo, names, forward, on_batch)
     except BaseException as e:  # noqa: BLE001 - every rank must reach the collective below
         failed, error = 1, e
-        with contextlib.suppress(BaseException):
-            writer.close()
 
     if all_reduce_max(dist, failed):
         raise error if error is not None else UserError(f"cache build of {location} failed on another rank")
@@ -353,7 +346,7 @@ def _build(spec: BuildSpec, lines: list[str], dist: DistContext) -> dict:
     manifest = None
     if dist.is_main:
         try:
-            manifest = _write_manifest(spec, corpus, names, shards)
+            manifest = write_manifest(spec, corpus, names, shards)
         except BaseException as e:  # noqa: BLE001
             failed, error = 1, e
     if all_reduce_max(dist, failed):
@@ -363,7 +356,39 @@ def _build(spec: BuildSpec, lines: list[str], dist: DistContext) -> dict:
     return manifest
 
 
-def _write_manifest(spec: BuildSpec, corpus: EncodedCorpus, names: dict[int, str], shards: list[ShardPlan]) -> dict:
+def write_shards(spec: BuildSpec, corpus: EncodedCorpus, todo: list[ShardPlan], names: dict[int, str],
+                 forward: Callable[[np.ndarray], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+                 on_batch: Callable[[np.ndarray, int], None] | None = None) -> None:
+    """The storage path of a build: every shard of `todo` from its batches' features, committed in turn.
+
+    forward(sentence_ids) -> (token_states [n_layers, B, T, d], pooled, attention_mask [B, T]) of one
+    batch of the plan. Encoding, checksums and writes run on the background writer's thread while
+    `forward` computes the next batch; on_batch(sentence_ids, real_tokens) follows each batch.
+    """
+    layers = spec.selection.token_layers
+    n_pooled = len(spec.selection.pooled_layers)
+    writer = BackgroundWriter(spec.location, spec.backend, spec.key)
+    copies = _HostCopies(writer, layers, spec.dtype, spec.runtime.device)
+    try:
+        for plan in todo:
+            specs, first_rows, meta = _shard_specs(plan, corpus, layers, n_pooled, spec.info.hidden_size, spec.dtype)
+            writer.open(names[plan.index], specs, first_rows, meta)
+            for batch in plan.batches:
+                token_states, pooled, attention_mask = forward(batch)
+                copies.push(token_states, pooled, attention_mask)
+                if on_batch is not None:
+                    on_batch(batch, int(attention_mask.sum()))
+            copies.flush()
+            writer.commit()
+    except BaseException:
+        with contextlib.suppress(BaseException):  # the first error is the one to report
+            writer.close()
+        raise
+    writer.close()
+
+
+def write_manifest(spec: BuildSpec, corpus: EncodedCorpus, names: dict[int, str], shards: list[ShardPlan]) -> dict:
+    """manifest.json once every shard of the plan has its progress record: the cache becomes complete."""
     location, dtype, selection = spec.location, spec.dtype, spec.selection
     records = completed_records(location, spec.key, names)
     missing = [names[p.index] for p in shards if p.index not in records]

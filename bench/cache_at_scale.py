@@ -1,0 +1,384 @@
+"""Training from a cache larger than memory: the loader and the writer against the disk's own rates.
+
+    python bench/cache_at_scale.py --dir DIR [--size-gb N] [--backend zarr|hdf5] [--workers 1,2,4]
+
+1. Lengths: the English Bible's verses tokenized by MiniLM's tokenizer (BERT's uncased WordPiece, the
+   vocabulary of BERT-base), tiled in a seeded order up to the cache size. Features are random float32
+   of BERT-base's width (768), one layer (-2 of 12), as a GPU forward would hand them over.
+2. Writer: raw disk write rate (8 MiB writes, fsync) beside the cache's own storage path
+   (cache_features.builder.write_shards: encode, checksum, write in the background writer, fsync,
+   rename, manifest), for both backends and for float16 and int8, --writer-gb each; then the same
+   path writes the big cache of --size-gb (default twice the machine's memory) in --backend.
+3. Raw sequential read rate of the big cache's shard files (8 MiB reads), the physical limit.
+4. Loader: the trainer's own loader over the big cache (PairDataset, TokenBudgetBatchSampler with its
+   epoch shuffle, make_loader with forkserver workers), --workers 1, 2 and 4, --seconds each after the
+   first batch. After every batch the pages it read are dropped (posix_fadvise DONTNEED), so the page
+   cache serves no later batch. Reported: feature GB/s and PrLM tokens/s delivered, read amplification
+   (bytes the loader's processes read from storage, /proc/<pid>/io read_bytes, over feature bytes
+   delivered) and the RSS of the trainer and each worker over time.
+The loader's target side is not modelled: each pair's target length is its source length.
+The cache and scratch files are deleted at the end (--keep keeps the cache). Last line: RESULT {json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cache_throughput import bible_sentences  # noqa: E402
+
+GB = 1e9
+BLOCK = 8 << 20
+WIDTH = 768
+NUM_LAYERS = 12
+
+
+def total_memory_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        return int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
+
+
+def drop_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def drop_tree(root: Path) -> None:
+    for directory, _dirs, files in os.walk(root):
+        for name in files:
+            drop_file(Path(directory) / name)
+
+
+def shard_files(cache: Path) -> list[Path]:
+    return sorted(p for p in (cache / "shards").rglob("*") if p.is_file())
+
+
+# ----------------------------------------------------------------------------------- raw disk rates
+
+
+def raw_write(directory: Path, nbytes: int) -> float:
+    """GB/s of plain 8 MiB writes into 64 MiB files, each fsynced (the cache's shard size)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    block = np.random.default_rng(0).integers(0, 255, BLOCK, dtype=np.uint8).tobytes()
+    start, written, index = time.perf_counter(), 0, 0
+    while written < nbytes:
+        with open(directory / f"raw-{index:05d}", "wb") as f:
+            for _ in range(8):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        written += 8 * BLOCK
+        index += 1
+    elapsed = time.perf_counter() - start
+    shutil.rmtree(directory)
+    return written / elapsed / GB
+
+
+def raw_sequential_read(files: list[Path], limit: int) -> float:
+    """GB/s of 8 MiB sequential reads of `files` (pages dropped first), up to `limit` bytes."""
+    for path in files:
+        drop_file(path)
+    start, read = time.perf_counter(), 0
+    for path in files:
+        with open(path, "rb", buffering=0) as f:
+            while chunk := f.read(BLOCK):
+                read += len(chunk)
+        if read >= limit:
+            break
+    elapsed = time.perf_counter() - start
+    for path in files:
+        drop_file(path)
+    return read / elapsed / GB
+
+
+# ----------------------------------------------------------------------------------- the cache
+
+
+def real_lengths() -> np.ndarray:
+    """PrLM tokens per English verse (special tokens included), as the cache build tokenizes them."""
+    from prlmfuse.cache_features.extract import encode_corpus
+    from prlmfuse.prlms import load_prlm, resolve_checkpoint
+
+    info = resolve_checkpoint("minilm-l6")
+    _model, tokenizer = load_prlm(info)
+    return encode_corpus(tokenizer, bible_sentences(31_000), max_length=512).lengths
+
+
+def corpus_of(size_bytes: int, dtype: str, lengths: np.ndarray, seed: int = 0):
+    """An EncodedCorpus of tiled real lengths whose stored features fill about `size_bytes`."""
+    from prlmfuse.cache_features.codecs import pooled_storage_dtype, token_bytes_per_row, token_numpy_dtype
+    from prlmfuse.cache_features.extract import EncodedCorpus
+
+    per_sentence = lengths.mean() * token_bytes_per_row(dtype, WIDTH) + \
+        2 * WIDTH * token_numpy_dtype(pooled_storage_dtype(dtype)).itemsize
+    n = max(1, int(size_bytes / per_sentence))
+    rng = np.random.default_rng(seed)
+    tiled = np.concatenate([rng.permutation(lengths) for _ in range(-(-n // len(lengths)))])[:n]
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(tiled, out=offsets[1:])
+    return EncodedCorpus(flat_ids=np.zeros(int(offsets[-1]), dtype=np.int32), offsets=offsets,
+                         truncated_sentences=0, truncated_tokens=0)
+
+
+def write_cache(out: Path, corpus, backend: str, dtype: str) -> dict:
+    """The build's storage path over synthetic features; returns seconds, bytes stored and shard count."""
+    from prlmfuse.cache_features.builder import DEFAULT_MAX_TOKENS, BuildSpec, write_manifest, write_shards
+    from prlmfuse.cache_features.codecs import token_bytes_per_row
+    from prlmfuse.cache_features.extract import parse_layers, plan_batches, plan_shards
+    from prlmfuse.cache_features.location import Location
+    from prlmfuse.cache_features.manifest import cache_key, key_hash
+    from prlmfuse.cache_features.shards import shard_suffix
+    from prlmfuse.precision import Runtime
+    from prlmfuse.prlms.info import CheckpointInfo
+
+    info = CheckpointInfo(name="synthetic-bert-base", path="", family="bert", num_layers=NUM_LAYERS,
+                          hidden_size=WIDTH, max_length=512, is_causal=False, identity="0" * 64)
+    selection = parse_layers("-2", NUM_LAYERS)
+    fields = cache_key(info, "0" * 64, selection, dtype, precision="fp32")
+    spec = BuildSpec(location=Location(out), info=info, selection=selection, fields=fields, key=key_hash(fields),
+                     backend=backend, dtype=dtype, max_tokens=DEFAULT_MAX_TOKENS["cuda"], shard_bytes=64 << 20,
+                     runtime=Runtime(torch.device("cpu"), torch.float32), force=False, progress=False,
+                     lock_timeout=60.0)
+    lengths = corpus.lengths
+    shards = plan_shards(plan_batches(lengths, spec.max_tokens), lengths, token_bytes_per_row(dtype, WIDTH), spec.shard_bytes)
+    names = {plan.index: f"{plan.name_stem}{shard_suffix(backend)}" for plan in shards}
+    # Features are views into one random buffer: producing them costs nothing, as on a GPU whose
+    # forward runs beside the writer.
+    pool = torch.randn(64 << 20)
+
+    def forward(batch: np.ndarray):
+        width = int(lengths[batch].max())
+        mask = torch.from_numpy(np.arange(width)[None, :] < lengths[batch][:, None])
+        count = len(batch) * width * WIDTH
+        start = int(np.random.default_rng(int(batch[0])).integers(0, pool.numel() - count - 2 * len(batch) * WIDTH))
+        states = pool[start : start + count].view(1, len(batch), width, WIDTH)
+        pooled = pool[start : start + 2 * len(batch) * WIDTH].view(len(batch), 1, 2, WIDTH)
+        return states, pooled, mask
+
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    write_shards(spec, corpus, shards, names, forward)
+    write_manifest(spec, corpus, names, shards)
+    seconds = time.perf_counter() - started
+    stored = sum(p.stat().st_size for p in shard_files(out))
+    return {"seconds": seconds, "bytes": stored, "shards": len(shards)}
+
+
+# ----------------------------------------------------------------------------------- the loader
+
+
+class PageDropper:
+    """Drops from the page cache the feature bytes of the sentences a batch read (main process)."""
+
+    def __init__(self, reader):
+        self.reader = reader
+        self.root = Path(reader.location.path) / "shards"
+        self.array = f"layer_{reader.layers[0]:03d}"
+        self.row_bytes = WIDTH * np.dtype(np.float16).itemsize
+        self.h5: dict[int, tuple[int, int]] = {}  # shard -> (fd, byte offset of the layer's rows)
+        self.zarr: dict[int, tuple[int, object]] = {}  # shard -> (chunk rows, array metadata)
+
+    def drop(self, sentence_ids) -> None:
+        r = self.reader
+        for i in sentence_ids.tolist():
+            s = int(r._shard_of[i])
+            start = int(r._token_start[i])
+            stop = start + int(r.lengths[i])
+            if r.backend == "hdf5":
+                fd, offset = self._h5(s)
+                os.posix_fadvise(fd, offset + start * self.row_bytes, (stop - start) * self.row_bytes,
+                                 os.POSIX_FADV_DONTNEED)
+            else:
+                rows, metadata = self._zarr(s)
+                for chunk in range(start // rows, (stop - 1) // rows + 1):
+                    key = metadata.encode_chunk_key((chunk, 0))
+                    path = self.root / r._shard_names[s] / self.array / key
+                    if path.exists():
+                        drop_file(path)
+
+    def _h5(self, s: int):
+        if s not in self.h5:
+            import h5py
+
+            path = self.root / self.reader._shard_names[s]
+            with h5py.File(path, "r") as f:
+                offset = f[self.array].id.get_offset()
+            self.h5[s] = (os.open(path, os.O_RDONLY), int(offset))
+        return self.h5[s]
+
+    def _zarr(self, s: int):
+        if s not in self.zarr:
+            import zarr
+
+            array = zarr.open_array(str(self.root / self.reader._shard_names[s] / self.array), mode="r")
+            self.zarr[s] = (int(array.chunks[0]), array.metadata)
+        return self.zarr[s]
+
+    def close(self) -> None:
+        for fd, _ in self.h5.values():
+            os.close(fd)
+
+
+def proc_read_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/io") as f:
+        return int(next(line for line in f if line.startswith("read_bytes")).split()[1])
+
+
+def proc_rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS")).split()[1]) / 1024
+
+
+class RssSampler(threading.Thread):
+    def __init__(self, pids: dict[str, int], every: float = 2.0):
+        super().__init__(daemon=True)
+        self.pids, self.every = pids, every
+        self.samples: dict[str, list[float]] = {name: [] for name in pids}
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.every):
+            for name, pid in self.pids.items():
+                try:
+                    self.samples[name].append(round(proc_rss_mb(pid), 1))
+                except (OSError, StopIteration):
+                    pass
+
+
+def time_loader(cache: Path, corpus, workers: int, seconds: float, max_tokens: int, seed: int) -> dict:
+    """The trainer's loader over `cache` for `seconds` after its first batch, pages dropped behind it."""
+    from prlmfuse.cache_features import CacheReader
+    from prlmfuse.train_fused.branches import PrLMBranch
+    from prlmfuse.train_fused.data import PairDataset, TokenBudgetBatchSampler, make_loader
+
+    reader = CacheReader(cache)
+    # BPE side: the PrLM's length less its two special tokens (the source's </s> is added back).
+    zeros = np.zeros(int(corpus.lengths.max()), dtype=np.int32)
+    src = [zeros[: max(int(n) - 2, 1)] for n in corpus.lengths]
+    dataset = PairDataset(src, src, [PrLMBranch(reader, layer_rows=(0,), pooled_rows=None)])
+    sampler = TokenBudgetBatchSampler(dataset.src_lens, dataset.tgt_lens, max_tokens, seed=seed)
+    loader = make_loader(dataset, sampler, num_workers=workers)
+    dropper = PageDropper(reader)
+    drop_tree(cache)
+    iterator = iter(loader)
+    first = next(iterator)
+    dropper.drop(first.ids)
+    pids = {"trainer": os.getpid()}
+    pids.update({f"worker{k}": w.pid for k, w in enumerate(getattr(iterator, "_workers", []))})
+    before = {name: proc_read_bytes(pid) for name, pid in pids.items()}
+    sampler_thread = RssSampler(pids)
+    sampler_thread.start()
+    tokens = batches = 0
+    drop_seconds = 0.0
+    start = time.perf_counter()
+    for batch in iterator:
+        features = batch.prlm[0]
+        tokens += int(features.mask.sum())
+        batches += 1
+        t = time.perf_counter()
+        dropper.drop(batch.ids)
+        drop_seconds += time.perf_counter() - t
+        if t - start >= seconds:
+            break
+    elapsed = time.perf_counter() - start
+    read = sum(proc_read_bytes(pid) - before[name] for name, pid in pids.items())
+    sampler_thread.stopped.set()
+    sampler_thread.join()
+    del iterator, loader
+    dropper.close()
+    reader.close()
+    delivered = tokens * WIDTH * 2
+    return {
+        "workers": workers,
+        "seconds": round(elapsed, 1),
+        "batches": batches,
+        "feature_GBps": round(delivered / elapsed / GB, 4),
+        "tokens_per_s": round(tokens / elapsed),
+        "read_amplification": round(read / max(delivered, 1), 3),
+        "page_drop_seconds": round(drop_seconds, 1),
+        "rss_mb": {name: {"first": s[0], "max": max(s), "last": s[-1]} for name, s in sampler_thread.samples.items() if s},
+    }
+
+
+# ----------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dir", required=True, type=Path, help="a directory on the disk to measure (emptied)")
+    parser.add_argument("--size-gb", type=float, help="size of the big cache (default: twice the machine's memory)")
+    parser.add_argument("--backend", default="hdf5", choices=("zarr", "hdf5"))
+    parser.add_argument("--writer-gb", type=float, default=4.0, help="size of each writer-only cache")
+    parser.add_argument("--writer-only", action="store_true", help="measure the writer and the raw write rate only")
+    parser.add_argument("--workers", default="1,2,4")
+    parser.add_argument("--seconds", type=float, default=60.0, help="loader time per worker count")
+    parser.add_argument("--max-tokens", type=int, default=4096, help="the training batch's token budget")
+    parser.add_argument("--keep", action="store_true", help="keep the big cache")
+    args = parser.parse_args(argv)
+
+    from prlmfuse.precision import machine_line
+
+    memory = total_memory_bytes()
+    size = int((args.size_gb or 2 * memory / GB) * GB)
+    free = shutil.disk_usage(args.dir.parent if not args.dir.exists() else args.dir).free
+    if size + args.writer_gb * GB > free * 0.95:
+        print(f"cache_at_scale: {size / GB:.1f} GB do not fit the {free / GB:.1f} GB free under {args.dir}; "
+              "pass a smaller --size-gb or another --dir", file=sys.stderr)
+        return 2
+    args.dir.mkdir(parents=True, exist_ok=True)
+    print(f"machine: {machine_line()}; memory {memory / GB:.1f} GB; disk {args.dir}", flush=True)
+    result: dict = {"machine": machine_line(), "memory_GB": round(memory / GB, 1), "width": WIDTH}
+    lengths = real_lengths()
+    result["sentence_tokens"] = {"mean": round(float(lengths.mean()), 1), "median": int(np.median(lengths))}
+    try:
+        result["raw_write_GBps"] = round(raw_write(args.dir / "raw", int(args.writer_gb * GB)), 3)
+        print(f"raw write: {result['raw_write_GBps']} GB/s", flush=True)
+        writers = []
+        for backend in ("hdf5", "zarr"):
+            for dtype in ("float16", "int8"):
+                out = args.dir / f"writer-{backend}-{dtype}"
+                timing = write_cache(out, corpus_of(int(args.writer_gb * GB), dtype, lengths), backend, dtype)
+                shutil.rmtree(out)
+                row = {"backend": backend, "dtype": dtype, "GB": round(timing["bytes"] / GB, 2),
+                       "GBps": round(timing["bytes"] / timing["seconds"] / GB, 3)}
+                row["of_raw"] = round(row["GBps"] / result["raw_write_GBps"], 2)
+                writers.append(row)
+                print(f"writer {backend} {dtype}: {row['GBps']} GB/s ({row['of_raw']}x raw)", flush=True)
+        result["writer"] = writers
+        if not args.writer_only:
+            cache = args.dir / f"cache-{args.backend}"
+            corpus = corpus_of(size, "float16", lengths)
+            timing = write_cache(cache, corpus, args.backend, "float16")
+            result["cache"] = {"backend": args.backend, "GB": round(timing["bytes"] / GB, 1), "sentences": corpus.num_sentences,
+                               "shards": timing["shards"], "write_GBps": round(timing["bytes"] / timing["seconds"] / GB, 3)}
+            print(f"cache: {result['cache']}", flush=True)
+            result["raw_sequential_read_GBps"] = round(raw_sequential_read(shard_files(cache), min(size, 16 << 30)), 3)
+            print(f"raw sequential read: {result['raw_sequential_read_GBps']} GB/s", flush=True)
+            result["loader"] = []
+            for workers in [int(w) for w in args.workers.split(",")]:
+                row = time_loader(cache, corpus, workers, args.seconds, args.max_tokens, seed=1)
+                result["loader"].append(row)
+                print(f"loader, {workers} worker(s): {row}", flush=True)
+    finally:
+        for path in args.dir.iterdir():
+            if not (args.keep and path.name.startswith("cache-")):
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
