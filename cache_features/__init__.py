@@ -4,7 +4,7 @@
     result = build_cache("minilm-l6", "corpus/train.src", "caches/minilm-train", layers="-2")
     reader = CacheReader(result.path)
     reader.features(0)   # float32 [n_layers, T_0, d]
-    reader.pooled(0)     # float32 [n_pooled_layers, 2, d]  (first token, mean) of layers 0..highest
+    reader.pooled(0)     # float32 [n_pooled_layers, 2, d]  (first token, mean) of the stored layers
 
 Modules: extract (tokenize, middle cut, plan, forward through a truncated model view), codecs
 (storage dtypes), location (local path or fsspec URL), shards (HDF5 / Zarr v3 shard files,

@@ -31,7 +31,10 @@ POOLED_MODES = ("dyn_cls", "dyn_aver")  # they also read the pooled (first token
 
 # The key field that depends on which text was encoded; the stored layers may grow; all else must match.
 _CORPUS_FIELD = "corpus_sha256"
-_SUPERSET_FIELDS = frozenset({"layers", "pooled_layers"})
+_SUPERSET_FIELDS = frozenset({"layers"})
+# Which layers' pooled vectors a cache holds: the stored layers, or in some caches every layer up to the
+# highest. Either serves a run that reads the same features; layer_rows checks the pooled layers it reads.
+_POOLED_FIELD = "pooled_layers"
 # How the features were computed (bf16 / fp16 / fp32 autocast), not what they are: caches that differ
 # only in it are interchangeable within rounding.
 _PRECISION_FIELD = "precision"
@@ -88,7 +91,7 @@ def check_key_fields(found: dict, expected: dict, *, where: str) -> None:
     if precision_of(found) != precision_of(expected):
         logger.warning("cache %s was computed at %s, the run's training cache at %s: features differ by rounding",
                        where, precision_of(found), precision_of(expected))
-    for name in sorted((set(expected) | set(found)) - {_CORPUS_FIELD, _PRECISION_FIELD}):
+    for name in sorted((set(expected) | set(found)) - {_CORPUS_FIELD, _PRECISION_FIELD, _POOLED_FIELD}):
         want, have = expected.get(name), found.get(name)
         if name in _SUPERSET_FIELDS:
             if not set(want or []) <= set(have or []):

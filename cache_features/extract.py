@@ -39,8 +39,9 @@ class LayerSelection:
 
     @property
     def pooled_layers(self) -> tuple[int, ...]:
-        # every computed layer gets its first-token and mean vectors (Dyn[CLS], Dyn[Aver])
-        return tuple(range(self.highest + 1))
+        # The first-token and mean vectors a run can read: Dyn[CLS] and Dyn[Aver] weigh the stored
+        # layers by their own (compat.choose_layers), so no other layer's are kept.
+        return self.token_layers
 
 
 def parse_layers(spec: str | int | Sequence[int], num_layers: int) -> LayerSelection:
@@ -284,7 +285,7 @@ def truncated_model(model: nn.Module, highest: int) -> nn.Module:
 
 
 class FeatureExtractor:
-    """Frozen PrLM -> (token features of the selected layers, first-token and mean of every computed layer)."""
+    """Frozen PrLM -> (token features of the selected layers, first-token and mean vectors of those layers)."""
 
     def __init__(self, model: nn.Module, selection: LayerSelection, *, runtime=None):
         """runtime: a prlmfuse.precision.Runtime (device and autocast precision); None is the CPU at fp32."""
@@ -324,11 +325,9 @@ class FeatureExtractor:
         with torch.inference_mode():
             weights = attention_mask.to(torch.float32)
             weights = (weights / weights.sum(1, keepdim=True).clamp(min=1))[:, None, :]  # [B, 1, T]
-            first, mean = [], []
-            for h in hidden:
-                h = h.float()
-                first.append(h[:, 0])
-                mean.append(torch.bmm(weights, h)[:, 0])
-            pooled = torch.stack([torch.stack(first, 1), torch.stack(mean, 1)], dim=2)  # [B, n_pooled, 2, d]
             token_states = torch.stack([hidden[k].float() for k in self.selection.token_layers])
+            # the pooled layers are the stored ones (LayerSelection.pooled_layers)
+            first = [h[:, 0] for h in token_states]
+            mean = [torch.bmm(weights, h)[:, 0] for h in token_states]
+            pooled = torch.stack([torch.stack(first, 1), torch.stack(mean, 1)], dim=2)  # [B, n_pooled, 2, d]
         return token_states, pooled

@@ -5,7 +5,7 @@ A shard holds, for a run of sentences in plan order:
   offsets       int64 [S + 1]      token rows of sentence j are offsets[j]:offsets[j+1]
   layer_NNN     [N, d]             token features of hidden_states[NNN] (stored dtype)
   quant_NNN     float32 [N, 1+2k]  int8 only: per token its scale, then its k outliers' channels and values
-  pooled        [S, P, 2, d]       first-token and mean vectors of layers 0..P-1
+  pooled        [S, P, 2, d]       first-token and mean vectors of the stored layers
 Arrays are written sequentially (rows in order), so a shard's size in memory is one batch, not the shard.
 The checksum is sha256 over each array's values (plus its name, dtype and shape): the same for
 both backends, so `verify_cache` never depends on how a backend lays bytes on disk.

@@ -47,6 +47,9 @@ def test_test_cache_of_same_checkpoint_and_settings_is_accepted():
     check_key_fields(_fields(precision="fp16"), TRAIN_FIELDS, where="test-cache")
     # More layers than the run trained on is fine: the run's rows are picked out.
     check_key_fields(_fields(layers=[0, 1, 2], pooled_layers=[0, 1, 2]), TRAIN_FIELDS, where="test-cache")
+    # A training cache that kept the pooled vectors of layers 0..highest (written before they were
+    # limited to the stored layers), and a test cache with the stored layer's only: the same features.
+    check_key_fields(_fields(pooled_layers=[1]), TRAIN_FIELDS, where="test-cache")
 
 
 @pytest.mark.parametrize(
