@@ -7,8 +7,9 @@
    of BERT-base's width (768), one layer (-2 of 12), as a GPU forward would hand them over.
 2. Writer: raw disk write rate (8 MiB writes, fsync) beside the cache's own storage path
    (cache_features.builder.write_shards: encode, checksum, write in the background writer, fsync,
-   rename, manifest), for both backends and for float16 and int8, --writer-gb each; then the same
-   path writes the big cache of --size-gb (default twice the machine's memory) in --backend.
+   rename, manifest), for both backends and for float16 and int8, --writer-gb each; then each stage
+   of that path alone (encode, sha256, the shard writer) over up to 1 GB; then the same path writes
+   the big cache of --size-gb (default twice the machine's memory) in --backend.
 3. Raw sequential read rate of the big cache's shard files (8 MiB reads), the physical limit.
 4. Loader: the trainer's own loader over the big cache (PairDataset, TokenBudgetBatchSampler with its
    epoch shuffle, make_loader with forkserver workers), --workers 1, 2 and 4, --seconds each after the
@@ -175,6 +176,51 @@ def write_cache(out: Path, corpus, backend: str, dtype: str) -> dict:
     seconds = time.perf_counter() - started
     stored = sum(p.stat().st_size for p in shard_files(out))
     return {"seconds": seconds, "bytes": stored, "shards": len(shards)}
+
+
+def writer_stages(directory: Path, backend: str, dtype: str, lengths: np.ndarray, nbytes: int) -> dict:
+    """Each stage of the storage path alone over one plan's batches, in GB/s of stored bytes: the
+    model thread's encode (float32 -> stored dtype, padding dropped), the shard's sha256, and the
+    shard writer's appends and commit (fsync, rename) less that sha256."""
+    import hashlib
+
+    from prlmfuse.cache_features.builder import DEFAULT_MAX_TOKENS, encode_batch
+    from prlmfuse.cache_features.extract import plan_batches
+    from prlmfuse.cache_features.location import Location
+    from prlmfuse.cache_features.shards import ArraySpec, create_shard, shard_suffix
+
+    corpus = corpus_of(nbytes, dtype, lengths, seed=1)
+    lengths = corpus.lengths
+    pool = torch.randn(64 << 20)
+    encoded, encode_seconds = [], 0.0
+    for batch in plan_batches(lengths, DEFAULT_MAX_TOKENS["cuda"]):
+        width = int(lengths[batch].max())
+        mask = torch.from_numpy(np.arange(width)[None, :] < lengths[batch][:, None])
+        states = pool[: len(batch) * width * WIDTH].view(1, len(batch), width, WIDTH)
+        pooled = pool[: 2 * len(batch) * WIDTH].view(len(batch), 1, 2, WIDTH)
+        t = time.perf_counter()
+        encoded.append(encode_batch(states, pooled, mask, (NUM_LAYERS - 1,), dtype))
+        encode_seconds += time.perf_counter() - t
+    stored = sum(a.nbytes for rows in encoded for a in rows.values())
+    t = time.perf_counter()
+    for rows in encoded:
+        for array in rows.values():
+            hashlib.sha256(memoryview(np.ascontiguousarray(array)).cast("B"))
+    hash_seconds = time.perf_counter() - t
+    specs = {name: ArraySpec((sum(len(rows[name]) for rows in encoded), *array.shape[1:]), array.dtype)
+             for name, array in encoded[0].items()}
+    directory.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    writer = create_shard(Location(directory), backend, f"stage{shard_suffix(backend)}", specs)
+    for rows in encoded:
+        for name, array in rows.items():
+            writer.append(name, array)
+    writer.commit()
+    write_seconds = time.perf_counter() - t - hash_seconds
+    shutil.rmtree(directory)
+    rate = lambda seconds: round(stored / seconds / GB, 3)  # noqa: E731
+    return {"backend": backend, "dtype": dtype, "GB": round(stored / GB, 2), "encode_GBps": rate(encode_seconds),
+            "sha256_GBps": rate(hash_seconds), "write_GBps": rate(write_seconds)}
 
 
 # ----------------------------------------------------------------------------------- the loader
@@ -358,6 +404,12 @@ def main(argv: list[str] | None = None) -> int:
                 writers.append(row)
                 print(f"writer {backend} {dtype}: {row['GBps']} GB/s ({row['of_raw']}x raw)", flush=True)
         result["writer"] = writers
+        result["writer_stages"] = []
+        for backend in ("hdf5", "zarr"):
+            for dtype in ("float16", "int8"):
+                row = writer_stages(args.dir / "stages", backend, dtype, lengths, int(min(args.writer_gb, 1.0) * GB))
+                result["writer_stages"].append(row)
+                print(f"writer stages: {row}", flush=True)
         if not args.writer_only:
             cache = args.dir / f"cache-{args.backend}"
             corpus = corpus_of(size, "float16", lengths)
