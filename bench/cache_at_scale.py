@@ -16,7 +16,8 @@
    first batch. After every batch the pages it read are dropped (posix_fadvise DONTNEED), so the page
    cache serves no later batch. Reported: feature GB/s and PrLM tokens/s delivered, read amplification
    (bytes the loader's processes read from storage, /proc/<pid>/io read_bytes, over feature bytes
-   delivered) and the RSS of the trainer and each worker over time.
+   delivered) and the RSS of the trainer and each worker over time. --compare-pread (hdf5): each
+   worker count again with the token rows read by os.preadv from a file opened POSIX_FADV_RANDOM.
 The loader's target side is not modelled: each pair's target length is its source length.
 The cache and scratch files are deleted at the end (--keep keeps the cache). Last line: RESULT {json}.
 """
@@ -37,6 +38,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cache_throughput import bible_sentences  # noqa: E402
+
+from prlmfuse.cache_features import CacheReader  # noqa: E402
+from prlmfuse.cache_features.codecs import token_numpy_dtype  # noqa: E402
 
 GB = 1e9
 BLOCK = 8 << 20
@@ -278,6 +282,35 @@ class PageDropper:
             os.close(fd)
 
 
+class PreadReader(CacheReader):
+    """The lane beside the library's reader (--compare-pread, hdf5 only): a sentence's token rows
+    read with one os.preadv from the dataset's offset in the shard file, opened with
+    POSIX_FADV_RANDOM so the kernel reads no pages ahead of a random read."""
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state["_fds"] = {}
+        return state
+
+    def _read(self, s, name, start, stop):
+        if not name.startswith("layer_"):
+            return super()._read(s, name, start, stop)
+        fds = self.__dict__.setdefault("_fds", {})
+        if (s, name) not in fds:
+            import h5py
+
+            path = Path(self.location.path) / "shards" / self._shard_names[s]
+            with h5py.File(path, "r") as f:
+                offset = int(f[name].id.get_offset())
+            fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            fds[(s, name)] = (fd, offset)
+        fd, offset = fds[(s, name)]
+        rows = np.empty((stop - start, self.hidden_size), dtype=token_numpy_dtype(self.dtype))
+        os.preadv(fd, [rows], offset + start * rows.itemsize * self.hidden_size)
+        return rows
+
+
 def proc_read_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/io") as f:
         return int(next(line for line in f if line.startswith("read_bytes")).split()[1])
@@ -304,13 +337,13 @@ class RssSampler(threading.Thread):
                     pass
 
 
-def time_loader(cache: Path, corpus, workers: int, seconds: float, max_tokens: int, seed: int) -> dict:
+def time_loader(cache: Path, corpus, workers: int, seconds: float, max_tokens: int, seed: int, *,
+                pread: bool = False) -> dict:
     """The trainer's loader over `cache` for `seconds` after its first batch, pages dropped behind it."""
-    from prlmfuse.cache_features import CacheReader
     from prlmfuse.train_fused.branches import PrLMBranch
     from prlmfuse.train_fused.data import PairDataset, TokenBudgetBatchSampler, make_loader
 
-    reader = CacheReader(cache)
+    reader = PreadReader(cache) if pread else CacheReader(cache)
     # BPE side: the PrLM's length less its two special tokens (the source's </s> is added back).
     zeros = np.zeros(int(corpus.lengths.max()), dtype=np.int32)
     src = [zeros[: max(int(n) - 2, 1)] for n in corpus.lengths]
@@ -348,6 +381,7 @@ def time_loader(cache: Path, corpus, workers: int, seconds: float, max_tokens: i
     reader.close()
     delivered = tokens * WIDTH * 2
     return {
+        "reader": "pread" if pread else "library",
         "workers": workers,
         "seconds": round(elapsed, 1),
         "batches": batches,
@@ -373,6 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=60.0, help="loader time per worker count")
     parser.add_argument("--max-tokens", type=int, default=4096, help="the training batch's token budget")
     parser.add_argument("--keep", action="store_true", help="keep the big cache")
+    parser.add_argument("--compare-pread", action="store_true", help="hdf5: also time the loader through os.preadv")
     args = parser.parse_args(argv)
 
     from prlmfuse.precision import machine_line
@@ -420,10 +455,12 @@ def main(argv: list[str] | None = None) -> int:
             result["raw_sequential_read_GBps"] = round(raw_sequential_read(shard_files(cache), min(size, 16 << 30)), 3)
             print(f"raw sequential read: {result['raw_sequential_read_GBps']} GB/s", flush=True)
             result["loader"] = []
+            lanes = [False, True] if args.compare_pread and args.backend == "hdf5" else [False]
             for workers in [int(w) for w in args.workers.split(",")]:
-                row = time_loader(cache, corpus, workers, args.seconds, args.max_tokens, seed=1)
-                result["loader"].append(row)
-                print(f"loader, {workers} worker(s): {row}", flush=True)
+                for pread in lanes:
+                    row = time_loader(cache, corpus, workers, args.seconds, args.max_tokens, seed=1, pread=pread)
+                    result["loader"].append(row)
+                    print(f"loader, {workers} worker(s): {row}", flush=True)
     finally:
         for path in args.dir.iterdir():
             if not (args.keep and path.name.startswith("cache-")):
