@@ -135,7 +135,7 @@ def test_collate_pads_tokens_and_features_from_the_cache(cache):
     assert reader.layers == [1, 3]
     src, tgt = _pairs(40)
     # Row 1 of the cached layers = hidden_states index 3 (the last of 3 layers).
-    dataset = PairDataset(src, tgt, [PrLMBranch(reader, layer_rows=(1,), pooled_rows=(0, 1, 2, 3))])
+    dataset = PairDataset(src, tgt, [PrLMBranch(reader, layer_rows=(1,), pooled_rows=(0, 1))])
     indices = [5, 0, 17]
     batch = dataset.__getitems__(indices)
     assert batch.ids.tolist() == indices
