@@ -232,8 +232,8 @@ def build_cache(
     info = resolve_checkpoint(checkpoint, trust_remote_code=trust_remote_code)
     selection = parse_layers(layers, info.num_layers)
     fields = cache_key(info, sha256_file(corpus_file), selection, dtype, precision=runtime.precision)
-    if not explicit and not force:
-        stored = stored_fields(location, fields)
+    if not force:
+        stored = stored_fields(location, fields, adopt_precision=not explicit)
         if stored is not None:
             fields = stored
             runtime = Runtime(runtime.device, dtype_of(precision_of(stored)))

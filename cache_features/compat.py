@@ -45,16 +45,16 @@ def precision_of(fields: dict) -> str:
     return str(fields.get(_PRECISION_FIELD))
 
 
-def same_but_precision(a: dict, b: dict) -> bool:
-    """Key fields equal in everything but the compute precision."""
-    strip = lambda f: {k: v for k, v in f.items() if k != _PRECISION_FIELD}  # noqa: E731
-    return strip(a) == strip(b)
+def stored_fields(location, fields: dict, *, adopt_precision: bool = True) -> dict | None:
+    """The key fields of the cache at `location` that a build of `fields` takes instead of its own; None
+    if there is none.
 
-
-def stored_fields(location, fields: dict) -> dict | None:
-    """The key fields of the cache (complete, or a build under way) at `location` when it differs from
-    `fields` only in its precision; None otherwise. A build that did not ask for a precision adopts it,
-    so that a workdir built on one machine is reused (or resumed) on another without --force."""
+    adopt_precision (a build that did not ask for a precision): a cache, complete or a build under way,
+    that differs only in its precision is reused (or resumed), so a workdir built on one machine serves
+    another without --force. A complete cache that keeps the pooled vectors of more layers than
+    `fields` (a cache may keep those of every layer up to its highest) holds everything the build would
+    write, and is reused as it is.
+    """
     from .manifest import BUILD_RECORD
 
     for name in (MANIFEST, BUILD_RECORD):
@@ -62,7 +62,13 @@ def stored_fields(location, fields: dict) -> dict | None:
             found = json.loads(location.read_bytes(name)).get("key_fields")
         except (OSError, ValueError, AttributeError):
             continue
-        if isinstance(found, dict) and same_but_precision(found, fields):
+        if not isinstance(found, dict):
+            continue
+        ignored = {_PRECISION_FIELD} if adopt_precision else set()
+        if name == MANIFEST and set(fields[_POOLED_FIELD]) <= set(found.get(_POOLED_FIELD) or []):
+            ignored.add(_POOLED_FIELD)
+        strip = lambda f: {k: v for k, v in f.items() if k not in ignored}  # noqa: E731
+        if strip(found) == strip(fields):
             return found
     return None
 

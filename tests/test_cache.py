@@ -158,6 +158,24 @@ def test_features_do_not_depend_on_batch_composition(tiny, corpus, tmp_path):
 _TOLERANCE = {"float32": 1e-6, "float16": 2e-3, "bfloat16": 1.6e-2, "int8": 1.6e-2}
 
 
+def test_a_cache_keeping_more_layers_pooled_vectors_is_reused(tiny, corpus, tmp_path, monkeypatch):
+    """A complete cache that kept the pooled vectors of every layer up to its highest holds all a build
+    of its stored layers writes: it is reused as it is, not refused as another cache."""
+    from prlmfuse.cache_features.extract import LayerSelection
+
+    out = tmp_path / "cache"
+    with monkeypatch.context() as m:
+        m.setattr(LayerSelection, "pooled_layers", property(lambda self: tuple(range(self.highest + 1))))
+        first = build_cache(str(tiny["gpt2"]), corpus, out, layers="-2", precision="fp32", progress=False)
+    assert first.manifest["pooled_layers"] == [0, 1, 2]
+    again = build_cache(str(tiny["gpt2"]), corpus, out, layers="-2", precision="fp32", progress=False)
+    assert again.reused and again.key == first.key
+    other = build_cache(str(tiny["gpt2"]), corpus, tmp_path / "new", layers="-2", precision="fp32", progress=False)
+    assert other.manifest["pooled_layers"] == [2] and other.key != first.key
+    reader = CacheReader(out)
+    assert torch.equal(reader.features(3), CacheReader(tmp_path / "new").features(3))
+
+
 @pytest.mark.parametrize("backend", ["zarr", "hdf5"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "int8"])
 def test_roundtrip_every_backend_and_dtype(tiny, corpus, tmp_path, backend, dtype):
