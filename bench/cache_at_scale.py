@@ -43,6 +43,7 @@ from prlmfuse.cache_features import CacheReader  # noqa: E402
 from prlmfuse.cache_features.codecs import token_numpy_dtype  # noqa: E402
 
 GB = 1e9
+OWN_NAMES = ("raw", "stages")  # with writer-* and cache-*: what the bench writes under --dir
 BLOCK = 8 << 20
 WIDTH = 768
 NUM_LAYERS = 12
@@ -168,9 +169,9 @@ def write_cache(out: Path, corpus, backend: str, dtype: str) -> dict:
         width = int(lengths[batch].max())
         mask = torch.from_numpy(np.arange(width)[None, :] < lengths[batch][:, None])
         count = len(batch) * width * WIDTH
-        start = int(np.random.default_rng(int(batch[0])).integers(0, pool.numel() - count - 2 * len(batch) * WIDTH))
+        start = int(np.random.default_rng(int(batch[0])).integers(0, pool.numel() - count + 1))
         states = pool[start : start + count].view(1, len(batch), width, WIDTH)
-        pooled = pool[start : start + 2 * len(batch) * WIDTH].view(len(batch), 1, 2, WIDTH)
+        pooled = states[0, :, :2].reshape(len(batch), 1, 2, WIDTH)  # the first two token rows, as pooled vectors
         return states, pooled, mask
 
     out.mkdir(parents=True, exist_ok=True)
@@ -307,8 +308,14 @@ class PreadReader(CacheReader):
             fds[(s, name)] = (fd, offset)
         fd, offset = fds[(s, name)]
         rows = np.empty((stop - start, self.hidden_size), dtype=token_numpy_dtype(self.dtype))
-        os.preadv(fd, [rows], offset + start * rows.itemsize * self.hidden_size)
+        if os.preadv(fd, [rows], offset + start * rows.itemsize * self.hidden_size) != rows.nbytes:
+            raise OSError(f"short read of {name} rows {start}:{stop} in shard {self._shard_names[s]}")
         return rows
+
+    def close(self):
+        for fd, _offset in self.__dict__.pop("_fds", {}).values():
+            os.close(fd)
+        super().close()
 
 
 def proc_read_bytes(pid: int) -> int:
@@ -398,7 +405,7 @@ def time_loader(cache: Path, corpus, workers: int, seconds: float, max_tokens: i
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dir", required=True, type=Path, help="a directory on the disk to measure (emptied)")
+    parser.add_argument("--dir", required=True, type=Path, help="a new or empty directory on the disk to measure")
     parser.add_argument("--size-gb", type=float, help="size of the big cache (default: twice the machine's memory)")
     parser.add_argument("--backend", default="hdf5", choices=("zarr", "hdf5"))
     parser.add_argument("--writer-gb", type=float, default=4.0, help="size of each writer-only cache")
@@ -418,6 +425,10 @@ def main(argv: list[str] | None = None) -> int:
     if size + args.writer_gb * GB > free * 0.95:
         print(f"cache_at_scale: {size / GB:.1f} GB do not fit the {free / GB:.1f} GB free under {args.dir}; "
               "pass a smaller --size-gb or another --dir", file=sys.stderr)
+        return 2
+    if args.dir.exists() and any(args.dir.iterdir()):
+        print(f"cache_at_scale: {args.dir} is not empty; give a new or empty directory (the bench deletes what "
+              "it writes there)", file=sys.stderr)
         return 2
     args.dir.mkdir(parents=True, exist_ok=True)
     print(f"machine: {machine_line()}; memory {memory / GB:.1f} GB; disk {args.dir}", flush=True)
@@ -462,9 +473,10 @@ def main(argv: list[str] | None = None) -> int:
                     result["loader"].append(row)
                     print(f"loader, {workers} worker(s): {row}", flush=True)
     finally:
-        for path in args.dir.iterdir():
-            if not (args.keep and path.name.startswith("cache-")):
-                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        for path in args.dir.iterdir():  # only what this bench made (the directory started empty)
+            if path.name in OWN_NAMES or path.name.startswith(("writer-", "cache-")):
+                if not (args.keep and path.name.startswith("cache-")):
+                    shutil.rmtree(path, ignore_errors=True)
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 

@@ -279,6 +279,10 @@ def _locked_build(spec: BuildSpec, lines: list[str], dist: DistContext) -> Cache
                 manifest = read_json_at(location, MANIFEST, "cache manifest")
             logger.info("cached: %s already holds this cache (key %s), nothing to do", location, key[:12])
             return CacheResult(str(location), key, True, manifest)
+        if list(spec.fields["pooled_layers"]) != list(spec.selection.pooled_layers):
+            # Fields taken from a cache that keeps more layers' pooled vectors serve its reuse, never a build.
+            raise UserError(f"output directory {location} holds a different cache (key {key[:12]}); use --force "
+                            "to replace it or choose another --out")
         manifest = _build(spec, lines, dist)
         return CacheResult(str(location), key, False, manifest)
 

@@ -18,7 +18,7 @@ import logging
 
 from prlmfuse.errors import UserError
 
-from .manifest import MANIFEST, check_cache, verify_cache
+from .manifest import MANIFEST, check_cache, load_manifest, verify_cache
 from .reader import CacheReader
 from .location import Location
 
@@ -65,12 +65,29 @@ def stored_fields(location, fields: dict, *, adopt_precision: bool = True) -> di
         if not isinstance(found, dict):
             continue
         ignored = {_PRECISION_FIELD} if adopt_precision else set()
-        if name == MANIFEST and set(fields[_POOLED_FIELD]) <= set(found.get(_POOLED_FIELD) or []):
+        if name == MANIFEST and _keeps_pooled(found, fields) and _is_complete(location):
             ignored.add(_POOLED_FIELD)
         strip = lambda f: {k: v for k, v in f.items() if k not in ignored}  # noqa: E731
         if strip(found) == strip(fields):
             return found
     return None
+
+
+def _keeps_pooled(found: dict, fields: dict) -> bool:
+    """Whether key fields `found` list the pooled layers of `fields`, and maybe more."""
+    try:
+        return set(fields[_POOLED_FIELD]) <= set(found.get(_POOLED_FIELD) or [])
+    except TypeError:  # a hand-edited manifest: not a cache to reuse
+        return False
+
+
+def _is_complete(location) -> bool:
+    """A manifest that load_manifest accepts: complete, with a sound shard list."""
+    try:
+        load_manifest(location)
+    except UserError:
+        return False
+    return True
 
 
 def cache_status(path: str) -> tuple[str, str]:

@@ -174,6 +174,12 @@ def test_a_cache_keeping_more_layers_pooled_vectors_is_reused(tiny, corpus, tmp_
     assert other.manifest["pooled_layers"] == [2] and other.key != first.key
     reader = CacheReader(out)
     assert torch.equal(reader.features(3), CacheReader(tmp_path / "new").features(3))
+    # Its manifest damaged: no longer a cache to reuse, and never one to resume under the new fields.
+    manifest = json.loads((out / "manifest.json").read_text())
+    del manifest["num_tokens"]
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(UserError, match="holds a different cache"):
+        build_cache(str(tiny["gpt2"]), corpus, out, layers="-2", precision="fp32", progress=False)
 
 
 @pytest.mark.parametrize("backend", ["zarr", "hdf5"])

@@ -75,7 +75,7 @@ def open_branch(
         num_pooled=len(pooled),
         layer_mode=mode,
         feature_norm=use.feature_norm,
-        # Pooled vectors cover hidden_states 0..highest; token layers may be a subset of them.
+        # The cache's pooled layers may be more than its token layers: each token layer's own row.
         pooled_index=[pooled.index(x) for x in layers] if mode in POOLED_MODES else None,
     )
     return PrLMBranch(reader=reader, layer_rows=rows, pooled_rows=pooled_rows, spec=spec, record=record)

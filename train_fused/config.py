@@ -61,9 +61,9 @@ class PrLMSpec:
     num_layers: int | None  # token-feature layers in the cache (1 for a fixed layer)
     num_pooled: int | None  # pooled layers in the cache (for dyn_cls / dyn_aver)
     layer_mode: str = "fixed"  # fixed | dyn_cls | dyn_aver | dwatt | concat
-    # dyn_cls / dyn_aver: pooled row of each token layer. CacheReader stores pooled vectors for
-    # hidden_states 0..highest and token features for `layers`, so for a cache of every layer
-    # this is the identity (the default when num_pooled == num_layers); otherwise pass
+    # dyn_cls / dyn_aver: pooled row of each token layer. A cache stores pooled vectors for its
+    # stored layers (some caches for every layer up to the highest), so this is the identity (the
+    # default when num_pooled == num_layers) unless the cache keeps more; then pass
     # [reader.pooled_layers.index(l) for l in reader.layers].
     pooled_index: list[int] | None = None
     feature_norm: bool = False  # LayerNorm over width on the selected features (see PrLMUse)
