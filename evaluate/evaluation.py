@@ -12,6 +12,7 @@ decodes nothing.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -234,12 +235,19 @@ def evaluate_runs(
 
 
 def _keep_references(out: Path, split: str, tgt_path: Path, sha256: str) -> str:
-    """Copy a test set's references beside the results (named by their digest), so that the results,
-    hypotheses and references travel together and `prlmfuse report` can score them elsewhere."""
-    name = f"ref.{_safe_name(split)}.{sha256[:12]}.txt"
-    if not (out / name).is_file() or sha256_file(out / name) != sha256:
-        atomic_write_text(out / name, Path(tgt_path).read_text(encoding="utf-8"))
-    return name
+    """Copy a test set's references beside the results, so that the results, hypotheses and references
+    travel together and `prlmfuse report` can score them elsewhere. Named ref.<split>.txt, or
+    ref.<split>-N.txt when the folder already keeps other references of that split (results.json
+    records each file's sha256)."""
+    stem = f"ref.{_safe_name(split)}"
+    for n in itertools.count(1):
+        name = f"{stem}.txt" if n == 1 else f"{stem}-{n}.txt"
+        if not (out / name).is_file():
+            atomic_write_text(out / name, Path(tgt_path).read_text(encoding="utf-8"))
+            return name
+        if sha256_file(out / name) == sha256:
+            return name
+    raise AssertionError("unreachable")
 
 
 def _resolve_baseline(runs: list[RunView], baseline: str | None) -> str | None:
