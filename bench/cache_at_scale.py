@@ -16,8 +16,15 @@
    first batch. After every batch the pages it read are dropped (posix_fadvise DONTNEED), so the page
    cache serves no later batch. Reported: feature GB/s and PrLM tokens/s delivered, read amplification
    (bytes the loader's processes read from storage, /proc/<pid>/io read_bytes, over feature bytes
-   delivered) and the RSS of the trainer and each worker over time. --compare-pread (hdf5): each
-   worker count again with the token rows read by os.preadv from a file opened POSIX_FADV_RANDOM.
+   delivered) and the RSS of the trainer and each worker over time.
+--compare: lanes beside the library's, side by side. Every backend: "serial", the library's reader
+   with read_threads=1, each worker reading its batch's sentences one after another (the library
+   issues them at once from a small thread pool). hdf5: "h5py", token rows sliced out of h5py
+   datasets one at a time (a handle per shard, kept open), where the library reads them with
+   os.preadv at the dataset's offset. zarr: "sharded", a second big cache written with zarr's
+   sharding codec (each array one file per shard, the same inner chunks, rows written once per file),
+   its writer and its loader timed beside the library's one-file-per-chunk layout.
+--loader-only skips the writer-only caches and stages of step 2.
 The loader's target side is not modelled: each pair's target length is its source length.
 The cache and scratch files are deleted at the end (--keep keeps the cache). Last line: RESULT {json}.
 """
@@ -25,6 +32,7 @@ The cache and scratch files are deleted at the end (--keep keeps the cache). Las
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -32,6 +40,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import torch
@@ -240,7 +249,7 @@ class PageDropper:
         self.array = f"layer_{reader.layers[0]:03d}"
         self.row_bytes = WIDTH * np.dtype(np.float16).itemsize
         self.h5: dict[int, tuple[int, int]] = {}  # shard -> (fd, byte offset of the layer's rows)
-        self.zarr: dict[int, tuple[int, object]] = {}  # shard -> (chunk rows, array metadata)
+        self.zarr: dict[int, tuple] = {}  # shard -> (chunk rows, array metadata, sharded: (fd, chunk byte ranges))
 
     def drop(self, sentence_ids) -> None:
         r = self.reader
@@ -253,12 +262,15 @@ class PageDropper:
                 os.posix_fadvise(fd, offset + start * self.row_bytes, (stop - start) * self.row_bytes,
                                  os.POSIX_FADV_DONTNEED)
             else:
-                rows, metadata = self._zarr(s)
+                rows, metadata, index = self._zarr(s)
                 for chunk in range(start // rows, (stop - 1) // rows + 1):
-                    key = metadata.encode_chunk_key((chunk, 0))
-                    path = self.root / r._shard_names[s] / self.array / key
-                    if path.exists():
-                        drop_file(path)
+                    if index is None:
+                        path = self.root / r._shard_names[s] / self.array / metadata.encode_chunk_key((chunk, 0))
+                        if path.exists():
+                            drop_file(path)
+                    else:
+                        fd, ranges = index
+                        os.posix_fadvise(fd, int(ranges[chunk, 0]), int(ranges[chunk, 1]), os.POSIX_FADV_DONTNEED)
 
     def _h5(self, s: int):
         if s not in self.h5:
@@ -274,48 +286,75 @@ class PageDropper:
         if s not in self.zarr:
             import zarr
 
-            array = zarr.open_array(str(self.root / self.reader._shard_names[s] / self.array), mode="r")
-            self.zarr[s] = (int(array.chunks[0]), array.metadata)
+            root = self.root / self.reader._shard_names[s] / self.array
+            array = zarr.open_array(str(root), mode="r")
+            index = None
+            if array.shards is not None:
+                # one shard file; its index (offset, length per inner chunk, then a crc32c) is at its end
+                path = root / array.metadata.encode_chunk_key((0, 0))
+                chunks = array.shards[0] // array.chunks[0]
+                fd = os.open(path, os.O_RDONLY)
+                tail = os.pread(fd, 16 * chunks + 4, os.fstat(fd).st_size - 16 * chunks - 4)
+                index = (fd, np.frombuffer(tail[:-4], dtype="<u8").reshape(chunks, 2))
+            self.zarr[s] = (int(array.chunks[0]), array.metadata, index)
         return self.zarr[s]
 
     def close(self) -> None:
         for fd, _ in self.h5.values():
             os.close(fd)
+        for _rows, _metadata, index in self.zarr.values():
+            if index is not None:
+                os.close(index[0])
 
 
-class PreadReader(CacheReader):
-    """The lane beside the library's reader (--compare-pread, hdf5 only): a sentence's token rows
-    read with one os.preadv from the dataset's offset in the shard file, opened with
-    POSIX_FADV_RANDOM so the kernel reads no pages ahead of a random read."""
+class H5pyReader(CacheReader):
+    """The hdf5 lane beside the library's reader (--compare): token rows sliced out of h5py datasets,
+    each shard's file kept open with no chunk cache, one sentence after another, as a reader through
+    h5py's API does."""
+
+    def __init__(self, path):
+        super().__init__(path, read_threads=1)
 
     def __getstate__(self):
         state = super().__getstate__()
-        state["_fds"] = {}
+        state["_h5"] = {}
         return state
 
     def _read(self, s, name, start, stop):
-        if not name.startswith("layer_"):
-            return super()._read(s, name, start, stop)
-        fds = self.__dict__.setdefault("_fds", {})
-        if (s, name) not in fds:
-            import h5py
+        import h5py
 
-            path = Path(self.location.path) / "shards" / self._shard_names[s]
-            with h5py.File(path, "r") as f:
-                offset = int(f[name].id.get_offset())
-            fd = os.open(path, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-            fds[(s, name)] = (fd, offset)
-        fd, offset = fds[(s, name)]
-        rows = np.empty((stop - start, self.hidden_size), dtype=token_numpy_dtype(self.dtype))
-        if os.preadv(fd, [rows], offset + start * rows.itemsize * self.hidden_size) != rows.nbytes:
-            raise OSError(f"short read of {name} rows {start}:{stop} in shard {self._shard_names[s]}")
-        return rows
+        files = self.__dict__.setdefault("_h5", {})
+        if s not in files:
+            files[s] = h5py.File(Path(self.location.path) / "shards" / self._shard_names[s], "r", rdcc_nbytes=0)
+        return files[s][name][start:stop]
 
     def close(self):
-        for fd, _offset in self.__dict__.pop("_fds", {}).values():
-            os.close(fd)
+        for f in self.__dict__.pop("_h5", {}).values():
+            f.close()
         super().close()
+
+
+@contextlib.contextmanager
+def zarr_sharded_writes():
+    """The zarr lane beside the library's layout (--compare): every array of a shard written as one
+    zarr shard file (sharding codec, the library's inner chunks), its rows buffered and written once,
+    since a partial write of a zarr shard rewrites the whole file."""
+    from zarr.core.group import Group
+
+    from prlmfuse.cache_features.shards import ZarrShardWriter
+
+    create, flush = Group.create_array, ZarrShardWriter._flush
+
+    def sharded(self, name, *, shape, chunks, **kwargs):
+        rows = -(-max(shape[0], 1) // chunks[0]) * chunks[0]
+        return create(self, name, shape=shape, chunks=chunks, shards=(rows, *shape[1:]), **kwargs)
+
+    def once(self, name, *, final):
+        if final:
+            flush(self, name, final=True)
+
+    with mock.patch.object(Group, "create_array", sharded), mock.patch.object(ZarrShardWriter, "_flush", once):
+        yield
 
 
 def proc_read_bytes(pid: int) -> int:
@@ -345,12 +384,12 @@ class RssSampler(threading.Thread):
 
 
 def time_loader(cache: Path, corpus, workers: int, seconds: float, max_tokens: int, seed: int, *,
-                pread: bool = False) -> dict:
+                lane: str = "library") -> dict:
     """The trainer's loader over `cache` for `seconds` after its first batch, pages dropped behind it."""
     from prlmfuse.train_fused.branches import PrLMBranch
     from prlmfuse.train_fused.data import PairDataset, TokenBudgetBatchSampler, make_loader
 
-    reader = PreadReader(cache) if pread else CacheReader(cache)
+    reader = {"h5py": H5pyReader, "serial": lambda path: CacheReader(path, read_threads=1)}.get(lane, CacheReader)(cache)
     # BPE side: the PrLM's length less its two special tokens (the source's </s> is added back).
     zeros = np.zeros(int(corpus.lengths.max()), dtype=np.int32)
     src = [zeros[: max(int(n) - 2, 1)] for n in corpus.lengths]
@@ -388,7 +427,7 @@ def time_loader(cache: Path, corpus, workers: int, seconds: float, max_tokens: i
     reader.close()
     delivered = tokens * WIDTH * 2
     return {
-        "reader": "pread" if pread else "library",
+        "reader": lane,
         "workers": workers,
         "seconds": round(elapsed, 1),
         "batches": batches,
@@ -414,16 +453,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=60.0, help="loader time per worker count")
     parser.add_argument("--max-tokens", type=int, default=4096, help="the training batch's token budget")
     parser.add_argument("--keep", action="store_true", help="keep the big cache")
-    parser.add_argument("--compare-pread", action="store_true", help="hdf5: also time the loader through os.preadv")
+    parser.add_argument("--compare", action="store_true",
+                        help="lanes beside the library's: serial reads; hdf5, h5py reads; zarr, a sharded cache")
+    parser.add_argument("--loader-only", action="store_true", help="skip the writer-only caches and stages")
     args = parser.parse_args(argv)
 
     from prlmfuse.precision import machine_line
 
     memory = total_memory_bytes()
     size = int((args.size_gb or 2 * memory / GB) * GB)
-    free = shutil.disk_usage(args.dir.parent if not args.dir.exists() else args.dir).free
-    if size + args.writer_gb * GB > free * 0.95:
-        print(f"cache_at_scale: {size / GB:.1f} GB do not fit the {free / GB:.1f} GB free under {args.dir}; "
+    existing = next(p for p in (args.dir, *args.dir.resolve().parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    caches = 2 if args.compare and args.backend == "zarr" else 1
+    if caches * size + args.writer_gb * GB > free * 0.95:
+        print(f"cache_at_scale: {caches} x {size / GB:.1f} GB do not fit the {free / GB:.1f} GB free under {args.dir}; "
               "pass a smaller --size-gb or another --dir", file=sys.stderr)
         return 2
     if args.dir.exists() and any(args.dir.iterdir()):
@@ -439,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         result["raw_write_GBps"] = round(raw_write(args.dir / "raw", int(args.writer_gb * GB)), 3)
         print(f"raw write: {result['raw_write_GBps']} GB/s", flush=True)
         writers = []
-        for backend in ("hdf5", "zarr"):
+        for backend in () if args.loader_only else ("hdf5", "zarr"):
             for dtype in ("float16", "int8"):
                 out = args.dir / f"writer-{backend}-{dtype}"
                 timing = write_cache(out, corpus_of(int(args.writer_gb * GB), dtype, lengths), backend, dtype)
@@ -451,25 +494,40 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"writer {backend} {dtype}: {row['GBps']} GB/s ({row['of_raw']}x raw)", flush=True)
         result["writer"] = writers
         result["writer_stages"] = []
-        for backend in ("hdf5", "zarr"):
+        for backend in () if args.loader_only else ("hdf5", "zarr"):
             for dtype in ("float16", "int8"):
                 row = writer_stages(args.dir / "stages", backend, dtype, lengths, int(min(args.writer_gb, 1.0) * GB))
                 result["writer_stages"].append(row)
                 print(f"writer stages: {row}", flush=True)
         if not args.writer_only:
-            cache = args.dir / f"cache-{args.backend}"
             corpus = corpus_of(size, "float16", lengths)
-            timing = write_cache(cache, corpus, args.backend, "float16")
-            result["cache"] = {"backend": args.backend, "GB": round(timing["bytes"] / GB, 1), "sentences": corpus.num_sentences,
-                               "shards": timing["shards"], "write_GBps": round(timing["bytes"] / timing["seconds"] / GB, 3)}
-            print(f"cache: {result['cache']}", flush=True)
+            # lane -> how its own big cache is written (None: it reads the library's); a sharded zarr
+            # cache is read by the library's reader
+            lanes = {"library": contextlib.nullcontext}
+            if args.compare:
+                lanes["serial"] = None
+                lanes.update({"h5py": None} if args.backend == "hdf5" else {"sharded": zarr_sharded_writes})
+            caches, result["cache"] = {}, []
+            for lane, writes in lanes.items():
+                if writes is None:
+                    continue
+                cache = args.dir / f"cache-{args.backend}-{lane}"
+                with writes():
+                    timing = write_cache(cache, corpus, args.backend, "float16")
+                caches[lane] = cache
+                row = {"lane": lane, "backend": args.backend, "GB": round(timing["bytes"] / GB, 1),
+                       "sentences": corpus.num_sentences, "shards": timing["shards"],
+                       "files": len(shard_files(cache)), "write_GBps": round(timing["bytes"] / timing["seconds"] / GB, 3)}
+                result["cache"].append(row)
+                print(f"cache: {row}", flush=True)
+            cache = caches["library"]
             result["raw_sequential_read_GBps"] = round(raw_sequential_read(shard_files(cache), min(size, 16 << 30)), 3)
             print(f"raw sequential read: {result['raw_sequential_read_GBps']} GB/s", flush=True)
             result["loader"] = []
-            lanes = [False, True] if args.compare_pread and args.backend == "hdf5" else [False]
             for workers in [int(w) for w in args.workers.split(",")]:
-                for pread in lanes:
-                    row = time_loader(cache, corpus, workers, args.seconds, args.max_tokens, seed=1, pread=pread)
+                for lane in lanes:
+                    row = time_loader(caches.get(lane, cache), corpus, workers, args.seconds, args.max_tokens, seed=1,
+                                      lane=lane)
                     result["loader"].append(row)
                     print(f"loader, {workers} worker(s): {row}", flush=True)
     finally:

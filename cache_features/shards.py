@@ -248,26 +248,48 @@ def create_shard(location: Location, backend: str, name: str, specs: dict[str, A
 # ----------------------------------------------------------------------------- reader
 
 
+@dataclass(frozen=True)
+class _FileRegion:
+    """Where an HDF5 contiguous dataset's rows lie in its file (offset None: no rows were ever stored)."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    offset: int | None
+
+
 class ShardHandle:
     """Read access to one complete shard; arrays are sliced along their first axis.
 
-    Open it in the process that reads: neither h5py files nor zarr arrays are safe to use across fork.
+    HDF5 shards are read with os.preadv at each dataset's offset, from a descriptor opened with
+    POSIX_FADV_RANDOM: a shuffled epoch's small reads then fetch no pages ahead from the disk, and no
+    h5py handle (with its per-file caches) stays open per shard in a loader worker. The writer lays
+    every dataset out contiguously and uncompressed, which is what makes a row range one byte range.
+    Open a handle in the process that reads: zarr arrays are not safe to use across fork.
     """
 
     def __init__(self, location: Location, backend: str, name: str):
         self.backend = backend
+        self.name = name
+        self.fd: int | None = None
         if backend == "hdf5":
             import h5py
 
-            # rdcc: HDF5's chunk cache is useless for contiguous datasets; keep per-process memory flat
-            self.file = h5py.File(location.path / name, "r", rdcc_nbytes=0)
-            self.arrays = {key: self.file[key] for key in self.file.keys()}
+            path = location.path / name
+            with h5py.File(path, "r") as f:
+                self.arrays = {key: self._region(f[key]) for key in f.keys()}
+            self.fd = os.open(path, os.O_RDONLY)
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
         else:
             import zarr
 
             group = zarr.open_group(location.zarr_store(name, read_only=True), mode="r")
-            self.file = None
             self.arrays = {key: group[key] for key in group.array_keys()}
+
+    def _region(self, dataset) -> _FileRegion:
+        if dataset.chunks is not None or dataset.compression is not None:
+            raise UserError(f"shard {self.name}: array {dataset.name.lstrip('/')} is not a contiguous uncompressed "
+                            "dataset, so it was not written by prlmfuse; rebuild the cache with --force")
+        return _FileRegion(tuple(dataset.shape), np.dtype(dataset.dtype), dataset.id.get_offset())
 
     def names(self) -> list[str]:
         return sorted(self.arrays)
@@ -279,10 +301,21 @@ class ShardHandle:
         return np.dtype(self.arrays[name].dtype)
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
-        return np.asarray(self.arrays[name][slice(start, stop)])
+        array = self.arrays[name]
+        if self.fd is None:
+            return np.asarray(array[slice(start, stop)])
+        start, stop, _ = slice(start, stop).indices(array.shape[0])
+        rows = np.empty((max(stop - start, 0),) + array.shape[1:], dtype=array.dtype)
+        if rows.nbytes == 0:
+            return rows
+        row_bytes = rows.nbytes // len(rows)
+        if array.offset is None or os.preadv(self.fd, [rows], array.offset + start * row_bytes) != rows.nbytes:
+            raise OSError(f"short read of {name} rows {start}:{stop} in shard {self.name}: the file is truncated")
+        return rows
 
     def close(self) -> None:
-        if self.file is not None:
-            with contextlib.suppress(Exception):
-                self.file.close()
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = None
         self.arrays = {}

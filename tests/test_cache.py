@@ -256,6 +256,40 @@ def test_zarr_on_fsspec_urls(tiny, corpus, tmp_path, url_scheme):
         build_cache(str(tiny["distilbert"]), corpus, url + "-h5", backend="hdf5", progress=False)
 
 
+def test_hdf5_shards_read_by_file_offset_match_h5py_and_a_truncated_one_is_named(tiny, corpus, tmp_path):
+    """The reader's preadv path returns exactly what h5py reads, for every array, dtype and row range."""
+    import h5py
+
+    from prlmfuse.cache_features.location import Location
+    from prlmfuse.cache_features.shards import ShardHandle
+
+    out = tmp_path / "c"
+    result = build_cache(str(tiny["gpt2"]), corpus, out, layers="-2,-1", backend="hdf5", dtype="int8",
+                         max_tokens=64, precision="fp32", progress=False, shard_bytes=4096)
+    shards = [s["name"] for s in result.manifest["shards"]]
+    for name in shards:
+        handle = ShardHandle(Location(out), "hdf5", f"shards/{name}")
+        with h5py.File(out / "shards" / name, "r") as f:
+            assert sorted(f.keys()) == handle.names()
+            for array in handle.names():
+                n = f[array].shape[0]
+                for start, stop in ((None, None), (0, 1), (1, n), (n - 1, n), (2, 2), (3, 1)):
+                    ours = handle.read(array, start, stop)
+                    theirs = f[array][slice(start, stop)]
+                    assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, (array, start, stop)
+                    assert ours.tobytes() == theirs.tobytes(), (array, start, stop)
+        handle.close()
+    victim = out / "shards" / shards[-1]
+    handle = ShardHandle(Location(out), "hdf5", f"shards/{shards[-1]}")
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size // 2)
+    with pytest.raises(OSError, match=f"short read of layer_003 .* in shard shards/{shards[-1]}"):
+        handle.read("layer_003")  # truncated under an open handle: an error, never a short array
+    handle.close()
+    with pytest.raises(UserError, match=shards[-1]):
+        verify_cache(out)
+
+
 def test_reader_in_forked_dataloader_workers(tiny, corpus, tmp_path):
     """Handles the parent opened are dropped in forked workers (pid check); pickled state carries none."""
     build_cache(str(tiny["bert"]), corpus, tmp_path / "c", backend="hdf5", progress=False, shard_bytes=2048)
