@@ -13,8 +13,9 @@
 3. Raw sequential read rate of the big cache's shard files (8 MiB reads), the physical limit.
 4. Loader: the trainer's own loader over the big cache (PairDataset, TokenBudgetBatchSampler with its
    epoch shuffle, make_loader with forkserver workers), --workers 1, 2 and 4, --seconds each after the
-   first batch. After every batch the pages it read are dropped (posix_fadvise DONTNEED), so the page
-   cache serves no later batch. Reported: feature GB/s and PrLM tokens/s delivered, read amplification
+   first batch. After every batch the pages it may have brought in are dropped (posix_fadvise
+   DONTNEED over each shard file it touched, read-ahead included; a sharded zarr file's index is
+   kept), so the page cache serves no later batch. Reported: feature GB/s and PrLM tokens/s delivered, read amplification
    (bytes the loader's processes read from storage, /proc/<pid>/io read_bytes, over feature bytes
    delivered) and the RSS of the trainer and each worker over time.
 --compare: lanes beside the library's, side by side. Every backend: "serial", the library's reader
@@ -241,70 +242,59 @@ def writer_stages(directory: Path, backend: str, dtype: str, lengths: np.ndarray
 
 
 class PageDropper:
-    """Drops from the page cache the feature bytes of the sentences a batch read (main process)."""
+    """Drops from the page cache what a batch's reads may have brought in (main process): the whole
+    file of every hdf5 shard and every sharded zarr array the batch touched, read-ahead pages included
+    (a zarr shard's index at the file's end is kept, as a hot index stays cached), and every chunk
+    file of a one-file-per-chunk zarr array that it read."""
 
     def __init__(self, reader):
         self.reader = reader
         self.root = Path(reader.location.path) / "shards"
         self.array = f"layer_{reader.layers[0]:03d}"
-        self.row_bytes = WIDTH * np.dtype(np.float16).itemsize
-        self.h5: dict[int, tuple[int, int]] = {}  # shard -> (fd, byte offset of the layer's rows)
-        self.zarr: dict[int, tuple] = {}  # shard -> (chunk rows, array metadata, sharded: (fd, chunk byte ranges))
+        # shard -> ("file", fd, bytes to drop from the start; 0 = all) or ("chunks", chunk rows, array metadata)
+        self.layout: dict[int, tuple] = {}
 
     def drop(self, sentence_ids) -> None:
         r = self.reader
+        files = set()
         for i in sentence_ids.tolist():
             s = int(r._shard_of[i])
+            kind, a, b = self._layout(s)
+            if kind == "file":
+                files.add(s)
+                continue
             start = int(r._token_start[i])
             stop = start + int(r.lengths[i])
-            if r.backend == "hdf5":
-                fd, offset = self._h5(s)
-                os.posix_fadvise(fd, offset + start * self.row_bytes, (stop - start) * self.row_bytes,
-                                 os.POSIX_FADV_DONTNEED)
-            else:
-                rows, metadata, index = self._zarr(s)
-                for chunk in range(start // rows, (stop - 1) // rows + 1):
-                    if index is None:
-                        path = self.root / r._shard_names[s] / self.array / metadata.encode_chunk_key((chunk, 0))
-                        if path.exists():
-                            drop_file(path)
-                    else:
-                        fd, ranges = index
-                        os.posix_fadvise(fd, int(ranges[chunk, 0]), int(ranges[chunk, 1]), os.POSIX_FADV_DONTNEED)
+            for chunk in range(start // a, (stop - 1) // a + 1):
+                path = self.root / r._shard_names[s] / self.array / b.encode_chunk_key((chunk, 0))
+                if path.exists():
+                    drop_file(path)
+        for s in files:
+            _kind, fd, length = self.layout[s]
+            os.posix_fadvise(fd, 0, length, os.POSIX_FADV_DONTNEED)
 
-    def _h5(self, s: int):
-        if s not in self.h5:
-            import h5py
-
+    def _layout(self, s: int) -> tuple:
+        if s not in self.layout:
             path = self.root / self.reader._shard_names[s]
-            with h5py.File(path, "r") as f:
-                offset = f[self.array].id.get_offset()
-            self.h5[s] = (os.open(path, os.O_RDONLY), int(offset))
-        return self.h5[s]
+            if self.reader.backend == "hdf5":
+                self.layout[s] = ("file", os.open(path, os.O_RDONLY), 0)
+            else:
+                import zarr
 
-    def _zarr(self, s: int):
-        if s not in self.zarr:
-            import zarr
-
-            root = self.root / self.reader._shard_names[s] / self.array
-            array = zarr.open_array(str(root), mode="r")
-            index = None
-            if array.shards is not None:
-                # one shard file; its index (offset, length per inner chunk, then a crc32c) is at its end
-                path = root / array.metadata.encode_chunk_key((0, 0))
-                chunks = array.shards[0] // array.chunks[0]
-                fd = os.open(path, os.O_RDONLY)
-                tail = os.pread(fd, 16 * chunks + 4, os.fstat(fd).st_size - 16 * chunks - 4)
-                index = (fd, np.frombuffer(tail[:-4], dtype="<u8").reshape(chunks, 2))
-            self.zarr[s] = (int(array.chunks[0]), array.metadata, index)
-        return self.zarr[s]
+                array = zarr.open_array(str(path / self.array), mode="r")
+                if array.shards is None:
+                    self.layout[s] = ("chunks", int(array.chunks[0]), array.metadata)
+                else:
+                    # one file; its index (offset and length of each inner chunk, then a crc32c) at its end
+                    fd = os.open(path / self.array / array.metadata.encode_chunk_key((0, 0)), os.O_RDONLY)
+                    index = 16 * (array.shards[0] // array.chunks[0]) + 4
+                    self.layout[s] = ("file", fd, os.fstat(fd).st_size - index)
+        return self.layout[s]
 
     def close(self) -> None:
-        for fd, _ in self.h5.values():
-            os.close(fd)
-        for _rows, _metadata, index in self.zarr.values():
-            if index is not None:
-                os.close(index[0])
+        for kind, fd, _ in self.layout.values():
+            if kind == "file":
+                os.close(fd)
 
 
 class H5pyReader(CacheReader):
@@ -323,13 +313,14 @@ class H5pyReader(CacheReader):
     def _read(self, s, name, start, stop):
         import h5py
 
-        files = self.__dict__.setdefault("_h5", {})
-        if s not in files:
-            files[s] = h5py.File(Path(self.location.path) / "shards" / self._shard_names[s], "r", rdcc_nbytes=0)
-        return files[s][name][start:stop]
+        shards = self.__dict__.setdefault("_h5", {})  # shard -> (file, {array name: dataset})
+        if s not in shards:
+            f = h5py.File(Path(self.location.path) / "shards" / self._shard_names[s], "r", rdcc_nbytes=0)
+            shards[s] = (f, {key: f[key] for key in f.keys()})
+        return shards[s][1][name][start:stop]
 
     def close(self):
-        for f in self.__dict__.pop("_h5", {}).values():
+        for f, _datasets in self.__dict__.pop("_h5", {}).values():
             f.close()
         super().close()
 

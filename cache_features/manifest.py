@@ -196,7 +196,7 @@ def verify_cache(path) -> None:
             raise UserError(f"cache {location}: shard {name} is missing; rebuild with --force")
         arrays = expected_arrays(manifest, shard)
         try:
-            handle = ShardHandle(location, manifest["backend"], rel)
+            handle = ShardHandle(location, manifest["backend"], rel, random_access=False)
         except Exception as e:  # noqa: BLE001 - any open failure means the shard file is damaged
             raise UserError(f"cache {location}: shard {name} cannot be opened ({type(e).__name__}: {e}); "
                             "rebuild with --force") from None

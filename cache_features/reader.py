@@ -2,8 +2,8 @@
 
 The sentence -> (shard, row range) index is plain numpy, built once; HDF5/Zarr handles are opened
 lazily and per process (a pid check drops handles inherited through fork), so one reader can be
-handed to DataLoader workers. `read_batch` issues a batch's reads at once from a small thread pool of
-the process: a shuffled epoch over a cache larger than memory is bound by the disk's latency for
+handed to DataLoader workers. `read_batch` issues a batch's reads at once from the reader's small
+thread pool in that process: a shuffled epoch over a cache larger than memory is bound by the disk's latency for
 small random reads, and a queue of them is what a disk (an NVMe drive most of all) serves fast.
 """
 
@@ -24,7 +24,7 @@ from .location import Location
 from .shards import ShardHandle
 
 
-READ_THREADS = 8  # reads in flight per process: the disk's queue is fed by every loader worker's
+READ_THREADS = 8  # reads in flight per reader and process: every loader worker's feed the disk's queue
 
 
 class CacheReader:
@@ -86,7 +86,10 @@ class CacheReader:
     # -- handles -------------------------------------------------------------------------------
 
     def _forked(self) -> None:
-        # inherited through fork: the parent's HDF5/Zarr state, lock and threads must not be touched here
+        # Inherited through fork: the parent's lock and threads must not be touched here. A handle holds
+        # a raw descriptor (hdf5) or zarr array objects, neither used by close(), which frees the child's copies.
+        for handle in self._handles.values():
+            handle.close()
         self._handles = {}
         self._pool = None
         self._lock = threading.Lock()
@@ -104,10 +107,10 @@ class CacheReader:
                     self._handles[s] = handle
         return handle
 
-    def _close_handles(self) -> None:
+    def _close_handles(self, *, wait: bool = True) -> None:
         if self._pid == os.getpid():
             if self._pool is not None:
-                self._pool.shutdown(wait=True)
+                self._pool.shutdown(wait=wait)
             for handle in self._handles.values():
                 handle.close()
         self._pool = None
@@ -129,7 +132,8 @@ class CacheReader:
 
     def __del__(self):
         try:
-            self._close_handles()
+            # no wait: the last reference may be dropped by one of the pool's own threads
+            self._close_handles(wait=False)
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
@@ -172,7 +176,7 @@ class CacheReader:
     def read_batch(self, indices, rows: list[int] | None = None, *, widen: bool = True,
                    pooled: bool = False) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """(features(i, rows, widen=widen), pooled(i) if `pooled` else None) of every sentence of a batch,
-        in order, their reads issued together from this process's `read_threads` threads."""
+        in order, their reads issued together from this reader's `read_threads` threads in this process."""
         def one(i):
             return self.features(i, rows, widen=widen), self.pooled(i) if pooled else None
 
@@ -180,8 +184,9 @@ class CacheReader:
             return [one(i) for i in indices]
         if self._pid != os.getpid():
             self._forked()
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="cache-read")
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="cache-read")
         return list(self._pool.map(one, indices))
 
     @property

@@ -260,25 +260,31 @@ class _FileRegion:
 class ShardHandle:
     """Read access to one complete shard; arrays are sliced along their first axis.
 
-    HDF5 shards are read with os.preadv at each dataset's offset, from a descriptor opened with
-    POSIX_FADV_RANDOM: a shuffled epoch's small reads then fetch no pages ahead from the disk, and no
-    h5py handle (with its per-file caches) stays open per shard in a loader worker. The writer lays
-    every dataset out contiguously and uncompressed, which is what makes a row range one byte range.
+    HDF5 shards are read with os.preadv at each dataset's offset, from a descriptor advised
+    POSIX_FADV_RANDOM (random_access, the default; verify_cache reads sequentially): a shuffled epoch's
+    small reads then fetch no pages ahead from the disk, and no h5py handle (with its per-file caches)
+    stays open per shard in a loader worker. The writer lays every dataset out contiguously and
+    uncompressed, which is what makes a row range one byte range.
     Open a handle in the process that reads: zarr arrays are not safe to use across fork.
     """
 
-    def __init__(self, location: Location, backend: str, name: str):
+    def __init__(self, location: Location, backend: str, name: str, *, random_access: bool = True):
         self.backend = backend
         self.name = name
         self.fd: int | None = None
         if backend == "hdf5":
             import h5py
 
-            path = location.path / name
-            with h5py.File(path, "r") as f:
-                self.arrays = {key: self._region(f[key]) for key in f.keys()}
-            self.fd = os.open(path, os.O_RDONLY)
-            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+            self.fd = os.open(location.path / name, os.O_RDONLY)
+            try:
+                # Offsets read through this very descriptor: a shard replaced meanwhile cannot mix two files.
+                with open(self.fd, "rb", closefd=False) as f, h5py.File(f, "r") as h5:
+                    self.arrays = {key: self._region(h5[key]) for key in h5.keys()}
+                if random_access and hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
+            except BaseException:
+                self.close()
+                raise
         else:
             import zarr
 
@@ -308,9 +314,16 @@ class ShardHandle:
         rows = np.empty((max(stop - start, 0),) + array.shape[1:], dtype=array.dtype)
         if rows.nbytes == 0:
             return rows
-        row_bytes = rows.nbytes // len(rows)
-        if array.offset is None or os.preadv(self.fd, [rows], array.offset + start * row_bytes) != rows.nbytes:
-            raise OSError(f"short read of {name} rows {start}:{stop} in shard {self.name}: the file is truncated")
+        if array.offset is None:
+            raise OSError(f"{name} of shard {self.name} has no stored rows; the file is damaged")
+        buffer = memoryview(rows).cast("B")
+        offset = array.offset + start * (rows.nbytes // len(rows))
+        done = 0
+        while done < rows.nbytes:  # a read may return less than asked (large reads, network filesystems)
+            count = os.preadv(self.fd, [buffer[done:]], offset + done)
+            if count == 0:
+                raise OSError(f"short read of {name} rows {start}:{stop} in shard {self.name}: the file is truncated")
+            done += count
         return rows
 
     def close(self) -> None:
@@ -319,3 +332,6 @@ class ShardHandle:
                 os.close(self.fd)
             self.fd = None
         self.arrays = {}
+
+    def __del__(self):
+        self.close()  # a raw descriptor: closing it is safe in any process, a forked child's copy included

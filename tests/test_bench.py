@@ -56,11 +56,13 @@ def test_decode_bench_readers_serve_batch_features(monkeypatch):
     monkeypatch.setitem(sys.modules, "decode_throughput", bench)  # its dataclasses look their module up there
     spec.loader.exec_module(bench)
     states = [torch.randn(2, n, 8) for n in (3, 5, 4)]
-    reader = bench._Offset(bench.InMemoryFeatures(states, [torch.randn(3, 2, 8) for _ in states], layers=[4, 5]), 1)
-    feats = batch_features(PrLMBranch(reader, layer_rows=(1,), pooled_rows=None), [0, 1])
+    pooled = [torch.randn(3, 2, 8) for _ in states]
+    reader = bench._Offset(bench.InMemoryFeatures(states, pooled, layers=[4, 5]), 1)
+    feats = batch_features(PrLMBranch(reader, layer_rows=(1,), pooled_rows=(0, 2)), [0, 1])
     assert feats.states.shape == (2, 1, 5, 8)
     assert torch.equal(feats.states[1, 0, :4], states[2][1])
     assert feats.mask.sum(dim=1).tolist() == [5, 4]
+    assert torch.equal(feats.pooled[1], pooled[2][[0, 2]])
 
 
 def _train_bench(monkeypatch):

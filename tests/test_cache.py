@@ -256,8 +256,12 @@ def test_zarr_on_fsspec_urls(tiny, corpus, tmp_path, url_scheme):
         build_cache(str(tiny["distilbert"]), corpus, url + "-h5", backend="hdf5", progress=False)
 
 
-def test_hdf5_shards_read_by_file_offset_match_h5py_and_a_truncated_one_is_named(tiny, corpus, tmp_path):
-    """The reader's preadv path returns exactly what h5py reads, for every array, dtype and row range."""
+def test_hdf5_shards_read_by_file_offset_match_h5py_and_a_truncated_one_is_named(tiny, corpus, tmp_path,
+                                                                                  monkeypatch):
+    """The reader's preadv path returns exactly what h5py reads, for every array, dtype and row range,
+    also when the system hands a read back in pieces."""
+    import os
+
     import h5py
 
     from prlmfuse.cache_features.location import Location
@@ -279,6 +283,13 @@ def test_hdf5_shards_read_by_file_offset_match_h5py_and_a_truncated_one_is_named
                     assert ours.dtype == theirs.dtype and ours.shape == theirs.shape, (array, start, stop)
                     assert ours.tobytes() == theirs.tobytes(), (array, start, stop)
         handle.close()
+    preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: preadv(fd, [buffers[0][:7]], offset))
+    handle = ShardHandle(Location(out), "hdf5", f"shards/{shards[0]}")
+    with h5py.File(out / "shards" / shards[0], "r") as f:
+        assert handle.read("layer_003", 1, 4).tobytes() == f["layer_003"][1:4].tobytes()
+    handle.close()
+    monkeypatch.undo()
     victim = out / "shards" / shards[-1]
     handle = ShardHandle(Location(out), "hdf5", f"shards/{shards[-1]}")
     with open(victim, "r+b") as f:
@@ -290,18 +301,26 @@ def test_hdf5_shards_read_by_file_offset_match_h5py_and_a_truncated_one_is_named
         verify_cache(out)
 
 
-def test_reader_in_forked_dataloader_workers(tiny, corpus, tmp_path):
-    """Handles the parent opened are dropped in forked workers (pid check); pickled state carries none."""
-    build_cache(str(tiny["bert"]), corpus, tmp_path / "c", backend="hdf5", progress=False, shard_bytes=2048)
-    reader = CacheReader(tmp_path / "c")
-    expected = [reader.features(i).sum().item() for i in range(len(reader))]  # parent now holds open handles
-    assert reader._handles
+@pytest.mark.parametrize("backend", ["hdf5", "zarr"])
+def test_reader_in_forked_dataloader_workers(tiny, corpus, tmp_path, backend):
+    """Handles, lock and read threads the parent holds are replaced in forked workers (pid check);
+    pickled state carries none of them."""
+    build_cache(str(tiny["bert"]), corpus, tmp_path / "c", backend=backend, progress=False, shard_bytes=2048,
+                max_tokens=64)
+    reader = CacheReader(tmp_path / "c", read_threads=3)
+    assert len(reader.manifest["shards"]) > 2
+    everything = list(range(len(reader)))
+    expected = [f.sum().item() for f, _ in reader.read_batch(everything)]  # parent: open handles, live pool
+    assert reader._handles and reader._pool is not None
     loader = torch.utils.data.DataLoader(
-        range(len(reader)), batch_size=4, num_workers=2, multiprocessing_context="fork",
-        collate_fn=lambda idx: torch.tensor([reader.features(i).sum().item() for i in idx]),
+        everything, batch_size=4, num_workers=2, multiprocessing_context="fork",
+        collate_fn=lambda idx: torch.tensor([f.sum().item() for f, _ in reader.read_batch(idx)]),
     )
     assert torch.cat(list(loader)).tolist() == pytest.approx(expected)
-    assert reader.__getstate__()["_handles"] == {}
+    state = reader.__getstate__()
+    assert state["_handles"] == {} and state["_pool"] is None and state["_lock"] is None
+    reader.close()
+    assert reader._pool is None and not reader._handles
 
 
 # ----------------------------------------------------------------------------- key, reuse, force, lock
