@@ -18,13 +18,11 @@
    kept), so the page cache serves no later batch. Reported: feature GB/s and PrLM tokens/s delivered, read amplification
    (bytes the loader's processes read from storage, /proc/<pid>/io read_bytes, over feature bytes
    delivered) and the RSS of the trainer and each worker over time.
---compare: lanes beside the library's, side by side. Every backend: "serial", the library's reader
-   with read_threads=1, each worker reading its batch's sentences one after another (the library
-   issues them at once from a small thread pool). hdf5: "h5py", token rows sliced out of h5py
-   datasets one at a time (a handle per shard, kept open), where the library reads them with
-   os.preadv at the dataset's offset. zarr: "sharded", a second big cache written with zarr's
-   sharding codec (each array one file per shard, the same inner chunks, rows written once per file),
-   its writer and its loader timed beside the library's one-file-per-chunk layout.
+--compare: a lane beside the library's, side by side. hdf5: "h5py", token rows sliced out of h5py
+   datasets (a handle per shard, kept open), where the library reads them with os.preadv at the
+   dataset's offset. zarr: "sharded", a second big cache written with zarr's sharding codec (each
+   array one file per shard, the same inner chunks, rows written once per file), its writer and its
+   loader timed beside the library's one-file-per-chunk layout.
 --loader-only skips the writer-only caches and stages of step 2.
 The loader's target side is not modelled: each pair's target length is its source length.
 The cache and scratch files are deleted at the end (--keep keeps the cache). Last line: RESULT {json}.
@@ -299,11 +297,7 @@ class PageDropper:
 
 class H5pyReader(CacheReader):
     """The hdf5 lane beside the library's reader (--compare): token rows sliced out of h5py datasets,
-    each shard's file kept open with no chunk cache, one sentence after another, as a reader through
-    h5py's API does."""
-
-    def __init__(self, path):
-        super().__init__(path, read_threads=1)
+    each shard's file kept open with no chunk cache, as a reader through h5py's API does."""
 
     def __getstate__(self):
         state = super().__getstate__()
@@ -380,7 +374,7 @@ def time_loader(cache: Path, corpus, workers: int, seconds: float, max_tokens: i
     from prlmfuse.train_fused.branches import PrLMBranch
     from prlmfuse.train_fused.data import PairDataset, TokenBudgetBatchSampler, make_loader
 
-    reader = {"h5py": H5pyReader, "serial": lambda path: CacheReader(path, read_threads=1)}.get(lane, CacheReader)(cache)
+    reader = H5pyReader(cache) if lane == "h5py" else CacheReader(cache)
     # BPE side: the PrLM's length less its two special tokens (the source's </s> is added back).
     zeros = np.zeros(int(corpus.lengths.max()), dtype=np.int32)
     src = [zeros[: max(int(n) - 2, 1)] for n in corpus.lengths]
@@ -445,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=4096, help="the training batch's token budget")
     parser.add_argument("--keep", action="store_true", help="keep the big cache")
     parser.add_argument("--compare", action="store_true",
-                        help="lanes beside the library's: serial reads; hdf5, h5py reads; zarr, a sharded cache")
+                        help="a lane beside the library's: hdf5, reads through h5py; zarr, a sharded cache")
     parser.add_argument("--loader-only", action="store_true", help="skip the writer-only caches and stages")
     args = parser.parse_args(argv)
 
@@ -496,7 +490,6 @@ def main(argv: list[str] | None = None) -> int:
             # cache is read by the library's reader
             lanes = {"library": contextlib.nullcontext}
             if args.compare:
-                lanes["serial"] = None
                 lanes.update({"h5py": None} if args.backend == "hdf5" else {"sharded": zarr_sharded_writes})
             caches, result["cache"] = {}, []
             for lane, writes in lanes.items():

@@ -54,9 +54,6 @@ class InMemoryFeatures:
     def pooled(self, i: int) -> torch.Tensor:
         return self._pooled[i]
 
-    def read_batch(self, indices, rows: list[int] | None = None, *, widen: bool = True, pooled: bool = False):
-        return [(self.features(i, rows, widen=widen), self.pooled(i) if pooled else None) for i in indices]
-
 
 @dataclass
 class Measured:
@@ -123,9 +120,6 @@ class _Offset:
 
     def pooled(self, i: int) -> torch.Tensor:
         return self.reader.pooled(self.offset + i)
-
-    def read_batch(self, indices, rows: list[int] | None = None, *, widen: bool = True, pooled: bool = False):
-        return self.reader.read_batch([self.offset + i for i in indices], rows, widen=widen, pooled=pooled)
 
 
 class _IdBPE:

@@ -2,16 +2,12 @@
 
 The sentence -> (shard, row range) index is plain numpy, built once; HDF5/Zarr handles are opened
 lazily and per process (a pid check drops handles inherited through fork), so one reader can be
-handed to DataLoader workers. `read_batch` issues a batch's reads at once from the reader's small
-thread pool in that process: a shuffled epoch over a cache larger than memory is bound by the disk's latency for
-small random reads, and a queue of them is what a disk (an NVMe drive most of all) serves fast.
+handed to DataLoader workers.
 """
 
 from __future__ import annotations
 
 import os
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -24,11 +20,8 @@ from .location import Location
 from .shards import ShardHandle
 
 
-READ_THREADS = 8  # reads in flight per reader and process: every loader worker's feed the disk's queue
-
-
 class CacheReader:
-    def __init__(self, path_or_url, *, in_memory: bool = False, read_threads: int = READ_THREADS):
+    def __init__(self, path_or_url, *, in_memory: bool = False):
         self.location, self.manifest = load_manifest(Location(path_or_url))
         m = self.manifest
         self.path = str(path_or_url)
@@ -41,14 +34,11 @@ class CacheReader:
         self.pooled_dtype: str = m["pooled_dtype"]
         self.backend: str = m["backend"]
         self.in_memory = in_memory
-        self.read_threads = max(1, int(read_threads))
         self._side = tuple(side_arrays(self.dtype, self.hidden_size))
         self._shard_names = [s["name"] for s in m["shards"]]
         self._handles: dict[int, ShardHandle] = {}
         self._memory: dict[int, dict[str, np.ndarray]] = {}
         self._pid = os.getpid()
-        self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
         self._build_index()
 
     # -- index ---------------------------------------------------------------------------------
@@ -85,55 +75,42 @@ class CacheReader:
 
     # -- handles -------------------------------------------------------------------------------
 
-    def _forked(self) -> None:
-        # Inherited through fork: the parent's lock and threads must not be touched here. A handle holds
-        # a raw descriptor (hdf5) or zarr array objects, neither used by close(), which frees the child's copies.
-        for handle in self._handles.values():
-            handle.close()
-        self._handles = {}
-        self._pool = None
-        self._lock = threading.Lock()
-        self._pid = os.getpid()
-
     def _open(self, s: int) -> ShardHandle:
         if self._pid != os.getpid():
-            self._forked()
-        handle = self._handles.get(s)
-        if handle is None:
-            with self._lock:  # read_batch's threads may open the same shard at once
-                handle = self._handles.get(s)
-                if handle is None:
-                    handle = ShardHandle(self.location, self.backend, f"{SHARD_DIR}/{self._shard_names[s]}")
-                    self._handles[s] = handle
-        return handle
-
-    def _close_handles(self, *, wait: bool = True) -> None:
-        if self._pid == os.getpid():
-            if self._pool is not None:
-                self._pool.shutdown(wait=wait)
+            # Inherited through fork: the parent's zarr state must not be used here. close() uses none of
+            # it (an hdf5 handle is a raw descriptor), and frees the child's copies.
             for handle in self._handles.values():
                 handle.close()
-        self._pool = None
+            self._handles = {}
+            self._pid = os.getpid()
+        handle = self._handles.get(s)
+        if handle is None:
+            handle = ShardHandle(self.location, self.backend, f"{SHARD_DIR}/{self._shard_names[s]}")
+            self._handles[s] = handle
+        return handle
+
+    def _close_handles(self) -> None:
+        if self._pid == os.getpid():
+            for handle in self._handles.values():
+                handle.close()
         self._handles = {}
 
     def close(self) -> None:
         self._close_handles()
 
     def __getstate__(self):
-        # spawn/forkserver workers receive the index, never open handles, a lock or threads
+        # spawn/forkserver workers receive the index, never open handles
         state = self.__dict__.copy()
-        state.update(_handles={}, _pool=None, _lock=None)
+        state["_handles"] = {}
         return state
 
     def __setstate__(self, state):
         self.__dict__.update(state)
-        self._lock = threading.Lock()
         self._pid = os.getpid()
 
     def __del__(self):
         try:
-            # no wait: the last reference may be dropped by one of the pool's own threads
-            self._close_handles(wait=False)
+            self._close_handles()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
 
@@ -172,22 +149,6 @@ class CacheReader:
         if len(out) == 1 and not self.in_memory:
             return out[0].unsqueeze(0)  # a buffer of its own, just read: a view saves a copy
         return torch.stack(out)  # copies, so no caller can write into the in-memory cache
-
-    def read_batch(self, indices, rows: list[int] | None = None, *, widen: bool = True,
-                   pooled: bool = False) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-        """(features(i, rows, widen=widen), pooled(i) if `pooled` else None) of every sentence of a batch,
-        in order, their reads issued together from this reader's `read_threads` threads in this process."""
-        def one(i):
-            return self.features(i, rows, widen=widen), self.pooled(i) if pooled else None
-
-        if self.in_memory or self.read_threads == 1 or len(indices) < 2:
-            return [one(i) for i in indices]
-        if self._pid != os.getpid():
-            self._forked()
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix="cache-read")
-        return list(self._pool.map(one, indices))
 
     @property
     def transfer_dtype(self) -> torch.dtype:

@@ -303,24 +303,21 @@ def test_hdf5_shards_read_by_file_offset_match_h5py_and_a_truncated_one_is_named
 
 @pytest.mark.parametrize("backend", ["hdf5", "zarr"])
 def test_reader_in_forked_dataloader_workers(tiny, corpus, tmp_path, backend):
-    """Handles, lock and read threads the parent holds are replaced in forked workers (pid check);
-    pickled state carries none of them."""
+    """Handles the parent opened are replaced in forked workers (pid check); pickled state carries none."""
     build_cache(str(tiny["bert"]), corpus, tmp_path / "c", backend=backend, progress=False, shard_bytes=2048,
                 max_tokens=64)
-    reader = CacheReader(tmp_path / "c", read_threads=3)
+    reader = CacheReader(tmp_path / "c")
     assert len(reader.manifest["shards"]) > 2
-    everything = list(range(len(reader)))
-    expected = [f.sum().item() for f, _ in reader.read_batch(everything)]  # parent: open handles, live pool
-    assert reader._handles and reader._pool is not None
+    expected = [reader.features(i).sum().item() for i in range(len(reader))]  # parent now holds open handles
+    assert reader._handles
     loader = torch.utils.data.DataLoader(
-        everything, batch_size=4, num_workers=2, multiprocessing_context="fork",
-        collate_fn=lambda idx: torch.tensor([f.sum().item() for f, _ in reader.read_batch(idx)]),
+        range(len(reader)), batch_size=4, num_workers=2, multiprocessing_context="fork",
+        collate_fn=lambda idx: torch.tensor([reader.features(i).sum().item() for i in idx]),
     )
     assert torch.cat(list(loader)).tolist() == pytest.approx(expected)
-    state = reader.__getstate__()
-    assert state["_handles"] == {} and state["_pool"] is None and state["_lock"] is None
+    assert reader.__getstate__()["_handles"] == {}
     reader.close()
-    assert reader._pool is None and not reader._handles
+    assert not reader._handles
 
 
 # ----------------------------------------------------------------------------- key, reuse, force, lock

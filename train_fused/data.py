@@ -1,7 +1,7 @@
 """Stage-two data: BPE'd sentence pairs, token-budget batches, PrLM features read from the cache.
 
-The PrLM never runs here. Each batch's features come from `CacheReader.read_batch` (each sentence's
-`features(i)`, and `pooled(i)` for Dyn[CLS]/Dyn[Aver]) inside DataLoader worker processes: the batch sampler runs
+The PrLM never runs here. Each batch's features come from `CacheReader.features(i)` (and
+`pooled(i)` for Dyn[CLS]/Dyn[Aver]) inside DataLoader worker processes: the batch sampler runs
 in the main process and hands a whole list of indices to a worker, whose dataset reads and pads
 the features for that list in one `__getitems__` call, while the model trains on earlier batches.
 Readers open lazily in whichever process first touches them (never carried across a fork).
@@ -112,8 +112,7 @@ def batch_features(branch: PrLMBranch, indices: list[int]) -> PrLMFeatures:
     rows = list(branch.layer_rows)
     # Stored float16 stays float16 until the model casts it (the same values): half the bytes
     # for the worker to copy and hand over, and less work beside the training step's threads.
-    read = reader.read_batch(indices, rows, widen=False, pooled=branch.pooled_rows is not None)
-    per_sentence = [features for features, _ in read]  # [len(rows), T_i, d] each
+    per_sentence = [reader.features(i, rows, widen=False) for i in indices]  # [len(rows), T_i, d] each
     width = int(reader.hidden_size)
     max_len = max((f.shape[1] for f in per_sentence), default=1)
     states = torch.zeros(len(indices), len(rows), max_len, width, dtype=reader.transfer_dtype)
@@ -125,7 +124,7 @@ def batch_features(branch: PrLMBranch, indices: list[int]) -> PrLMFeatures:
     pooled = None
     if branch.pooled_rows is not None:
         # reader.pooled(i) is float32 already
-        pooled = torch.stack([vectors for _, vectors in read]) if indices else torch.zeros(
+        pooled = torch.stack([reader.pooled(i) for i in indices]) if indices else torch.zeros(
             0, len(reader.pooled_layers), 2, width
         )
         if list(branch.pooled_rows) != list(range(pooled.shape[1])):
