@@ -10,6 +10,12 @@ number of batches and the padded over real token counts of the source and of the
 with the padded source; decoder layers with the padded target. No timing: the counts are exact.
 
     python bench/batch_padding.py [--corpus DIR] [--max-tokens 1200 3500] [--bpe-vocab 4000]
+                                  [--storage-windows CHECKPOINT]
+
+--storage-windows: also the batches a loader reading neighbouring sentences would form
+("storage_window_K"): the training sources in the order a cache of CHECKPOINT stores them (sorted by
+its token length, ties by line), cut into windows of K batches' worth of tokens (K = 1, 2, 4, 8, 32),
+each window sorted and batched as the trainer sorts and batches the whole split.
 
 Default corpus: the Bible English->Japanese corpus under $PRLMFUSE_HOME (built if missing). The
 last line is `RESULT {json}`.
@@ -41,12 +47,28 @@ def target_first_batches(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens:
     return [b.tolist() for b in token_budget_batches(ranked, np.maximum(src_lens, tgt_lens), max_tokens)]
 
 
+def storage_window_batches(storage: np.ndarray, src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int,
+                           window: int, seed: int) -> list[list[int]]:
+    """build_batches within each window of neighbouring stored sentences of about `window` batches' tokens."""
+    from prlmfuse.train_fused.data import TokenBudgetBatchSampler
+
+    sizes = np.maximum(src_lens, tgt_lens)[storage]
+    windows = np.cumsum(sizes) // (window * max_tokens)
+    batches: list[list[int]] = []
+    for w in np.unique(windows):
+        batches += TokenBudgetBatchSampler.build_batches(src_lens, tgt_lens, max_tokens, indices=storage[windows == w],
+                                                         seed=seed)
+    return batches
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--corpus", default=None, help="a prlmfuse corpus directory (default: the Bible en->ja under $PRLMFUSE_HOME)")
     parser.add_argument("--max-tokens", type=int, nargs="+", default=[1200, 3500])
     parser.add_argument("--bpe-vocab", type=int, default=4000, help="joint BPE size (default 4000, the demo's and results' recipe)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--storage-windows", metavar="CHECKPOINT",
+                        help="also batches drawn from windows of sentences neighbouring in a cache of CHECKPOINT")
     args = parser.parse_args(argv)
 
     from prlmfuse.corpora import build_bible, load_corpus
@@ -72,12 +94,23 @@ def main(argv: list[str] | None = None) -> int:
           f"source {int(src_lens.sum())} tokens ({src_lens.mean() - 1:.1f} pieces a sentence, {chars[0]} distinct "
           f"characters), target {int(tgt_lens.sum())} ({tgt_lens.mean() - 1:.1f}, {chars[1]})", file=sys.stderr)
 
+    storage = None
+    if args.storage_windows:
+        from prlmfuse.cache_features.extract import encode_corpus
+        from prlmfuse.prlms import load_prlm, resolve_checkpoint
+
+        _model, tokenizer = load_prlm(resolve_checkpoint(args.storage_windows))
+        storage = np.argsort(encode_corpus(tokenizer, src, max_length=512).lengths, kind="stable")
+
     result: dict = {"corpus": str(corpus.root), "bpe_vocab": args.bpe_vocab}
     for max_tokens in args.max_tokens:
         orders = {
             "target_first": target_first_batches(src_lens, tgt_lens, max_tokens, args.seed),
             "source_first": TokenBudgetBatchSampler.build_batches(src_lens, tgt_lens, max_tokens, seed=args.seed),
         }
+        for window in (1, 2, 4, 8, 32) if storage is not None else ():
+            orders[f"storage_window_{window}"] = storage_window_batches(storage, src_lens, tgt_lens, max_tokens,
+                                                                        window, args.seed)
         row = {}
         for name, batches in orders.items():
             row[name] = {
@@ -85,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
                 "src_padded_over_real": round(padding(batches, src_lens), 3),
                 "tgt_padded_over_real": round(padding(batches, tgt_lens), 3),
             }
-            label = "target first" if name == "target_first" else "prlmfuse (source first)"
+            label = {"target_first": "target first", "source_first": "prlmfuse (source first)"}.get(name, name)
             print(f"max_tokens {max_tokens:5d}  {label:24s} {row[name]['batches']:6d} batches  padded/real: "
                   f"source {row[name]['src_padded_over_real']:.3f}, target {row[name]['tgt_padded_over_real']:.3f}")
         result[f"max_tokens_{max_tokens}"] = row
