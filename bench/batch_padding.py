@@ -12,10 +12,10 @@ with the padded source; decoder layers with the padded target. No timing: the co
     python bench/batch_padding.py [--corpus DIR] [--max-tokens 1200 3500] [--bpe-vocab 4000]
                                   [--storage-windows CHECKPOINT]
 
---storage-windows: also the batches a loader reading neighbouring sentences would form
-("storage_window_K"): the training sources in the order a cache of CHECKPOINT stores them (sorted by
-its token length, ties by line), cut into windows of K batches' worth of tokens (K = 1, 2, 4, 8, 32),
-each window sorted and batched as the trainer sorts and batches the whole split.
+--storage-windows: also the batches of `train.read_window` K ("storage_window_K", K = 1, 2, 4, 8, 32)
+over a cache of CHECKPOINT, which stores the training sources sorted by their token length, ties by
+line: windows of K batches' worth of neighbouring stored sentences, each sorted by target length, then
+source length, and cut under the budget.
 
 Default corpus: the Bible English->Japanese corpus under $PRLMFUSE_HOME (built if missing). The
 last line is `RESULT {json}`.
@@ -49,16 +49,10 @@ def target_first_batches(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens:
 
 def storage_window_batches(storage: np.ndarray, src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int,
                            window: int, seed: int) -> list[list[int]]:
-    """build_batches within each window of neighbouring stored sentences of about `window` batches' tokens."""
-    from prlmfuse.train_fused.data import TokenBudgetBatchSampler
+    """The batches of train.read_window `window` over a cache that stores the sentences in `storage` order."""
+    from prlmfuse.train_fused.data import StorageWindowBatchSampler
 
-    sizes = np.maximum(src_lens, tgt_lens)[storage]
-    windows = np.cumsum(sizes) // (window * max_tokens)
-    batches: list[list[int]] = []
-    for w in np.unique(windows):
-        batches += TokenBudgetBatchSampler.build_batches(src_lens, tgt_lens, max_tokens, indices=storage[windows == w],
-                                                         seed=seed)
-    return batches
+    return StorageWindowBatchSampler(src_lens, tgt_lens, max_tokens, storage, window=window, seed=seed).batches
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """Training from a cache larger than memory: the loader and the writer against the disk's own rates.
 
     python bench/cache_at_scale.py --dir DIR [--size-gb N] [--backend zarr|hdf5] [--workers 1,2,4]
+                                [--compare] [--loader-only] [--read-window K]
 
 1. Lengths: the English Bible's verses tokenized by MiniLM's tokenizer (BERT's uncased WordPiece, the
    vocabulary of BERT-base), tiled in a seeded order up to the cache size. Features are random float32
@@ -23,6 +24,9 @@
    dataset's offset. zarr: "sharded", a second big cache written with zarr's sharding codec (each
    array one file per shard, the same inner chunks, rows written once per file), its writer and its
    loader timed beside the library's one-file-per-chunk layout.
+--read-window K: a lane beside the library's default order, the loader with train.read_window K (batches
+   formed within windows of K batches' worth of neighbouring stored sentences, a worker reading each window
+   in a few large reads).
 --loader-only skips the writer-only caches and stages of step 2.
 The loader's target side is not modelled: each pair's target length is its source length.
 The cache and scratch files are deleted at the end (--keep keeps the cache). Last line: RESULT {json}.
@@ -369,17 +373,21 @@ class RssSampler(threading.Thread):
 
 
 def time_loader(cache: Path, corpus, workers: int, seconds: float, max_tokens: int, seed: int, *,
-                lane: str = "library") -> dict:
+                lane: str = "library", read_window: int = 0) -> dict:
     """The trainer's loader over `cache` for `seconds` after its first batch, pages dropped behind it."""
     from prlmfuse.train_fused.branches import PrLMBranch
-    from prlmfuse.train_fused.data import PairDataset, TokenBudgetBatchSampler, make_loader
+    from prlmfuse.train_fused.data import PairDataset, StorageWindowBatchSampler, TokenBudgetBatchSampler, make_loader
 
     reader = H5pyReader(cache) if lane == "h5py" else CacheReader(cache)
     # BPE side: the PrLM's length less its two special tokens (the source's </s> is added back).
     zeros = np.zeros(int(corpus.lengths.max()), dtype=np.int32)
     src = [zeros[: max(int(n) - 2, 1)] for n in corpus.lengths]
     dataset = PairDataset(src, src, [PrLMBranch(reader, layer_rows=(0,), pooled_rows=None)])
-    sampler = TokenBudgetBatchSampler(dataset.src_lens, dataset.tgt_lens, max_tokens, seed=seed)
+    if read_window:
+        sampler = StorageWindowBatchSampler(dataset.src_lens, dataset.tgt_lens, max_tokens, reader.stored_order(),
+                                            window=read_window, seed=seed)
+    else:
+        sampler = TokenBudgetBatchSampler(dataset.src_lens, dataset.tgt_lens, max_tokens, seed=seed)
     loader = make_loader(dataset, sampler, num_workers=workers)
     dropper = PageDropper(reader)
     drop_tree(cache)
@@ -387,7 +395,9 @@ def time_loader(cache: Path, corpus, workers: int, seconds: float, max_tokens: i
     first = next(iterator)
     dropper.drop(first.ids)
     pids = {"trainer": os.getpid()}
-    pids.update({f"worker{k}": w.pid for k, w in enumerate(getattr(iterator, "_workers", []))})
+    # The DataLoader's own (persistent) iterator holds the worker processes, also under a WindowedLoader.
+    workers_of = getattr(loader, "loader", loader)._iterator
+    pids.update({f"worker{k}": w.pid for k, w in enumerate(getattr(workers_of, "_workers", []))})
     before = {name: proc_read_bytes(pid) for name, pid in pids.items()}
     sampler_thread = RssSampler(pids)
     sampler_thread.start()
@@ -413,6 +423,7 @@ def time_loader(cache: Path, corpus, workers: int, seconds: float, max_tokens: i
     delivered = tokens * WIDTH * 2
     return {
         "reader": lane,
+        "read_window": read_window,
         "workers": workers,
         "seconds": round(elapsed, 1),
         "batches": batches,
@@ -441,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", action="store_true",
                         help="a lane beside the library's: hdf5, reads through h5py; zarr, a sharded cache")
     parser.add_argument("--loader-only", action="store_true", help="skip the writer-only caches and stages")
+    parser.add_argument("--read-window", type=int, default=0, metavar="K",
+                        help="a lane beside the library's default order: train.read_window K (windows of K batches' "
+                             "worth of neighbouring stored sentences, each read at once)")
     args = parser.parse_args(argv)
 
     from prlmfuse.precision import machine_line
@@ -508,12 +522,14 @@ def main(argv: list[str] | None = None) -> int:
             result["raw_sequential_read_GBps"] = round(raw_sequential_read(shard_files(cache), min(size, 16 << 30)), 3)
             print(f"raw sequential read: {result['raw_sequential_read_GBps']} GB/s", flush=True)
             result["loader"] = []
+            orders = [0] + ([args.read_window] if args.read_window else [])
             for workers in [int(w) for w in args.workers.split(",")]:
                 for lane in lanes:
-                    row = time_loader(caches.get(lane, cache), corpus, workers, args.seconds, args.max_tokens, seed=1,
-                                      lane=lane)
-                    result["loader"].append(row)
-                    print(f"loader, {workers} worker(s): {row}", flush=True)
+                    for read_window in orders if lane == "library" else [0]:
+                        row = time_loader(caches.get(lane, cache), corpus, workers, args.seconds, args.max_tokens,
+                                          seed=1, lane=lane, read_window=read_window)
+                        result["loader"].append(row)
+                        print(f"loader, {workers} worker(s): {row}", flush=True)
     finally:
         for path in args.dir.iterdir():  # only what this bench made (the directory started empty)
             if path.name in OWN_NAMES or path.name.startswith(("writer-", "cache-")):

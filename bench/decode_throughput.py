@@ -54,6 +54,14 @@ class InMemoryFeatures:
     def pooled(self, i: int) -> torch.Tensor:
         return self._pooled[i]
 
+    def features_many(self, indices, rows: list[int] | None = None, *, widen: bool = True) -> list[torch.Tensor]:
+        return [self.features(i, rows, widen=widen) for i in indices]
+
+    def pooled_many(self, indices) -> torch.Tensor:
+        if not len(indices):
+            return torch.zeros(0, len(self.pooled_layers), 2, self.hidden_size)
+        return torch.stack([self.pooled(i) for i in indices])
+
 
 @dataclass
 class Measured:
@@ -120,6 +128,12 @@ class _Offset:
 
     def pooled(self, i: int) -> torch.Tensor:
         return self.reader.pooled(self.offset + i)
+
+    def features_many(self, indices, rows: list[int] | None = None, *, widen: bool = True) -> list[torch.Tensor]:
+        return self.reader.features_many([self.offset + i for i in indices], rows, widen=widen)
+
+    def pooled_many(self, indices) -> torch.Tensor:
+        return self.reader.pooled_many([self.offset + i for i in indices])
 
 
 class _IdBPE:

@@ -20,6 +20,12 @@ from .location import Location
 from .shards import ShardHandle
 
 
+# Neighbouring sentences at most this far apart in a shard are fetched with one read (the gap read and
+# dropped): a few rows more cost less than another request to the disk.
+READ_GAP_TOKENS = 64
+READ_GAP_ROWS = 16
+
+
 class CacheReader:
     def __init__(self, path_or_url, *, in_memory: bool = False):
         self.location, self.manifest = load_manifest(Location(path_or_url))
@@ -149,6 +155,59 @@ class CacheReader:
         if len(out) == 1 and not self.in_memory:
             return out[0].unsqueeze(0)  # a buffer of its own, just read: a view saves a copy
         return torch.stack(out)  # copies, so no caller can write into the in-memory cache
+
+    def features_many(self, indices, rows: list[int] | None = None, *, widen: bool = True) -> list[torch.Tensor]:
+        """`features(i, rows, widen=widen)` for each i of `indices`, in that order.
+
+        Sentences stored next to each other (up to READ_GAP_TOKENS apart) are read with one read per
+        array, so a window of neighbouring stored sentences costs a few large reads, not one per sentence.
+        """
+        layers = self.layers if rows is None else [self.layers[r] for r in rows]
+        out: list[torch.Tensor | None] = [None] * len(indices)
+        for s, members, start, stop in self._runs(indices, self._token_start, self.lengths, READ_GAP_TOKENS):
+            spans = []
+            for layer in layers:
+                values = self._read(s, f"layer_{layer:03d}", start, stop)
+                side = {name: self._read(s, f"{name}_{layer:03d}", start, stop) for name in self._side}
+                spans.append(decode(values, side, self.dtype) if widen else decode_to_transfer(values, side, self.dtype))
+            span = spans[0].unsqueeze(0) if len(spans) == 1 else torch.stack(spans)  # [n_layers, stop - start, d]
+            for k, i in members:
+                first = int(self._token_start[i]) - start
+                out[k] = span[:, first : first + int(self.lengths[i])]
+        return out
+
+    def pooled_many(self, indices) -> torch.Tensor:
+        """float32 [len(indices), n_pooled_layers, 2, d]: `pooled(i)` for each i, neighbouring rows read together."""
+        out = torch.empty(len(indices), len(self.pooled_layers), 2, self.hidden_size, dtype=torch.float32)
+        for s, members, start, stop in self._runs(indices, self._row_of, np.ones_like(self._row_of), READ_GAP_ROWS):
+            span = decode(self._read(s, "pooled", start, stop), None, self.pooled_dtype)
+            for k, i in members:
+                out[k] = span[int(self._row_of[i]) - start]
+        return out
+
+    def _runs(self, indices, first: np.ndarray, count: np.ndarray, gap: int):
+        """(shard, [(position in indices, sentence)], start, stop): runs of the sentences' [first, first + count)
+        ranges that lie in one shard no more than `gap` apart, in stored order."""
+        ids = np.fromiter((self._check_index(i) for i in indices), dtype=np.int64, count=len(indices))
+        shard, begin = self._shard_of[ids], first[ids]
+        run: list[tuple[int, int]] = []
+        start = stop = s = -1
+        for k in np.lexsort((begin, shard)).tolist():
+            i = int(ids[k])
+            b, e = int(begin[k]), int(begin[k] + count[i])
+            if run and (int(shard[k]) != s or b > stop + gap):
+                yield s, run, start, stop
+                run = []
+            if not run:
+                s, start, stop = int(shard[k]), b, e
+            run.append((k, i))
+            stop = max(stop, e)
+        if run:
+            yield s, run, start, stop
+
+    def stored_order(self) -> np.ndarray:
+        """Sentence indices in the order the shards store them (shard by shard, row by row)."""
+        return np.lexsort((self._row_of, self._shard_of))
 
     @property
     def transfer_dtype(self) -> torch.dtype:

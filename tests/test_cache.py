@@ -301,6 +301,42 @@ def test_hdf5_shards_read_by_file_offset_match_h5py_and_a_truncated_one_is_named
         verify_cache(out)
 
 
+@pytest.mark.parametrize("backend, dtype", [("hdf5", "int8"), ("zarr", "float16")])
+def test_neighbouring_stored_sentences_are_read_together_and_match_one_by_one(tiny, corpus, tmp_path, monkeypatch,
+                                                                               backend, dtype):
+    """features_many / pooled_many equal features / pooled sentence by sentence, in the order asked, and a
+    stretch of the stored order costs one read per array and shard."""
+    from prlmfuse.cache_features.shards import ShardHandle
+
+    build_cache(str(tiny["bert"]), corpus, tmp_path / "c", layers="1,-1", backend=backend, dtype=dtype,
+                progress=False, shard_bytes=4096, max_tokens=64)
+    reader = CacheReader(tmp_path / "c")
+    assert len(reader.manifest["shards"]) > 2
+    stored = reader.stored_order()
+    assert sorted(stored.tolist()) == list(range(len(reader)))
+    asked = np.random.RandomState(0).permutation(len(reader))[: len(reader) // 2].tolist() + [stored[0], stored[0]]
+    for widen in (True, False):
+        got = reader.features_many(asked, [1], widen=widen)
+        for i, features in zip(asked, got):
+            assert torch.equal(features, reader.features(i, [1], widen=widen)), i
+    assert torch.equal(reader.pooled_many(asked), torch.stack([reader.pooled(i) for i in asked]))
+    assert reader.features_many([]) == [] and reader.pooled_many([]).shape == (0, len(reader.pooled_layers), 2,
+                                                                                reader.hidden_size)
+
+    reads = []
+    read = ShardHandle.read
+    monkeypatch.setattr(ShardHandle, "read", lambda self, name, *a: reads.append((self.name, name)) or read(self, name, *a))
+    stretch = stored[3:40][::-1].tolist()  # neighbours, asked in any order
+    shards_touched = {int(reader._shard_of[i]) for i in stretch}
+    assert len(shards_touched) > 1
+    assert [f.shape[1] for f in reader.features_many(stretch)] == [int(reader.lengths[i]) for i in stretch]
+    arrays = 2 * (2 if dtype == "int8" else 1)  # two layers, each with its quantisation scales in int8
+    assert len(reads) == len(set(reads)) == arrays * len(shards_touched)
+    reads.clear()
+    reader.pooled_many(stretch)
+    assert len(reads) == len(shards_touched)
+
+
 @pytest.mark.parametrize("backend", ["hdf5", "zarr"])
 def test_reader_in_forked_dataloader_workers(tiny, corpus, tmp_path, backend):
     """Handles the parent opened are replaced in forked workers (pid check); pickled state carries none."""

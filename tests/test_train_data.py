@@ -13,7 +13,7 @@ import torch
 from prlmfuse.cache_features import CacheReader
 from prlmfuse.train_fused.bpe import BOS_ID, EOS_ID, PAD_ID
 from prlmfuse.train_fused.data import (
-    PairDataset, TokenBudgetBatchSampler, make_loader,
+    WINDOWS_SHUFFLED_TOGETHER, PairDataset, StorageWindowBatchSampler, TokenBudgetBatchSampler, make_loader,
 )
 from prlmfuse.train_fused.branches import PrLMBranch
 from prlmfuse.train_fused.trainer import inverse_sqrt_lr
@@ -79,6 +79,84 @@ def test_dev_order_is_unshuffled_and_indices_filter():
     sampler.set_epoch(7)
     assert list(sampler) == sampler.batches
     assert sorted(i for b in sampler.batches for i in b) == list(range(0, 50, 2))
+
+
+def _stored(n: int, seed: int = 3) -> np.ndarray:
+    return np.random.RandomState(seed).permutation(n)  # a cache's stored order: any permutation of the sentences
+
+
+def test_storage_windows_cover_each_pair_once_within_budget_from_neighbouring_stored_sentences():
+    src, tgt = _lengths()
+    stored = _stored(len(src))
+    usable = np.flatnonzero(src != 7)  # as the trainer leaves out pairs too long to embed
+    sampler = StorageWindowBatchSampler(src, tgt, 400, stored, window=4, indices=usable, seed=1)
+    assert sorted(i for b in sampler.batches for i in b) == usable.tolist() and sampler.num_pairs == len(usable)
+    for b in sampler.batches:
+        assert len(b) * max(max(src[i], tgt[i]) for i in b) <= 400
+    # Each window is one stretch of the stored order (usable pairs only), the windows in stored order.
+    position = np.argsort(stored)
+    kept = stored[np.isin(stored, usable)]
+    spans = [sorted(position[i] for b in w for i in b) for w in sampler.windows]
+    assert [p for span in spans for p in span] == sorted(position[kept])
+    sizes = np.maximum(src, tgt)
+    assert len(sampler.windows) == int(sizes[kept].sum() // 1600) + 1
+    # Within a window, batches run up the target lengths (the sort key there).
+    for w in sampler.windows:
+        runs = [(min(tgt[i] for i in b), max(tgt[i] for i in b)) for b in w]
+        assert all(hi <= next_lo for (_, hi), (next_lo, _) in zip(runs, runs[1:]))
+
+
+def test_storage_window_epochs_are_seeded_resumable_and_read_whole_windows():
+    src, tgt = _lengths()
+    stored = _stored(len(src))
+    a = StorageWindowBatchSampler(src, tgt, 400, stored, window=3, seed=1)
+    b = StorageWindowBatchSampler(src, tgt, 400, stored, window=3, seed=1)
+    assert len(a.windows) > 2 * WINDOWS_SHUFFLED_TOGETHER
+
+    def epoch(sampler, number, start=0):
+        sampler.set_epoch(number, start)
+        items = list(sampler)  # what the loader's workers are asked to read: whole windows
+        assert all(any(w is window for window in sampler.windows) for w in items)
+        order = [sampler.windows[w][j] for _windows, steps in sampler.remaining_groups() for w, j in steps]
+        return order, items
+
+    full, items = epoch(a, 3)
+    assert sorted(i for batch in full for i in batch) == list(range(len(src)))  # each pair once an epoch
+    assert len(items) == len(a.windows) and len(full) == len(a.batches) == len(a)
+    assert epoch(b, 3)[0] == full
+    assert epoch(a, 4)[0] != full  # a new order every epoch
+    # Consecutive batches mix several windows.
+    first = {next(k for k, w in enumerate(a.windows) if batch in w) for batch in full[:8]}
+    assert len(first) > 1
+    # Resumed at batch k: the rest of the same epoch, and no window whose batches were all trained is read.
+    for k in (1, 7, len(full) - 1):
+        rest, items_left = epoch(b, 3, start=k)
+        assert rest == full[k:] and len(b) == len(full) - k
+        assert len(items_left) <= len(a.windows) and sum(len(w) for w in items_left) >= len(rest)
+    assert epoch(b, 3, start=len(full))[0] == []
+
+
+def test_storage_windows_split_over_ranks_step_together_and_cover_every_pair_once():
+    src, tgt = _lengths()
+    stored = _stored(len(src))
+    ranks = [StorageWindowBatchSampler(src, tgt, 400, stored, window=4, seed=2, rank=r, world_size=3) for r in range(3)]
+    assert len({len(r.windows) for r in ranks}) == 1
+    for windows in zip(*(r.windows for r in ranks)):
+        assert len({len(w) for w in windows}) == 1  # the same number of batches on every rank
+    assert sorted(i for r in ranks for b in r.batches for i in b) == list(range(len(src)))
+    for r in ranks:
+        for b in r.batches:
+            assert not b or len(b) * max(max(src[i], tgt[i]) for i in b) <= 400 // 3
+    # Every rank reads its own stretch of each window.
+    position = np.argsort(stored)
+    for windows in zip(*(r.windows for r in ranks)):
+        spans = [sorted(position[i] for b in w for i in b) for w in windows]
+        for span, following in zip(spans, spans[1:]):
+            assert span == list(range(span[0], span[-1] + 1)) and (not following or span[-1] < following[0])
+    for r in ranks:
+        r.set_epoch(5, start=2)
+    orders = [[(w, j) for _windows, steps in r.remaining_groups() for w, j in steps] for r in ranks]
+    assert orders[0] == orders[1] == orders[2]
 
 
 def test_inverse_sqrt_schedule_matches_fairseq():
@@ -186,9 +264,10 @@ def test_empty_slice_is_an_empty_batch(cache):
     assert batch.nsentences == 0 and batch.ntokens == 0 and batch.prlm[0].states.shape[0] == 0
 
 
-@pytest.mark.parametrize("backend", ["hdf5", "zarr"])
-def test_an_epoch_streamed_by_workers_delivers_each_sentence_once_with_its_stored_features(tmp_path, backend):
-    """Workers read each batch from the files of shards split small (hdf5: by os.preadv)."""
+@pytest.mark.parametrize("backend, window", [("hdf5", 0), ("zarr", 0), ("hdf5", 1), ("zarr", 2)])
+def test_an_epoch_streamed_by_workers_delivers_each_sentence_once_with_its_stored_features(tmp_path, backend, window):
+    """Workers read each batch (window 0) or each window of neighbouring stored sentences from the files of
+    shards split small (hdf5: by os.preadv)."""
     from prlmfuse.cache_features import build_cache
 
     corpus = small_runs.small_bible(tmp_path, train=40, dev=8, test=8)
@@ -200,7 +279,12 @@ def test_an_epoch_streamed_by_workers_delivers_each_sentence_once_with_its_store
     assert len(streamed.manifest["shards"]) > 3
     src, tgt = _pairs(len(stored), seed=2)
     dataset = PairDataset(src, tgt, [PrLMBranch(streamed, layer_rows=(1, 0), pooled_rows=(1,))])
-    sampler = TokenBudgetBatchSampler(dataset.src_lens, dataset.tgt_lens, 60, seed=5)
+    if window:
+        sampler = StorageWindowBatchSampler(dataset.src_lens, dataset.tgt_lens, 60, streamed.stored_order(),
+                                            window=window, seed=5)
+        assert len(sampler.windows) > 1
+    else:
+        sampler = TokenBudgetBatchSampler(dataset.src_lens, dataset.tgt_lens, 60, seed=5)
     sampler.set_epoch(1)
     seen = []
     for batch in make_loader(dataset, sampler, num_workers=2):

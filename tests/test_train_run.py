@@ -104,19 +104,23 @@ def test_fused_run_layout_run_json_and_load_run(world, tmp_path):
     assert Path(avg_info["weights"]) == run_dir / "average-last2.safetensors"
 
 
-def test_resume_continues_the_same_schedule(world, tmp_path):
-    """2N updates straight == N updates, stop, resume N more: same weights, same loss curve."""
+@pytest.mark.parametrize("layer, read_window", [("dwatt", 0), ("dyn_cls", 2)])
+def test_resume_continues_the_same_schedule(world, tmp_path, layer, read_window):
+    """2N updates straight == N updates, stop, resume N more (mid-epoch): same weights, same loss curve."""
     corpus, ckpt, paths = world
-    use = PrLMUse(checkpoint=str(ckpt), layer="dwatt")
+    use = PrLMUse(checkpoint=str(ckpt), layer=layer)
     caches = [small_runs.caches_for(use, paths)]
-    straight = train_run(small_runs.tiny_run("r", prlms=[use], dropout=0.1, max_updates=12, save_every=3), corpus, caches,
+    settings = dict(prlms=[use], dropout=0.1, save_every=3, read_window=read_window)
+    straight = train_run(small_runs.tiny_run("r", max_updates=12, **settings), corpus, caches,
                          tmp_path / "straight", progress=False)
     split = tmp_path / "split"
-    train_run(small_runs.tiny_run("r", prlms=[use], dropout=0.1, max_updates=6, save_every=3), corpus, caches, split, progress=False)
+    train_run(small_runs.tiny_run("r", max_updates=6, **settings), corpus, caches, split, progress=False)
+    state = json.loads((split / "trainer_state.json").read_text())
+    assert 0 < state["batch_in_epoch"] and (state["batches_per_epoch"] > 6 or state["epoch"] > 0)
     # Lines logged after the last checkpoint of an interrupted run must not survive the resume.
     with open(split / "metrics.jsonl", "a") as f:
         f.write('{"update": 7, "loss": 99.0}\n{"update": 8, "lo')
-    train_run(small_runs.tiny_run("r", prlms=[use], dropout=0.1, max_updates=12, save_every=3), corpus, caches, split, progress=False)
+    train_run(small_runs.tiny_run("r", max_updates=12, **settings), corpus, caches, split, progress=False)
     a, b = _weights(straight, 12), _weights(split, 12)
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-6, atol=1e-6)

@@ -242,7 +242,8 @@ class PrLMUse:
 
 # The least value of each integer run setting that has one (None stays allowed where the field is optional).
 LEAST_VALUES = {"update_freq": 1, "max_updates": 1, "max_epochs": 1, "save_every": 1, "log_every": 1, "patience": 1,
-                "min_epochs": 0, "keep_last_epochs": 0, "bpe_vocab": MIN_VOCAB, "max_tokens": MIN_BATCH_TOKENS}
+                "min_epochs": 0, "keep_last_epochs": 0, "bpe_vocab": MIN_VOCAB, "max_tokens": MIN_BATCH_TOKENS,
+                "read_window": 0}
 
 
 @dataclass
@@ -274,6 +275,11 @@ class RunConfig:
     # update_freq * max_tokens, on one device as on several.
     update_freq: int = 1
     max_train_pairs: int | None = None  # first N training pairs only (quick runs)
+    # 0: batches formed over the whole training split, each sentence's features read on its own. K >= 1:
+    # batches formed within windows of about K batches' worth of sentences neighbouring in the (first)
+    # PrLM cache's stored order, each window read in a few large reads; for a cache larger than memory
+    # on a disk slow at small random reads. A baseline (no cache) batches the whole split either way.
+    read_window: int = 0
     # Optimisation (Appendix A of the paper).
     lr: float = 7e-4
     adam_betas: tuple[float, float] = (0.9, 0.98)

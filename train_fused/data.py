@@ -1,9 +1,10 @@
 """Stage-two data: BPE'd sentence pairs, token-budget batches, PrLM features read from the cache.
 
-The PrLM never runs here. Each batch's features come from `CacheReader.features(i)` (and
-`pooled(i)` for Dyn[CLS]/Dyn[Aver]) inside DataLoader worker processes: the batch sampler runs
-in the main process and hands a whole list of indices to a worker, whose dataset reads and pads
-the features for that list in one `__getitems__` call, while the model trains on earlier batches.
+The PrLM never runs here. Each batch's features come from `CacheReader.features_many(indices)` (and
+`pooled_many` for Dyn[CLS]/Dyn[Aver]) inside DataLoader worker processes: the batch sampler runs
+in the main process and hands a whole list of indices (or a window's batches, under
+`read_window`) to a worker, whose dataset reads and pads the features for that list in one
+`__getitems__` call, while the model trains on earlier batches.
 Readers open lazily in whichever process first touches them (never carried across a fork).
 """
 
@@ -74,8 +75,31 @@ class PairDataset(Dataset):
     def __getitem__(self, index: int) -> Batch:
         return self.__getitems__([index])
 
-    def __getitems__(self, indices: list[int]) -> Batch:
+    def __getitems__(self, indices: list[int] | list[list[int]]) -> Batch | list[Batch]:
+        """The batch of these sentences; or, given a window's batches (a list of lists, from
+        StorageWindowBatchSampler), every batch of the window, its features read together."""
+        if indices and not np.isscalar(indices[0]):
+            return self.window(indices)
         indices = [int(i) for i in indices]
+        return self.batch(indices, [batch_features(branch, indices) for branch in self.branches])
+
+    def window(self, batches: list[list[int]]) -> list[Batch]:
+        batches = [[int(i) for i in b] for b in batches]
+        sentences = [i for b in batches for i in b]
+        read = [read_features(branch, sentences) for branch in self.branches]
+        out, first = [], 0
+        for b in batches:
+            last = first + len(b)
+            prlm = [
+                pad_features(branch, per_sentence[first:last], None if pooled is None else pooled[first:last])
+                for branch, (per_sentence, pooled) in zip(self.branches, read)
+            ]
+            out.append(self.batch(b, prlm))
+            first = last
+        return out
+
+    def batch(self, indices: list[int], prlm: list[PrLMFeatures]) -> Batch:
+        """The token tensors of these sentence pairs, beside their PrLM features."""
         bsz = len(indices)
         src_len = max((int(self.src_lens[i]) for i in indices), default=1)
         tgt_len = max((int(self.tgt_lens[i]) for i in indices), default=1)
@@ -95,7 +119,6 @@ class PairDataset(Dataset):
             tgt_out[row, :m] = tgt
             tgt_out[row, m] = EOS_ID
             ntokens += m + 1
-        prlm = [batch_features(branch, indices) for branch in self.branches]
         return Batch(
             ids=torch.tensor(indices, dtype=torch.long),
             src_tokens=torch.from_numpy(src_tokens),
@@ -108,27 +131,34 @@ class PairDataset(Dataset):
 
 def batch_features(branch: PrLMBranch, indices: list[int]) -> PrLMFeatures:
     """One PrLM branch's features for a batch of sentences, padded with a mask (training and evaluation)."""
+    return pad_features(branch, *read_features(branch, indices))
+
+
+def read_features(branch: PrLMBranch, indices: list[int]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """Each sentence's features ([len(layer_rows), T_i, d]) and, for Dyn[CLS]/Dyn[Aver], their pooled vectors."""
     reader = branch.reader
-    rows = list(branch.layer_rows)
     # Stored float16 stays float16 until the model casts it (the same values): half the bytes
     # for the worker to copy and hand over, and less work beside the training step's threads.
-    per_sentence = [reader.features(i, rows, widen=False) for i in indices]  # [len(rows), T_i, d] each
-    width = int(reader.hidden_size)
+    per_sentence = reader.features_many(indices, list(branch.layer_rows), widen=False)
+    pooled = None
+    if branch.pooled_rows is not None:
+        pooled = reader.pooled_many(indices)  # float32 already
+        if list(branch.pooled_rows) != list(range(pooled.shape[1])):
+            pooled = pooled[:, list(branch.pooled_rows)]
+    return per_sentence, pooled
+
+
+def pad_features(branch: PrLMBranch, per_sentence: list[torch.Tensor], pooled: torch.Tensor | None) -> PrLMFeatures:
+    """A batch's features, right-padded to its longest sentence, with the mask of real tokens."""
+    reader = branch.reader
     max_len = max((f.shape[1] for f in per_sentence), default=1)
-    states = torch.zeros(len(indices), len(rows), max_len, width, dtype=reader.transfer_dtype)
-    mask = torch.zeros(len(indices), max_len, dtype=torch.bool)
+    states = torch.zeros(len(per_sentence), len(branch.layer_rows), max_len, int(reader.hidden_size),
+                         dtype=reader.transfer_dtype)
+    mask = torch.zeros(len(per_sentence), max_len, dtype=torch.bool)
     for b, f in enumerate(per_sentence):
         n = f.shape[1]
         states[b, :, :n] = f
         mask[b, :n] = True
-    pooled = None
-    if branch.pooled_rows is not None:
-        # reader.pooled(i) is float32 already
-        pooled = torch.stack([reader.pooled(i) for i in indices]) if indices else torch.zeros(
-            0, len(reader.pooled_layers), 2, width
-        )
-        if list(branch.pooled_rows) != list(range(pooled.shape[1])):
-            pooled = pooled[:, list(branch.pooled_rows)]
     return PrLMFeatures(states=states, mask=mask, pooled=pooled)
 
 
@@ -161,6 +191,7 @@ class TokenBudgetBatchSampler:
         self.epoch = 0
         self.start = 0
         self.batches = self.build_batches(src_lens, tgt_lens, max_tokens, indices=indices, seed=seed)
+        self.num_pairs = sum(len(b) for b in self.batches)
 
     @staticmethod
     def build_batches(
@@ -207,37 +238,175 @@ class TokenBudgetBatchSampler:
         return max(0, len(self.batches) - self.start)
 
 
+# Windows whose batches are shuffled together: consecutive updates then mix this many stretches of
+# the stored (length-sorted) order, at the memory of this many windows' features in the trainer.
+WINDOWS_SHUFFLED_TOGETHER = 4
+
+
+class StorageWindowBatchSampler:
+    """Batches formed within windows of sentences neighbouring in a cache's stored order; a worker reads a window at once.
+
+    For a cache larger than memory: one window (about `window` batches' worth of tokens of
+    neighbouring stored sentences) is read in a few large reads instead of one small random read per
+    sentence. Within a window, pairs are sorted by target length, then source length (the stored
+    order already keeps their PrLM lengths together), and cut into batches under the token budget.
+    Windows and batches are formed once; every epoch (seed + epoch) shuffles the window order, and the
+    batches of each WINDOWS_SHUFFLED_TOGETHER consecutive windows are shuffled together. The loader
+    yields whole windows (lists of batches); `WindowedLoader` hands them on one batch at a time in
+    that order, from batch `start` of the epoch after a resume.
+    Under DDP each window is split into one stretch per rank, each batched under max_tokens / world_size,
+    and every rank's stretch is cut into the same number of batches, so ranks step together and
+    each reads only its own neighbouring sentences.
+    """
+
+    def __init__(
+        self,
+        src_lens: np.ndarray,
+        tgt_lens: np.ndarray,
+        max_tokens: int,
+        stored_order: np.ndarray,
+        *,
+        window: int,
+        indices: np.ndarray | None = None,
+        seed: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        if window < 1:
+            raise ValueError(f"window must be >= 1 batches, got {window}")
+        self.seed = int(seed)
+        self.epoch = 0
+        self.start = 0
+        wanted = np.zeros(len(src_lens), dtype=bool)
+        wanted[np.arange(len(src_lens)) if indices is None else indices] = True
+        order = np.asarray(stored_order, dtype=np.int64)
+        order = order[wanted[order]]
+        sizes = np.maximum(src_lens, tgt_lens)
+        window_of = np.cumsum(sizes[order]) // (int(window) * int(max_tokens))
+        budget = max(1, int(max_tokens) // world_size)
+        ties = np.random.RandomState(self.seed)
+        # window -> this rank's batches; every rank holds the same number of batches per window
+        self.windows: list[list[list[int]]] = []
+        self.num_pairs = len(order)
+        for members in np.split(order, np.flatnonzero(np.diff(window_of)) + 1):
+            parts = np.array_split(members, np.searchsorted(
+                np.cumsum(sizes[members]), np.arange(1, world_size) * sizes[members].sum() / world_size, side="right"))
+            per_rank = []
+            for part in parts:
+                ranked = ties.permutation(part)
+                ranked = ranked[np.argsort(src_lens[ranked], kind="stable")]
+                ranked = ranked[np.argsort(tgt_lens[ranked], kind="stable")]
+                per_rank.append([b.tolist() for b in token_budget_batches(ranked, sizes, budget)] if len(part) else [])
+            count = max(len(b) for b in per_rank)
+            self.windows.append(_split_to(per_rank[rank], count))
+        self.batches = [b for w in self.windows for b in w]  # this rank's, in formation order
+
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """Epoch (0-based) whose order to yield next, skipping its first `start` batches."""
+        self.epoch = int(epoch)
+        self.start = int(start)
+
+    def groups(self, epoch: int) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """The epoch's order: (windows, their batches as (window, batch in window) in the order trained)."""
+        rng = np.random.RandomState((self.seed * 1_000_003 + epoch) % 2**32)
+        window_order = rng.permutation(len(self.windows)).tolist()
+        out = []
+        for g in range(0, len(window_order), WINDOWS_SHUFFLED_TOGETHER):
+            windows = window_order[g : g + WINDOWS_SHUFFLED_TOGETHER]
+            steps = [(w, j) for w in windows for j in range(len(self.windows[w]))]
+            out.append((windows, [steps[k] for k in rng.permutation(len(steps)).tolist()]))
+        return out
+
+    def remaining_groups(self):
+        """(windows, steps) of this epoch from batch `start` on: groups already trained are left out and
+        the first one left is cut to the steps not yet trained."""
+        skip = self.start
+        for windows, steps in self.groups(self.epoch):
+            if skip >= len(steps):
+                skip -= len(steps)
+                continue
+            yield windows, steps[skip:]
+            skip = 0
+
+    def __iter__(self):
+        # The loader's work items: each window a group still trains from, whole.
+        for windows, _steps in self.remaining_groups():
+            for w in windows:
+                yield self.windows[w]
+
+    def __len__(self) -> int:
+        return max(0, len(self.batches) - self.start)
+
+
+def _split_to(batches: list[list[int]], count: int) -> list[list[int]]:
+    """`batches` cut into exactly `count` (halving the largest while it has two or more pairs; then empty ones)."""
+    batches = list(batches)
+    while len(batches) < count:
+        largest = max(range(len(batches)), key=lambda k: len(batches[k]), default=None)
+        if largest is None or len(batches[largest]) < 2:
+            batches += [[] for _ in range(count - len(batches))]
+            break
+        b = batches[largest]
+        batches[largest : largest + 1] = [b[: len(b) // 2], b[len(b) // 2 :]]
+    return batches
+
+
+class WindowedLoader:
+    """Batches, one at a time, from a loader over a StorageWindowBatchSampler, in the sampler's epoch order."""
+
+    def __init__(self, loader: DataLoader, sampler: StorageWindowBatchSampler):
+        self.loader = loader
+        self.sampler = sampler
+
+    def __iter__(self):
+        windows_read = iter(self.loader)  # whole windows, in the order remaining_groups lists them
+        for windows, steps in self.sampler.remaining_groups():
+            read = {w: next(windows_read) for w in windows}
+            for w, j in steps:
+                yield read[w][j]
+                read[w][j] = None  # trained: its memory can go
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
 def _keep_batch(batch: Batch) -> Batch:
     # __getitems__ already built the whole batch; the default collate would try to re-collate it.
     return batch
 
 
 def make_loader(
-    dataset: PairDataset, batch_sampler: TokenBudgetBatchSampler, *, num_workers: int, prefetch_factor: int = 4,
-    pin_memory: bool = False,
-) -> DataLoader:
-    """DataLoader over whole batches; workers (forkserver) read and pad the features ahead of the model.
+    dataset: PairDataset, batch_sampler: TokenBudgetBatchSampler | StorageWindowBatchSampler, *, num_workers: int,
+    prefetch_factor: int | None = None, pin_memory: bool = False,
+) -> DataLoader | WindowedLoader:
+    """Batches from `dataset` in the sampler's order; workers (forkserver) read and pad the features ahead of the model.
 
     pin_memory (for a CUDA model): batches arrive page-locked, so their copy to the GPU can be asynchronous.
+    prefetch_factor: work items each worker keeps ready (default 4 batches, or 2 windows: a window is many batches).
     """
+    windows = isinstance(batch_sampler, StorageWindowBatchSampler)
+    if prefetch_factor is None:
+        prefetch_factor = 2 if windows else 4
     # A private generator: creating a loader iterator must not advance the global torch RNG
     # (dropout), or a resumed run would drift from an uninterrupted one.
     generator = torch.Generator().manual_seed(0)
     if num_workers <= 0:
-        return DataLoader(
+        loader = DataLoader(
             dataset, batch_sampler=batch_sampler, collate_fn=_keep_batch, num_workers=0, generator=generator,
             pin_memory=pin_memory,
         )
-    methods = multiprocessing.get_all_start_methods()
-    context = "forkserver" if "forkserver" in methods else "spawn"
-    return DataLoader(
-        dataset,
-        batch_sampler=batch_sampler,
-        collate_fn=_keep_batch,
-        num_workers=num_workers,
-        multiprocessing_context=context,
-        persistent_workers=True,
-        prefetch_factor=prefetch_factor,
-        generator=generator,
-        pin_memory=pin_memory,
-    )
+    else:
+        methods = multiprocessing.get_all_start_methods()
+        context = "forkserver" if "forkserver" in methods else "spawn"
+        loader = DataLoader(
+            dataset,
+            batch_sampler=batch_sampler,
+            collate_fn=_keep_batch,
+            num_workers=num_workers,
+            multiprocessing_context=context,
+            persistent_workers=True,
+            prefetch_factor=prefetch_factor,
+            generator=generator,
+            pin_memory=pin_memory,
+        )
+    return WindowedLoader(loader, batch_sampler) if windows else loader

@@ -176,7 +176,7 @@ def _train_locked(run: RunConfig, corpus, branches: dict[str, list[PrLMBranch]],
         "precision": runtime.precision,
         "world_size": ctx.world_size,
         "train_pairs": len(train_set),
-        "train_pairs_used": int(sum(len(b) for b in trainer.train_sampler.batches)),
+        "train_pairs_used": trainer.train_sampler.num_pairs,
     })
     if existing is not None and (run_dir / rundir.RUN_JSON).is_file():
         rundir.check_same_run(run_dir, rundir.read_run_info(run_dir), info)

@@ -36,7 +36,9 @@ from prlmfuse.precision import Runtime, grad_scaler, resolve_runtime
 from prlmfuse.train_fused import checkpointing, run_dir as rundir
 from prlmfuse.train_fused.bpe import PAD_ID
 from prlmfuse.train_fused.config import RunConfig
-from prlmfuse.train_fused.data import Batch, PairDataset, TokenBudgetBatchSampler, make_loader
+from prlmfuse.train_fused.data import (
+    Batch, PairDataset, StorageWindowBatchSampler, TokenBudgetBatchSampler, make_loader,
+)
 from prlmfuse.train_fused.modeling import FusedTransformer
 
 logger = logging.getLogger(__name__)
@@ -168,10 +170,17 @@ class Trainer:
         )
         workers = 0 if run.in_memory_features else run.num_workers
         on_gpu = self.device.type == "cuda"
-        self.train_sampler = TokenBudgetBatchSampler(
-            train_set.src_lens, train_set.tgt_lens, run.max_tokens,
-            indices=self._usable(train_set, model), seed=run.seed, rank=ctx.rank, world_size=ctx.world_size,
-        )
+        if run.read_window and train_set.branches:
+            self.train_sampler = StorageWindowBatchSampler(
+                train_set.src_lens, train_set.tgt_lens, run.max_tokens, train_set.branches[0].reader.stored_order(),
+                window=run.read_window, indices=self._usable(train_set, model), seed=run.seed, rank=ctx.rank,
+                world_size=ctx.world_size,
+            )
+        else:
+            self.train_sampler = TokenBudgetBatchSampler(
+                train_set.src_lens, train_set.tgt_lens, run.max_tokens,
+                indices=self._usable(train_set, model), seed=run.seed, rank=ctx.rank, world_size=ctx.world_size,
+            )
         self.train_loader = make_loader(train_set, self.train_sampler, num_workers=workers, pin_memory=on_gpu)
         self.dev_sampler = TokenBudgetBatchSampler(
             dev_set.src_lens, dev_set.tgt_lens, run.max_tokens,
