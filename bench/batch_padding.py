@@ -14,8 +14,9 @@ with the padded source; decoder layers with the padded target. No timing: the co
 
 --storage-windows: also the batches of `train.read_window` K ("storage_window_K", K = 1, 2, 4, 8, 32)
 over a cache of CHECKPOINT, which stores the training sources sorted by their token length, ties by
-line: windows of K batches' worth of neighbouring stored sentences, each sorted by target length, then
-source length, and cut under the budget.
+line: windows of K batches' worth of neighbouring stored sentences, each sorted by the longer side's
+length, then target, then source length, and cut under the budget. With it, every order also counts the padding of the PrLM
+features (the cache's token lengths), which the PrLM attention reads.
 
 Default corpus: the Bible English->Japanese corpus under $PRLMFUSE_HOME (built if missing). The
 last line is `RESULT {json}`.
@@ -94,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         from prlmfuse.prlms import load_prlm, resolve_checkpoint
 
         _model, tokenizer = load_prlm(resolve_checkpoint(args.storage_windows))
-        storage = np.argsort(encode_corpus(tokenizer, src, max_length=512).lengths, kind="stable")
+        prlm_lens = encode_corpus(tokenizer, src, max_length=512).lengths
+        storage = np.argsort(prlm_lens, kind="stable")
 
     result: dict = {"corpus": str(corpus.root), "bpe_vocab": args.bpe_vocab}
     for max_tokens in args.max_tokens:
@@ -112,9 +114,12 @@ def main(argv: list[str] | None = None) -> int:
                 "src_padded_over_real": round(padding(batches, src_lens), 3),
                 "tgt_padded_over_real": round(padding(batches, tgt_lens), 3),
             }
+            if storage is not None:  # the PrLM features, which the PrLM attention reads and a worker pads
+                row[name]["prlm_padded_over_real"] = round(padding(batches, prlm_lens), 3)
             label = {"target_first": "target first", "source_first": "prlmfuse (source first)"}.get(name, name)
+            prlm = f", PrLM {row[name]['prlm_padded_over_real']:.3f}" if storage is not None else ""
             print(f"max_tokens {max_tokens:5d}  {label:24s} {row[name]['batches']:6d} batches  padded/real: "
-                  f"source {row[name]['src_padded_over_real']:.3f}, target {row[name]['tgt_padded_over_real']:.3f}")
+                  f"source {row[name]['src_padded_over_real']:.3f}, target {row[name]['tgt_padded_over_real']:.3f}{prlm}")
         result[f"max_tokens_{max_tokens}"] = row
     print("RESULT " + json.dumps(result))
     return 0

@@ -1,7 +1,7 @@
 """Training from a cache larger than memory: the loader and the writer against the disk's own rates.
 
     python bench/cache_at_scale.py --dir DIR [--size-gb N] [--backend zarr|hdf5] [--workers 1,2,4]
-                                [--compare] [--loader-only] [--read-window K]
+                                [--compare] [--loader-only] [--read-window K[,K...]]
 
 1. Lengths: the English Bible's verses tokenized by MiniLM's tokenizer (BERT's uncased WordPiece, the
    vocabulary of BERT-base), tiled in a seeded order up to the cache size. Features are random float32
@@ -24,9 +24,10 @@
    dataset's offset. zarr: "sharded", a second big cache written with zarr's sharding codec (each
    array one file per shard, the same inner chunks, rows written once per file), its writer and its
    loader timed beside the library's one-file-per-chunk layout.
---read-window K: a lane beside the library's default order, the loader with train.read_window K (batches
-   formed within windows of K batches' worth of neighbouring stored sentences, a worker reading each window
-   in a few large reads).
+--read-window K[,K...]: a lane per K beside the library's default order, the loader with train.read_window K
+   (batches formed within windows of K batches' worth of neighbouring stored sentences, a worker reading
+   each window in a few large reads). Its read amplification counts the windows read ahead of the last
+   batch timed, and leaves out those read before the first.
 --loader-only skips the writer-only caches and stages of step 2.
 The loader's target side is not modelled: each pair's target length is its source length.
 The cache and scratch files are deleted at the end (--keep keeps the cache). Last line: RESULT {json}.
@@ -452,8 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compare", action="store_true",
                         help="a lane beside the library's: hdf5, reads through h5py; zarr, a sharded cache")
     parser.add_argument("--loader-only", action="store_true", help="skip the writer-only caches and stages")
-    parser.add_argument("--read-window", type=int, default=0, metavar="K",
-                        help="a lane beside the library's default order: train.read_window K (windows of K batches' "
+    parser.add_argument("--read-window", default="", metavar="K[,K...]",
+                        help="lanes beside the library's default order: train.read_window K (windows of K batches' "
                              "worth of neighbouring stored sentences, each read at once)")
     args = parser.parse_args(argv)
 
@@ -522,7 +523,7 @@ def main(argv: list[str] | None = None) -> int:
             result["raw_sequential_read_GBps"] = round(raw_sequential_read(shard_files(cache), min(size, 16 << 30)), 3)
             print(f"raw sequential read: {result['raw_sequential_read_GBps']} GB/s", flush=True)
             result["loader"] = []
-            orders = [0] + ([args.read_window] if args.read_window else [])
+            orders = [0] + [int(k) for k in args.read_window.split(",") if k]
             for workers in [int(w) for w in args.workers.split(",")]:
                 for lane in lanes:
                     for read_window in orders if lane == "library" else [0]:

@@ -100,9 +100,9 @@ def test_storage_windows_cover_each_pair_once_within_budget_from_neighbouring_st
     assert [p for span in spans for p in span] == sorted(position[kept])
     sizes = np.maximum(src, tgt)
     assert len(sampler.windows) == int(sizes[kept].sum() // 1600) + 1
-    # Within a window, batches run up the target lengths (the sort key there).
+    # Within a window, batches run up the longer side's lengths (the sort key there).
     for w in sampler.windows:
-        runs = [(min(tgt[i] for i in b), max(tgt[i] for i in b)) for b in w]
+        runs = [(min(sizes[i] for i in b), max(sizes[i] for i in b)) for b in w]
         assert all(hi <= next_lo for (_, hi), (next_lo, _) in zip(runs, runs[1:]))
 
 

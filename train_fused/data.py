@@ -248,8 +248,9 @@ class StorageWindowBatchSampler:
 
     For a cache larger than memory: one window (about `window` batches' worth of tokens of
     neighbouring stored sentences) is read in a few large reads instead of one small random read per
-    sentence. Within a window, pairs are sorted by target length, then source length (the stored
-    order already keeps their PrLM lengths together), and cut into batches under the token budget.
+    sentence. Within a window, pairs are sorted by the length the budget counts (the longer side), then
+    target, then source length (the stored order already keeps their PrLM lengths together), and cut
+    into batches under the token budget (`bench/batch_padding.py --storage-windows` counts the padding).
     Windows and batches are formed once; every epoch (seed + epoch) shuffles the window order, and the
     batches of each WINDOWS_SHUFFLED_TOGETHER consecutive windows are shuffled together. The loader
     yields whole windows (lists of batches); `WindowedLoader` hands them on one batch at a time in
@@ -294,8 +295,7 @@ class StorageWindowBatchSampler:
             per_rank = []
             for part in parts:
                 ranked = ties.permutation(part)
-                ranked = ranked[np.argsort(src_lens[ranked], kind="stable")]
-                ranked = ranked[np.argsort(tgt_lens[ranked], kind="stable")]
+                ranked = ranked[np.lexsort((src_lens[ranked], tgt_lens[ranked], sizes[ranked]))]
                 per_rank.append([b.tolist() for b in token_budget_batches(ranked, sizes, budget)] if len(part) else [])
             count = max(len(b) for b in per_rank)
             self.windows.append(_split_to(per_rank[rank], count))
