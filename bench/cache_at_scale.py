@@ -26,8 +26,7 @@
    loader timed beside the library's one-file-per-chunk layout.
 --read-window K[,K...]: a lane per K beside the library's default order, the loader with train.read_window K
    (batches formed within windows of K batches' worth of neighbouring stored sentences, a worker reading
-   each window in a few large reads). Its read amplification counts the windows read ahead of the last
-   batch timed, and leaves out those read before the first.
+   each window in a few large reads). Its clock starts after the first group of windows is delivered.
 --loader-only skips the writer-only caches and stages of step 2.
 The loader's target side is not modelled: each pair's target length is its source length.
 The cache and scratch files are deleted at the end (--keep keeps the cache). Last line: RESULT {json}.
@@ -393,8 +392,12 @@ def time_loader(cache: Path, corpus, workers: int, seconds: float, max_tokens: i
     dropper = PageDropper(reader)
     drop_tree(cache)
     iterator = iter(loader)
-    first = next(iterator)
-    dropper.drop(first.ids)
+    # Timing starts once the first work item is delivered: a batch, or under read_window the first group of
+    # windows (its batches come from windows read before the clock starts, as the windows read ahead of the
+    # last batch timed are read on the clock and not delivered).
+    warmup = len(next(sampler.remaining_groups())[1]) if read_window else 1
+    for _ in range(warmup):
+        dropper.drop(next(iterator).ids)
     pids = {"trainer": os.getpid()}
     # The DataLoader's own (persistent) iterator holds the worker processes, also under a WindowedLoader.
     workers_of = getattr(loader, "loader", loader)._iterator

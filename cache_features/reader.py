@@ -173,7 +173,9 @@ class CacheReader:
             span = spans[0].unsqueeze(0) if len(spans) == 1 else torch.stack(spans)  # [n_layers, stop - start, d]
             for k, i in members:
                 first = int(self._token_start[i]) - start
-                out[k] = span[:, first : first + int(self.lengths[i])]
+                rows_of_i = span[:, first : first + int(self.lengths[i])]
+                # an in-memory span is a view into the cache: a copy, so no caller can write into it
+                out[k] = rows_of_i.clone() if self.in_memory else rows_of_i
         return out
 
     def pooled_many(self, indices) -> torch.Tensor:

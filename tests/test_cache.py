@@ -320,6 +320,11 @@ def test_neighbouring_stored_sentences_are_read_together_and_match_one_by_one(ti
         for i, features in zip(asked, got):
             assert torch.equal(features, reader.features(i, [1], widen=widen)), i
     assert torch.equal(reader.pooled_many(asked), torch.stack([reader.pooled(i) for i in asked]))
+    memory = CacheReader(tmp_path / "c", in_memory=True)
+    kept = memory.features(stored[0], widen=False).clone()
+    for features in memory.features_many([stored[0], stored[1]], widen=False):
+        features.fill_(7)  # a caller's copy: the cache in memory is not written
+    assert torch.equal(memory.features(stored[0], widen=False), kept)
     assert reader.features_many([]) == [] and reader.pooled_many([]).shape == (0, len(reader.pooled_layers), 2,
                                                                                 reader.hidden_size)
 

@@ -281,6 +281,7 @@ class StorageWindowBatchSampler:
         wanted = np.zeros(len(src_lens), dtype=bool)
         wanted[np.arange(len(src_lens)) if indices is None else indices] = True
         order = np.asarray(stored_order, dtype=np.int64)
+        order = order[order < len(src_lens)]  # the cache covers the whole split; max_train_pairs keeps its first lines
         order = order[wanted[order]]
         sizes = np.maximum(src_lens, tgt_lens)
         window_of = np.cumsum(sizes[order]) // (int(window) * int(max_tokens))
@@ -299,7 +300,8 @@ class StorageWindowBatchSampler:
                 per_rank.append([b.tolist() for b in token_budget_batches(ranked, sizes, budget)] if len(part) else [])
             count = max(len(b) for b in per_rank)
             self.windows.append(_split_to(per_rank[rank], count))
-        self.batches = [b for w in self.windows for b in w]  # this rank's, in formation order
+        # this rank's batches (TokenBudgetBatchSampler's are global), in formation order
+        self.batches = [b for w in self.windows for b in w]
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         """Epoch (0-based) whose order to yield next, skipping its first `start` batches."""
@@ -319,13 +321,16 @@ class StorageWindowBatchSampler:
 
     def remaining_groups(self):
         """(windows, steps) of this epoch from batch `start` on: groups already trained are left out and
-        the first one left is cut to the steps not yet trained."""
+        the first one left is cut to the steps not yet trained, and to the windows those steps read."""
         skip = self.start
         for windows, steps in self.groups(self.epoch):
             if skip >= len(steps):
                 skip -= len(steps)
                 continue
-            yield windows, steps[skip:]
+            if skip:
+                steps = steps[skip:]
+                windows = [w for w in windows if any(step_window == w for step_window, _ in steps)]
+            yield windows, steps
             skip = 0
 
     def __iter__(self):
@@ -335,6 +340,7 @@ class StorageWindowBatchSampler:
                 yield self.windows[w]
 
     def __len__(self) -> int:
+        # batches left in the epoch (what WindowedLoader yields), not the windows __iter__ hands the workers
         return max(0, len(self.batches) - self.start)
 
 

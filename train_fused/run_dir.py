@@ -147,6 +147,8 @@ def upgrade_run_info(info: dict) -> dict:
         model["attention_dropout"] = model.pop("attn_dropout")
     if isinstance(train, dict) and "dropnet_p" not in train:  # older runs could not set it: the model's value
         train["dropnet_p"] = model.get("dropnet_p", 0.5)
+    if isinstance(train, dict):
+        train.setdefault("read_window", 0)  # older runs batched the whole split
     return info
 
 
