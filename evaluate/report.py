@@ -20,7 +20,7 @@ import logging
 import math
 import re
 import statistics
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from prlmfuse.errors import UserError
@@ -85,6 +85,8 @@ class Report:
     rows: list[RunResult]  # with the file each came from in `sources`
     sources: dict[str, Path]  # run -> results.json it came from
     systems: list[SystemSummary] = field(default_factory=list)
+    # each row against a run named with --against: {run, test_set, against, delta, p_value} (metric -> value)
+    against: list[dict] = field(default_factory=list)
 
     @property
     def files(self) -> dict[str, Path]:
@@ -129,8 +131,12 @@ def _first_difference(a: Evaluation, b: Evaluation) -> str | None:
     return None
 
 
-def merge_evaluations(paths: list[str | Path], out: str | Path) -> Report:
-    """Read, check and merge the results.json files at `paths`; write the merged report into `out`."""
+def merge_evaluations(paths: list[str | Path], out: str | Path, against: list[str] | tuple[str, ...] = ()) -> Report:
+    """Read, check and merge the results.json files at `paths`; write the merged report into `out`.
+
+    against: runs every other row is also compared with (Δ and paired-bootstrap p on the same resampled
+    test sets), e.g. a table's default setting, so that rows differing from it in one factor are compared directly.
+    """
     if not paths:
         raise UserError("no results.json given; pass the results of at least one evaluation")
     inputs = [read_evaluation(p) for p in paths]
@@ -180,14 +186,27 @@ def merge_evaluations(paths: list[str | Path], out: str | Path) -> Report:
         } if hyps else {}
         refs_sha[(row.run, row.test_set)] = row.ref_sha256
         row.delta, row.p_value, row.compared_with = {}, {}, None
+    unknown = [a for a in against if a not in sources]
+    if unknown:
+        raise UserError(f"--against {unknown[0]}: no such run in the files (runs: {', '.join(sources)})")
     add_bootstrap(rows, sentence_level, refs_sha, baseline_of, n_samples=int(settings["bootstrap_samples"]),
                   seed=int(settings["seed"]))
+    compared = []
+    for name in dict.fromkeys(against):
+        # copies: the rows keep the comparison with their baseline
+        copies = [replace(r, delta={}, p_value={}, compared_with=None) for r in rows]
+        add_bootstrap(copies, sentence_level, refs_sha, {r.run: name for r in copies if r.run != name},
+                      n_samples=int(settings["bootstrap_samples"]), seed=int(settings["seed"]))
+        compared += [{"run": c.run, "test_set": c.test_set, "against": name, "delta": c.delta, "p_value": c.p_value}
+                     for c in copies if c.compared_with]
 
     baselines = {b for b in baseline_of.values()} | {e.baseline for e in inputs if e.baseline}
     order = {name: i for i, name in enumerate(_report_order([r.run for r in rows], baselines))}
     rows.sort(key=lambda r: (settings["test_sets"].index(r.test_set) if r.test_set in settings["test_sets"] else 0,
                              order[r.run]))
-    report = Report(out=Path(out), inputs=inputs, rows=rows, sources=sources, systems=_systems(rows))
+    order_of = {(r.run, r.test_set): k for k, r in enumerate(rows)}
+    compared.sort(key=lambda c: (order_of[(c["run"], c["test_set"])], c["against"]))
+    report = Report(out=Path(out), inputs=inputs, rows=rows, sources=sources, systems=_systems(rows), against=compared)
     write_report(report)
     return report
 
@@ -295,6 +314,15 @@ def report_markdown(report: Report) -> str:
             ahead = f"{m.significant} of {m.compared}" if m.compared else "-"
             lines.append(f"| {m.system} | {len(m.runs)} | {_fmt(m.mean)} ± {_fmt(m.sd)} | "
                          f"{_fmt(m.chrf_mean)} ± {_fmt(m.chrf_sd)} | {delta} | {ahead} |")
+        for other in dict.fromkeys(c["against"] for c in report.against if c["test_set"] == split):
+            lines += ["", f"Against {other} (paired bootstrap on the same resampled test sets; * p < {SIGNIFICANCE:g}):",
+                      "", f"| run | Δ {name} vs {other} | p | Δ chrF vs {other} |", "|---|---|---|---|"]
+            for c in report.against:
+                if c["test_set"] == split and c["against"] == other and metric in c["delta"]:
+                    p_value = c["p_value"][metric]
+                    chrf = next(r.chrf for r in rows if r.run == c["run"]) - next(r.chrf for r in rows if r.run == other)
+                    lines.append(f"| {c['run']} | {c['delta'][metric]:+.2f} | {p_value:.3f}"
+                                 f"{'*' if p_value < SIGNIFICANCE else ''} | {_fmt(chrf, 2) if math.isfinite(chrf) else '-'} |")
         signatures = dict.fromkeys(f"{k}: {v}" for r in rows for k, v in sorted(r.signature.items()))
         lines += ["", "Signatures:", ""] + [f"- `{sig}`" for sig in signatures]
     return "\n".join(lines) + "\n"
@@ -322,6 +350,7 @@ def write_report(report: Report) -> None:
         "rows": [{**r.to_dict(), "file": report.sources[r.run].name, "machine": _machine_of(report, r.run)}
                  for r in report.rows],
         "systems": [asdict(m) for m in report.systems],
+        "against": report.against,
     }))
     plot_scores(as_results, out / "scores.png")
 

@@ -89,6 +89,28 @@ def test_report_through_the_cli(evaluated, tmp_path):
     assert f"results: {tmp_path / 'm' / 'results.md'}" in out.stdout and "test fused: BLEU" in out.stdout
 
 
+def test_rows_compared_against_a_named_run_match_an_evaluation_that_named_it_its_baseline(evaluated, tmp_path):
+    """--against fused.seed-1: each other run gets the Δ and p an evaluation with fused.seed-1 as its baseline gives."""
+    from prlmfuse.evaluate import evaluate_runs
+    from prlmfuse.evaluate.report import merge_evaluations
+
+    files = [evaluated["in"] / "seed-1.json", evaluated["in"] / "seed-2.json"]
+    report = merge_evaluations(files, tmp_path / "merged", against=["fused.seed-1"])
+    rows = {r.run: r for r in report.rows}
+    assert rows["fused.seed-2"].compared_with == "baseline.seed-2"  # the baseline comparison is kept
+    compared = {c["run"]: c for c in report.against}
+    assert sorted(compared) == ["baseline.seed-1", "baseline.seed-2", "fused.seed-2"]
+    direct = evaluate_runs([evaluated["dirs"] / "fused.seed-1", evaluated["dirs"] / "fused.seed-2"],
+                           out=tmp_path / "direct", beam=2, average_last=2, baseline="fused.seed-1", progress=False)
+    assert compared["fused.seed-2"]["delta"]["bleu"] == pytest.approx(direct.row("fused.seed-2").delta["bleu"])
+    assert compared["fused.seed-2"]["p_value"]["bleu"] == pytest.approx(direct.row("fused.seed-2").p_value["bleu"])
+    assert compared["baseline.seed-1"]["delta"]["bleu"] == pytest.approx(rows["baseline.seed-1"].bleu - rows["fused.seed-1"].bleu)
+    md = (tmp_path / "merged" / "results.md").read_text()
+    assert "Against fused.seed-1" in md and "| fused.seed-2 |" in md.split("Against fused.seed-1")[1]
+    assert json.loads((tmp_path / "merged" / "results.json").read_text())["against"][0]["against"] == "fused.seed-1"
+    assert "--against nosuch: no such run" in _refusal([*files, "--against", "nosuch"], tmp_path / "refused")
+
+
 def _refusal(files: list[Path], out: Path) -> str:
     proc = subprocess.run([sys.executable, "-m", "prlmfuse.cli", "report", *map(str, files), "--out", str(out)],
                           capture_output=True, text=True)

@@ -8,16 +8,19 @@ import click
 @click.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Where the merged results.md/csv/json and scores.png go.")
-def report(files: tuple[str, ...], out: str) -> None:
+@click.option("--against", "against", multiple=True, metavar="RUN",
+              help="Also compare every run with RUN (Δ and paired-bootstrap p), e.g. a table's default setting; repeatable.")
+def report(files: tuple[str, ...], out: str, against: tuple[str, ...]) -> None:
     """Merge FILES (results.json of `evaluate`, each with its hyp.* and ref.* files beside it) into one table.
 
     Each fused run is compared again with the baseline its evaluation named (its own seed's), from the
     hypothesis files; each system gets its mean ± sd over seeds. Files scored on other test sets or
     corpora, with other metric or decoding settings, or whose hypotheses are missing or changed are refused.
+    With --against RUN, every run is also compared with RUN, in a table of its own.
     """
     from prlmfuse.evaluate.report import merge_evaluations
 
-    merged = merge_evaluations(list(files), out)
+    merged = merge_evaluations(list(files), out, against)
     click.echo(f"results: {merged.files['results.md']}")
     for m in merged.systems:
         name = {"bleu": "BLEU", "rougeL": "ROUGE-L"}.get(m.metric, m.metric)
@@ -25,4 +28,9 @@ def report(files: tuple[str, ...], out: str) -> None:
         delta = "" if m.delta_mean is None else f", Δ {m.delta_mean:+.2f}" + (f" ± {m.delta_sd:.2f}" if m.compared > 1 else "")
         spread = f" ± {m.sd:.2f} over {len(m.runs)} runs" if several else " (one run)"
         click.echo(f"  {m.test_set} {m.system}: {name} {m.mean:.2f}{spread}{delta}")
+    for c in merged.against:
+        metric = next(r.main_metric for r in merged.rows if r.run == c["run"] and r.test_set == c["test_set"])
+        if metric in c["delta"]:
+            click.echo(f"  {c['test_set']} {c['run']} vs {c['against']}: Δ {c['delta'][metric]:+.2f} "
+                       f"(p {c['p_value'][metric]:.3f})")
     click.echo(f"plot: {merged.files['scores.png']}")
