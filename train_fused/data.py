@@ -388,11 +388,12 @@ def make_loader(
     """Batches from `dataset` in the sampler's order; workers (forkserver) read and pad the features ahead of the model.
 
     pin_memory (for a CUDA model): batches arrive page-locked, so their copy to the GPU can be asynchronous.
-    prefetch_factor: work items each worker keeps ready (default 4 batches, or 2 windows: a window is many batches).
+    prefetch_factor: work items each worker keeps ready (default 4 batches; or 2 windows, a window being many
+    batches, and at least enough for the workers to read the next group of windows while one trains).
     """
     windows = isinstance(batch_sampler, StorageWindowBatchSampler)
     if prefetch_factor is None:
-        prefetch_factor = 2 if windows else 4
+        prefetch_factor = max(2, -(-WINDOWS_SHUFFLED_TOGETHER // max(num_workers, 1))) if windows else 4
     # A private generator: creating a loader iterator must not advance the global torch RNG
     # (dropout), or a resumed run would drift from an uninterrupted one.
     generator = torch.Generator().manual_seed(0)
