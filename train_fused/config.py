@@ -275,10 +275,11 @@ class RunConfig:
     # update_freq * max_tokens, on one device as on several.
     update_freq: int = 1
     max_train_pairs: int | None = None  # first N training pairs only (quick runs)
-    # 0: batches formed over the whole training split, each sentence's features read on its own. K >= 1:
-    # batches formed within windows of about K batches' worth of sentences neighbouring in the (first)
-    # PrLM cache's stored order, each window read in a few large reads; for a cache larger than memory
-    # on a disk slow at small random reads. A baseline (no cache) batches the whole split either way.
+    # 0: batches formed over the whole training split, a batch's sentences read wherever they are
+    # stored. K >= 1: batches formed within windows of about K batches' worth of sentences neighbouring
+    # in the (first) PrLM cache's stored order, each window read in a few large reads; for a cache
+    # larger than memory on a disk slow at small random reads. A baseline (no cache) batches the whole
+    # split either way.
     read_window: int = 0
     # Optimisation (Appendix A of the paper).
     lr: float = 7e-4
