@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -414,6 +415,25 @@ def test_two_gloo_processes_match_one_process(world, tmp_path):
     single_dev = [r["dev_loss"] for r in _metrics(single) if "dev_loss" in r]
     ddp_dev = [r["dev_loss"] for r in _metrics(ddp) if "dev_loss" in r]
     assert ddp_dev == pytest.approx(single_dev, rel=1e-4)
+
+
+def test_two_gloo_ranks_step_together_through_storage_windows(world, tmp_path):
+    """read_window under torchrun: each rank batches its own stretch of every window, the ranks take the same
+    number of steps through epoch ends (a rank with one step more would hang the gradient all-reduce)."""
+    corpus, ckpt, paths = world
+    overrides = dict(max_updates=16, save_every=8, max_tokens=1600, read_window=2)
+    args = {"corpus": str(corpus.root), "ckpt": str(ckpt), "paths": paths, "run": overrides, "precision": "fp32",
+            "out": str(tmp_path / "ddp")}
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(_driver(tmp_path)),
+         json.dumps(args)],
+        check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=600,
+    )
+    state = json.loads((tmp_path / "ddp" / "trainer_state.json").read_text())
+    assert state["update"] == 16 and state["epoch"] >= 1, state  # across an epoch end
+    info = json.loads((tmp_path / "ddp" / "run.json").read_text())
+    assert info["world_size"] == 2 and info["train"]["read_window"] == 2
+    assert all(math.isfinite(r["dev_loss"]) for r in _metrics(tmp_path / "ddp") if "dev_loss" in r)
 
 
 def test_run_dropouts_reach_the_model():
