@@ -9,8 +9,8 @@
 (b) and (c) alternate for --rounds rounds and each keeps its best, (b) on a freshly loaded model
 each round as (c) loads its own: a model object that has run other work, or a noisy neighbour
 during one phase, otherwise decides the ratio.
-(d) training read: every sentence of (c)'s cache read once in shuffled order through
-CacheReader.features(i, widen=False), as a training DataLoader worker reads it (best of --rounds).
+(d) training read: every sentence of (c)'s cache read once in shuffled order, 64 at a time through
+CacheReader.features_many(ids, widen=False), as a training DataLoader worker reads a batch (best of --rounds).
 Then bytes per token of each stored dtype (small caches), and peak RSS of cache builds of 2,000 and
 8,000 sentences in subprocesses (memory must not grow with the corpus). Last line: RESULT {json}.
 """
@@ -98,8 +98,8 @@ def read_all(path: str, seed: int) -> tuple[float, int]:
     reader = CacheReader(path)
     order = np.random.default_rng(seed).permutation(len(reader))
     start = time.perf_counter()
-    for i in order:
-        reader.features(int(i), widen=False)
+    for k in range(0, len(order), 64):
+        reader.features_many(order[k : k + 64].tolist(), widen=False)
     elapsed = time.perf_counter() - start
     reader.close()
     return elapsed, len(order)

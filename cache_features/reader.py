@@ -143,18 +143,7 @@ class CacheReader:
         an all-layer cache reads that layer only. widen=False returns `self.transfer_dtype`
         instead (float16 stays float16), the same values in half the bytes for a worker to hand over.
         """
-        i = self._check_index(i)
-        s = int(self._shard_of[i])
-        start = int(self._token_start[i])
-        stop = start + int(self.lengths[i])
-        out = []
-        for layer in self.layers if rows is None else [self.layers[r] for r in rows]:
-            values = self._read(s, f"layer_{layer:03d}", start, stop)
-            side = {name: self._read(s, f"{name}_{layer:03d}", start, stop) for name in self._side}
-            out.append(decode(values, side, self.dtype) if widen else decode_to_transfer(values, side, self.dtype))
-        if len(out) == 1 and not self.in_memory:
-            return out[0].unsqueeze(0)  # a buffer of its own, just read: a view saves a copy
-        return torch.stack(out)  # copies, so no caller can write into the in-memory cache
+        return self.features_many([i], rows, widen=widen)[0]
 
     def features_many(self, indices, rows: list[int] | None = None, *, widen: bool = True) -> list[torch.Tensor]:
         """`features(i, rows, widen=widen)` for each i of `indices`, in that order.
@@ -174,29 +163,31 @@ class CacheReader:
             for k, i in members:
                 first = int(self._token_start[i]) - start
                 rows_of_i = span[:, first : first + int(self.lengths[i])]
-                # an in-memory span is a view into the cache: a copy, so no caller can write into it
-                out[k] = rows_of_i.clone() if self.in_memory else rows_of_i
+                # one in-memory layer's span is a view into the cache (several are stacked into a new
+                # tensor): a copy, so no caller can write into the cache
+                out[k] = rows_of_i.clone() if self.in_memory and len(spans) == 1 else rows_of_i
         return out
 
     def pooled_many(self, indices) -> torch.Tensor:
         """float32 [len(indices), n_pooled_layers, 2, d]: `pooled(i)` for each i, neighbouring rows read together."""
         out = torch.empty(len(indices), len(self.pooled_layers), 2, self.hidden_size, dtype=torch.float32)
-        for s, members, start, stop in self._runs(indices, self._row_of, np.ones_like(self._row_of), READ_GAP_ROWS):
+        for s, members, start, stop in self._runs(indices, self._row_of, None, READ_GAP_ROWS):
             span = decode(self._read(s, "pooled", start, stop), None, self.pooled_dtype)
             for k, i in members:
                 out[k] = span[int(self._row_of[i]) - start]
         return out
 
-    def _runs(self, indices, first: np.ndarray, count: np.ndarray, gap: int):
+    def _runs(self, indices, first: np.ndarray, count: np.ndarray | None, gap: int):
         """(shard, [(position in indices, sentence)], start, stop): runs of the sentences' [first, first + count)
-        ranges that lie in one shard no more than `gap` apart, in stored order."""
+        ranges (count None: one row each) that lie in one shard no more than `gap` apart, in stored order."""
         ids = np.fromiter((self._check_index(i) for i in indices), dtype=np.int64, count=len(indices))
         shard, begin = self._shard_of[ids], first[ids]
         run: list[tuple[int, int]] = []
         start = stop = s = -1
         for k in np.lexsort((begin, shard)).tolist():
             i = int(ids[k])
-            b, e = int(begin[k]), int(begin[k] + count[i])
+            b = int(begin[k])
+            e = b + (1 if count is None else int(count[i]))
             if run and (int(shard[k]) != s or b > stop + gap):
                 yield s, run, start, stop
                 run = []
@@ -217,10 +208,7 @@ class CacheReader:
 
     def pooled(self, i: int) -> torch.Tensor:
         """float32 [n_pooled_layers, 2, d]: [:, 0] first-token vector, [:, 1] mean over real tokens."""
-        i = self._check_index(i)
-        s = int(self._shard_of[i])
-        row = int(self._row_of[i])
-        return decode(self._read(s, "pooled", row, row + 1)[0], None, self.pooled_dtype)
+        return self.pooled_many([i])[0]
 
 
 def feature_scale(path_or_url, sentences: int = 200) -> dict[str, dict[str, float]]:
