@@ -7,7 +7,8 @@ False). On a GPU machine run them all at once with
 
 They cover, on the tiny preset with a few hundred toy sentences and at most 20 updates each:
 - stage one: a cache built on cuda at fp32 equals the CPU's within a stated tolerance;
-- stage two: bf16 training, fp16 training with its gradient scaler, `compile: true` against eager;
+- stage two: fp32 training on cuda against the CPU's, bf16 training, fp16 training with its gradient
+  scaler, `compile: true` against eager;
 - stage three: beam search on cuda against the CPU at fp32, `translate` with its PrLM live on cuda;
 - the whole pipeline, `prlmfuse run pipeline.yaml --device cuda`, on an English-target corpus (BLEU's
   13a tokenizer, no mecab) with whichever cache backend is importable (zarr, else hdf5).
@@ -33,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from prlmfuse.cache_features import CacheReader, build_cache
 from prlmfuse.precision import compute_dtype, precision_name, resolve_runtime
@@ -238,6 +240,24 @@ def test_cache_built_on_the_device_equals_the_cpu_cache_at_fp32(world, tmp_path,
 
 
 # ------------------------------------------------------------------------------ stage two
+
+
+@pytest.mark.parametrize("device", [CUDA, CPU])
+def test_training_on_the_device_matches_the_cpu_at_fp32(world, tmp_path, device, strict_fp32):
+    # fp32, dropout 0 (tiny_run's default), the same seed and batches, gradients accumulated over two
+    # batches: after 4 updates the device's weights differ from the CPU's by summation order only,
+    # far inside rtol 1e-3 / atol 1e-4, while a wrong mask, layer or accumulation moves them by percents.
+    runs = {}
+    for name, on in (("cpu", "cpu"), ("device", device)):
+        run = small_runs.tiny_run("dev", prlms=[world.use], update_freq=2, max_updates=4)
+        runs[name] = train_run(run, world.corpus, [dict(world.caches)], tmp_path / name, progress=False,
+                               runtime=resolve_runtime(on, "fp32"))
+    a, b = (load_file(str(runs[n] / "checkpoints" / "update-00000004.safetensors")) for n in ("cpu", "device"))
+    assert a.keys() == b.keys() and any("prlm" in k for k in a)
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-3, atol=1e-4, msg=lambda m: f"{key}: {m}")
+    info = json.loads((runs["device"] / "run.json").read_text())
+    assert info["device"] == str(resolve_runtime(device, "fp32").device) and info["precision"] == "fp32"
 
 
 @pytest.mark.parametrize("device, precision", [

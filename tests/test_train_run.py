@@ -501,24 +501,6 @@ def test_update_freq_counts_updates_and_resumes_exactly(world, tmp_path):
                   split, progress=False)
 
 
-@pytest.mark.cuda
-def test_training_on_cuda_matches_the_cpu_at_fp32(world, tmp_path):
-    from prlmfuse.precision import Runtime
-
-    corpus, ckpt, paths = world
-    use = PrLMUse(checkpoint=str(ckpt), layer=-2)
-    caches = [small_runs.caches_for(use, paths)]
-    runs = {}
-    for name, device in (("cpu", "cpu"), ("gpu", "cuda:0")):
-        runs[name] = train_run(small_runs.tiny_run("dev", prlms=[use], update_freq=2, max_updates=4), corpus, caches,
-                               tmp_path / name, progress=False, runtime=Runtime(torch.device(device), torch.float32))
-    a, b = _weights(runs["cpu"], 4), _weights(runs["gpu"], 4)
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-4)
-    info = json.loads((runs["gpu"] / "run.json").read_text())
-    assert info["device"] == "cuda:0" and info["precision"] == "fp32"
-
-
 def test_dyn_modes_read_transformer_layers_only_from_a_cache_of_every_layer(world, tmp_path):
     """Dyn[CLS]/Dyn[Aver] weigh hidden_states 1..L of a `layers: all` cache; DWAtt and Concat also read 0."""
     from prlmfuse.cache_features import build_cache
