@@ -254,8 +254,18 @@ def test_training_on_the_device_matches_the_cpu_at_fp32(world, tmp_path, device,
                                runtime=resolve_runtime(on, "fp32"))
     a, b = (load_file(str(runs[n] / "checkpoints" / "update-00000004.safetensors")) for n in ("cpu", "device"))
     assert a.keys() == b.keys() and any("prlm" in k for k in a)
-    for key in a:
-        torch.testing.assert_close(b[key], a[key], rtol=1e-3, atol=1e-4, msg=lambda m: f"{key}: {m}")
+    # A key projection's bias adds the same q.b_k to all of a query's scores, which softmax cancels: its
+    # gradient is zero up to rounding, and Adam scales that rounding noise to steps of the learning rate,
+    # so those biases differ between devices by design. Every other tensor is compared.
+    compared = [key for key in a if not key.endswith("k_proj.bias")]
+    assert len(compared) < len(a)
+    differing = []
+    for key in compared:
+        try:
+            torch.testing.assert_close(b[key], a[key], rtol=1e-3, atol=1e-4)
+        except AssertionError as e:
+            differing.append(f"{key}: {str(e).splitlines()[-2:]}")
+    assert not differing, differing
     info = json.loads((runs["device"] / "run.json").read_text())
     assert info["device"] == str(resolve_runtime(device, "fp32").device) and info["precision"] == "fp32"
 
