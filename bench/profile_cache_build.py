@@ -3,9 +3,11 @@
     python bench/profile_cache_build.py CHECKPOINT CORPUS [--backend zarr|hdf5] [--device cuda] [--top 25]
 
 The model thread tokenizes, collates, runs the forward pass, copies features to the host and encodes
-them; the background writer thread stores them. cProfile sees the model thread only, so time that
-thread spends blocked handing batches to the writer (`BackgroundWriter._put`) is the writer's share:
-large there means the build is bound by storage, large in `Event.synchronize` by the device.
+them; the background writer thread stores them. From Python 3.12 cProfile records every thread (it is
+built on sys.monitoring), so `BackgroundWriter._run`'s cumulative time beside the build's is the writer's
+share; on 3.11 it records the model thread only, where time blocked handing batches to the writer
+(`BackgroundWriter._put`) is that share. Either large means the build is bound by storage; large in
+`Event.synchronize`, by the device.
 Prints the build's tokens/s, then the top functions by own time and by cumulative time.
 """
 
