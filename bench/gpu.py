@@ -119,20 +119,21 @@ GPU = Sizes(
     pairs=30000, naive_every=15, small_build=64, cache_rounds=2, bert=dict(layers=12, width=768, heads=12, ffn=3072),
     preset="base", bpe_vocab=8000, max_tokens=16384, warmup=8, steps=32, train_rounds=2, workers=2, more_workers=8, matmul_n=8192,
     decode_sentences=200, decode_chunk=50, decode_repeats=3, decode_out_len=24,
-    budget_s=470, hard_stop_s=520, compile_reserve_s=120, compile_steps=32, compile_backend=None,
+    budget_s=470, hard_stop_s=520, compile_reserve_s=75, compile_steps=32, compile_backend=None,
     subprocess_timeout_s=150,
 )
 # Toy sizes for the CPU: every code path, in well under two minutes on two cores. torch.compile traces
 # with dynamo but runs eager: inductor's C++ builds alone take minutes on two cores.
 TINY = Sizes(
     pairs=160, naive_every=3, small_build=16, cache_rounds=1, bert=dict(layers=2, width=64, heads=2, ffn=128),
-    preset="tiny", bpe_vocab=600, max_tokens=800, warmup=1, steps=3, train_rounds=1, workers=1, more_workers=2, matmul_n=256,
+    preset="tiny", bpe_vocab=600, max_tokens=800, warmup=1, steps=3, train_rounds=2, workers=1, more_workers=2, matmul_n=256,
     decode_sentences=12, decode_chunk=6, decode_repeats=1, decode_out_len=8,
     budget_s=900, hard_stop_s=1200, compile_reserve_s=0, compile_steps=1, compile_backend="eager",
     subprocess_timeout_s=300,
 )
 
 PRLM_LAYER = -2  # the cached and fused layer: the penultimate, prlmfuse's default
+ROUND_FIELDS = ("timed_s", "step_ms_median", "data_wait_fraction", "mfu")  # kept for every training round
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 parser.add_argument("--out", required=True, help="directory for gpu.json and gpu.log")
@@ -685,6 +686,7 @@ def train_section(report: Report, sizes: Sizes, device: torch.device, scratch: P
     rounds: dict[str, list[dict]] = {name: [] for name in systems}
     for r in range(sizes.train_rounds):
         for name, make in systems.items():
+            trainer = batches = live = on_device = None
             try:
                 specs, dataset, workers, on_device = make()
                 trainer = trainer_for(specs, dataset, workers)
@@ -704,19 +706,22 @@ def train_section(report: Report, sizes: Sizes, device: torch.device, scratch: P
                              f"wait {measured['data_wait_fraction']:6.1%}, MFU {measured['mfu']:6.1%}"
                              + (f", peak {peak:,.0f} MiB" if peak is not None else "")
                              + (f" (round {r + 1})" if sizes.train_rounds > 1 else ""))
-                del trainer, batches, live, on_device
             except Exception as e:  # noqa: BLE001 - the other systems still run
                 rounds[name].append({"error": f"{type(e).__name__}: {e}"})
                 report.print(f"   {name} FAILED: {rounds[name][-1]['error']}")
                 report.log_file.write(traceback.format_exc() + "\n")
-            free_memory(device)
+            finally:
+                del trainer, batches, live, on_device  # a failed round must not hold memory into the next
+                free_memory(device)
     for name, measured in rounds.items():
         timed = [m for m in measured if "error" not in m]
         if not timed:
             result["systems"][name] = measured[-1]
             continue
         best = dict(min(timed, key=lambda m: m["timed_s"]))
-        best["rounds_step_ms_median"] = [m.get("step_ms_median") for m in measured]
+        best["rounds"] = [m if "error" in m else {key: m[key] for key in ROUND_FIELDS} for m in measured]
+        if len(timed) < len(measured):
+            best["round_errors"] = [m["error"] for m in measured if "error" in m]
         result["systems"][name] = best
 
     # For the compile section, run last: the same GPU-memory system with compile: true.
@@ -901,6 +906,8 @@ def section_errors(sections: dict) -> list[str]:
         for key, part in {**section, **section.get("systems", {})}.items():
             if isinstance(part, dict) and "error" in part:
                 errors.append(f"{name}.{key}: {part['error']}")
+            if isinstance(part, dict):
+                errors += [f"{name}.{key}: {error}" for error in part.get("round_errors", [])]
     return errors
 
 

@@ -60,6 +60,10 @@ def test_gpu_bench_runs_every_section_on_the_cpu(tmp_path):
         system = train["systems"][name]
         for key in ("step_ms_median", "timed_s", "target_tokens_per_s", "data_wait_fraction", "mfu"):
             assert _number(system[key]), (name, key)
+        # every system timed in each round, the fastest kept, each step's time with it
+        assert len(system["rounds"]) == report["sizes"]["train_rounds"] == 2, name
+        assert system["timed_s"] == min(r["timed_s"] for r in system["rounds"]) and "round_errors" not in system
+        assert len(system["step_ms"]) == report["sizes"]["steps"] and all(_number(t) for t in system["step_ms"])
     assert _number(train["systems"]["fused_live_prlm"]["prlm_non_embedding_parameters"])
 
     assert _number(sections["decode"]["fused_over_baseline"])
