@@ -4,10 +4,10 @@
 
 The model thread tokenizes, collates, runs the forward pass, copies features to the host and encodes
 them; the background writer thread stores them. From Python 3.12 cProfile records every thread (it is
-built on sys.monitoring), so `BackgroundWriter._run`'s cumulative time beside the build's is the writer's
-share; on 3.11 it records the model thread only, where time blocked handing batches to the writer
-(`BackgroundWriter._put`) is that share. Either large means the build is bound by storage; large in
-`Event.synchronize`, by the device.
+built on sys.monitoring): call counts and own times then cover the writer's calls too, but cumulative
+times of functions that span threads overlap and are not wall time. On 3.11 it records the model thread
+only, where time blocked handing batches to the writer (`BackgroundWriter._put`) is the writer's share.
+The profiler slows Python-heavy code most, so compare the printed rate with an unprofiled build.
 Prints the build's tokens/s, then the top functions by own time and by cumulative time.
 """
 
