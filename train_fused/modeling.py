@@ -256,12 +256,11 @@ class MultiheadAttention(nn.Module):
         q = self._split_heads(self.q_proj(query_states))
         attn_mask, empty_rows = None, None
         if key_mask is not None:
-            has_key = key_mask.any(dim=-1)
-            if not bool(has_key.all()):
-                # A row with no real key would softmax over nothing (NaN); let it attend to
-                # everything and zero its output instead, so it contributes nothing.
-                empty_rows = ~has_key
-                key_mask = key_mask | empty_rows[:, None]
+            # A row with no real key would softmax over nothing (NaN); it attends to everything and
+            # its output is zeroed below, so it contributes nothing. Done for every row, since asking
+            # whether any row is empty would wait for the device (and break a compiled graph).
+            empty_rows = ~key_mask.any(dim=-1)
+            key_mask = key_mask | empty_rows[:, None]
             attn_mask = key_mask[:, None, None, :]
         written_out = q.device.type == "cpu" and q.requires_grad
         is_causal = False
