@@ -33,6 +33,11 @@ or not, with their measured values. In order:
             same features already in GPU memory (no loading at all); fused, the PrLM run live in the step
             (bert-nmt's way). Per system: step time, loader wait fraction, MFU (6 x parameters x the tokens
             they act on, over the measured matmul peak), peak GPU memory
+  shapes    the attention kernel over new batch shapes, as in a run's first epoch (token-budget batches seldom
+            repeat a shape): the fused step from GPU memory at 4,096-token batches, each new to the process,
+            alternating prlmfuse's choice (cuDNN's SDPA kernel off: precision.prepare_device) with torch's
+            own (cuDNN's allowed; it builds a graph for every new shape), then the same batches again, every
+            shape now seen, each batch always under the same choice. Per choice and pass: median step time
   decode    beam search, fused (PrLM features in memory) against baseline, random models forced to the same
             output length (bench/decode_throughput.py's synthetic mode), sentences/s
   torchrun  `torchrun --standalone --nproc-per-node 1` on this script: the rank joins an NCCL group (gloo on
@@ -45,7 +50,8 @@ Targets (gpu.json "targets"; on the CPU they are computed and reported, never fa
   from GPU memory, its loader wait <= 5%; MFU of the fused-from-disk step >= 25%; live-PrLM step / cache
   step (from disk) >= 0.9x the FLOP ratio 1 + 2 N_PrLM / (6 N_NMT), where N_PrLM leaves out the PrLM's
   embedding tables (lookups, no FLOPs) and N_NMT is the whole fused model (its embedding is also its output
-  layer); fused/baseline decoding speed >= 0.9.
+  layer); fused/baseline decoding speed >= 0.9; over new shapes, torch's own attention choice >= 1.10x
+  the step time of prlmfuse's (the gain a setting must show to stay in the library).
 Each section is guarded: one that fails is recorded as an error and the rest still run. Sections that would
 start past the time budget are skipped, and one still running at the hard stop is recorded as stopped, then
 the run ends with its targets and RESULT line. The exit status is 1 when a section failed, or (on a GPU) a
@@ -110,7 +116,10 @@ class Sizes:
     compile_reserve_s: float  # time the compile section needs at least
     compile_steps: int  # timed steps of the compiled system (after `warmup` steps, where it compiles)
     compile_backend: str | None  # None: the trainer's own torch.compile (inductor)
-    subprocess_timeout_s: float  # pytest and torchrun each
+    shape_max_tokens: int  # the shapes section's batches (the GPU recipe's, examples/results-en-ja-base.yaml)
+    shape_steps: int  # timed new batches per attention choice, in each of the two passes
+    tests_timeout_s: float  # pytest -m cuda
+    subprocess_timeout_s: float  # torchrun
 
 
 # One H100 for at most 9 minutes. The cache corpus is large enough that (b) and (c) are not all launch
@@ -120,7 +129,7 @@ GPU = Sizes(
     preset="base", bpe_vocab=8000, max_tokens=16384, warmup=8, steps=32, train_rounds=2, workers=2, more_workers=8, matmul_n=8192,
     decode_sentences=200, decode_chunk=50, decode_repeats=3, decode_out_len=24,
     budget_s=470, hard_stop_s=520, compile_reserve_s=75, compile_steps=32, compile_backend=None,
-    subprocess_timeout_s=150,
+    shape_max_tokens=4096, shape_steps=12, tests_timeout_s=300, subprocess_timeout_s=150,
 )
 # Toy sizes for the CPU: every code path, in well under two minutes on two cores. torch.compile traces
 # with dynamo but runs eager: inductor's C++ builds alone take minutes on two cores.
@@ -129,7 +138,7 @@ TINY = Sizes(
     preset="tiny", bpe_vocab=600, max_tokens=800, warmup=1, steps=3, train_rounds=2, workers=1, more_workers=2, matmul_n=256,
     decode_sentences=12, decode_chunk=6, decode_repeats=1, decode_out_len=8,
     budget_s=900, hard_stop_s=1200, compile_reserve_s=0, compile_steps=1, compile_backend="eager",
-    subprocess_timeout_s=300,
+    shape_max_tokens=400, shape_steps=2, tests_timeout_s=300, subprocess_timeout_s=300,
 )
 
 PRLM_LAYER = -2  # the cached and fused layer: the penultimate, prlmfuse's default
@@ -146,7 +155,7 @@ parser.add_argument("--minilm", default="minilm-l6",
 parser.add_argument("--backend", choices=("zarr", "hdf5"),
                     help="cache backend (default: zarr where importable, else hdf5)")
 parser.add_argument("--only", help="comma-separated sections to run (default all): " +
-                    "tests,cache,train,decode,torchrun,compile")
+                    "tests,cache,train,shapes,decode,torchrun,compile")
 parser.add_argument("--torchrun-child", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -328,9 +337,9 @@ def run_child(cmd: list[str], timeout_s: float) -> tuple[str, int | None]:
 
 def cuda_tests(report: Report, sizes: Sizes) -> dict:
     # A subprocess: the tests set their own torch state, and a crash there must not end this run.
-    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "--durations=5"]
     start = time.perf_counter()
-    output, rc = run_child(cmd, sizes.subprocess_timeout_s)
+    output, rc = run_child(cmd, sizes.tests_timeout_s)
     lines = [line for line in output.splitlines() if line.strip()]
     summary = next((line for line in reversed(lines) if re.search(r"\b(passed|failed|skipped|error|deselected)\b", line)),
                    lines[-1] if lines else "")
@@ -607,7 +616,10 @@ def time_system(trainer, batches, live, src_lines, flops: list[float], sizes: Si
     }
 
 
-def train_section(report: Report, sizes: Sizes, device: torch.device, scratch: Path, shared: dict) -> dict:
+def train_section(report: Report, sizes: Sizes, device: torch.device, scratch: Path, shared: dict,
+                  time_systems: bool = True) -> dict:
+    """Times every system (unless time_systems is False: then only what the shapes and compile sections
+    build on is set up)."""
     from train_throughput import _LivePrLM
     from prlmfuse.cache_features import CacheReader, build_cache
     from prlmfuse.distributed import DistContext
@@ -683,6 +695,15 @@ def train_section(report: Report, sizes: Sizes, device: torch.device, scratch: P
     # Every system is timed in `train_rounds` rounds, all systems in turn each round: a first pass over
     # the batches' shapes pays one-time costs that the systems timed later would not, so each keeps its
     # fastest round, and the spread between rounds is kept beside it.
+    # The shapes section's batches: a smaller budget than above, so their shapes are new to the process.
+    shape_order = TokenBudgetBatchSampler(src_lens, tgt_lens, sizes.shape_max_tokens, seed=2)
+    new_shapes = [shape_order.batches[b] for b in shape_order.epoch_order(0)][: 2 * sizes.shape_steps + 1]
+    shared["shapes_system"] = lambda: (trainer_for([spec], cached, 0),
+                                       [cached.__getitems__(b).to(device) for b in new_shapes])
+    # For the compile section, run last: the same GPU-memory system with compile: true.
+    shared["compile_system"] = lambda: (trainer_for([spec], cached, 0, compile=True), iter(gpu_batches()), tokens)
+    if not time_systems:
+        return result
     rounds: dict[str, list[dict]] = {name: [] for name in systems}
     for r in range(sizes.train_rounds):
         for name, make in systems.items():
@@ -723,9 +744,44 @@ def train_section(report: Report, sizes: Sizes, device: torch.device, scratch: P
         if len(timed) < len(measured):
             best["round_errors"] = [m["error"] for m in measured if "error" in m]
         result["systems"][name] = best
+    return result
 
-    # For the compile section, run last: the same GPU-memory system with compile: true.
-    shared["compile_system"] = lambda: (trainer_for([spec], cached, 0, compile=True), iter(gpu_batches()), tokens)
+
+def shapes_section(report: Report, sizes: Sizes, device: torch.device, shared: dict) -> dict:
+    if "shapes_system" not in shared:
+        raise RuntimeError("the training section did not get far enough to build the fused system")
+    trainer, batches = shared["shapes_system"]()
+    if len(batches) < 2 * sizes.shape_steps + 1:
+        raise RuntimeError(f"only {len(batches)} batches of {sizes.shape_max_tokens} tokens; raise the corpus size")
+    warmup, batches = batches[0], batches[1:]  # the new trainer's one-time costs (optimizer state), untimed
+    trainer.train_step([warmup])
+    choices = ("cudnn_off", "cudnn_allowed")  # prlmfuse's (prepare_device), torch's own
+    passes: dict[str, dict[str, list[float]]] = {}
+    try:
+        for name in ("new_shapes", "seen_shapes"):
+            times: dict[str, list[float]] = {choice: [] for choice in choices}
+            for i, batch in enumerate(batches):
+                choice = choices[i % 2]  # each batch always under the same choice, in both passes
+                torch.backends.cuda.enable_cudnn_sdp(choice == "cudnn_allowed")
+                sync(device)
+                start = time.perf_counter()
+                trainer.train_step([batch])
+                sync(device)
+                times[choice].append(time.perf_counter() - start)
+            passes[name] = times
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(device.type != "cuda")  # back to what prepare_device leaves
+    result = {"system": "fused_gpu_memory", "max_tokens": sizes.shape_max_tokens, "steps_per_choice": sizes.shape_steps,
+              "target_tokens_per_step": float(np.mean([b.ntokens for b in batches]))}
+    for name, times in passes.items():
+        medians = {choice: float(np.median(times[choice])) * 1000 for choice in choices}
+        result[name] = {**{f"{choice}_step_ms_median": medians[choice] for choice in choices},
+                        **{f"{choice}_step_ms": [round(t * 1000, 2) for t in times[choice]] for choice in choices},
+                        "allowed_over_off": medians["cudnn_allowed"] / medians["cudnn_off"]}
+        report.print(f"   {name.replace('_', ' ')}: cuDNN attention off {medians['cudnn_off']:.1f} ms/step (median), "
+                     f"allowed {medians['cudnn_allowed']:.1f} -> allowed/off {result[name]['allowed_over_off']:.2f}")
+    del trainer, batches
+    free_memory(device)
     return result
 
 
@@ -887,13 +943,16 @@ def targets(sections: dict) -> list[dict]:
     rows.append(("live-PrLM step / cache step >= 0.9x FLOP ratio 1 + 2 N_PrLM / (6 N_NMT)",
                  ratio(ratio(live, disk), flop_ratio), ">=", 0.9))
     rows.append(("fused/baseline decoding speed >= 0.9", get("decode", "fused_over_baseline"), ">=", 0.9))
+    rows.append(("over new shapes, step with cuDNN attention allowed / off >= 1.10",
+                 get("shapes", "new_shapes", "allowed_over_off"), ">=", 1.10))
     out = []
     for name, value, op, threshold in rows:
         met = value is not None and (value >= threshold if op == ">=" else value <= threshold)
         out.append({"target": name, "value": rounded(value), "op": op, "threshold": threshold, "met": bool(met)})
     if flop_ratio is not None:
-        out[-2]["flop_ratio"] = rounded(flop_ratio)
-        out[-2]["live_over_cache"] = rounded(ratio(live, disk))
+        live_row = next(row for row in out if row["target"].startswith("live-PrLM"))
+        live_row["flop_ratio"] = rounded(flop_ratio)
+        live_row["live_over_cache"] = rounded(ratio(live, disk))
     return out
 
 
@@ -947,7 +1006,7 @@ def main(argv: list[str] | None = None) -> int:
     run_section(report, "tests", cuda_tests, report, sizes, wanted=wanted("tests"))
 
     shared: dict = {"backend": backend, "minilm": args.minilm}
-    needs_inputs = any(wanted(s) for s in ("cache", "train", "decode", "compile"))
+    needs_inputs = any(wanted(s) for s in ("cache", "train", "shapes", "decode", "compile"))
     got = run_section(report, "inputs", inputs, report, sizes, device, scratch, shared, wanted=needs_inputs)
     missing = None if got is None or "error" not in got else "the inputs section failed"
 
@@ -959,8 +1018,10 @@ def main(argv: list[str] | None = None) -> int:
 
     run_section(report, "cache", cache_section, report, sizes, device, scratch, shared,
                 wanted=wanted("cache"), skip=skip_for("cache"))
-    train = run_section(report, "train", train_section, report, sizes, device, scratch, shared,
-                        wanted=wanted("train") or wanted("compile"), skip=skip_for("train"))
+    train = run_section(report, "train", train_section, report, sizes, device, scratch, shared, wanted("train"),
+                        wanted=any(wanted(s) for s in ("train", "shapes", "compile")), skip=skip_for("train"))
+    run_section(report, "shapes", shapes_section, report, sizes, device, shared,
+                wanted=wanted("shapes"), skip=skip_for("shapes"))
     run_section(report, "decode", decode_section, report, sizes, device, shared,
                 wanted=wanted("decode"), skip=skip_for("decode"))
     run_section(report, "torchrun", torchrun_section, report, sizes, device, scratch,

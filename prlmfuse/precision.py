@@ -128,13 +128,27 @@ class Runtime:
 
 
 def resolve_runtime(device: str | torch.device | None = "auto", precision: str | None = "auto") -> Runtime:
-    """The device of `device` (under torchrun, `cuda` means this rank's LOCAL_RANK GPU) and its precision."""
+    """The device of `device` (under torchrun, `cuda` means this rank's LOCAL_RANK GPU) and its precision,
+    with the process set up to compute there (prepare_device)."""
     resolved = resolve_device(device)
     if resolved.type == "cuda" and resolved.index is None:
         from prlmfuse.distributed import local_cuda_index
 
         resolved = torch.device("cuda", local_cuda_index())
+    prepare_device(resolved)
     return Runtime(resolved, resolve_precision(precision, resolved))
+
+
+def prepare_device(device: torch.device | str) -> None:
+    """Process-wide settings for computing on `device`; every stage applies them before it computes.
+
+    On CUDA, scaled_dot_product_attention may not choose cuDNN's kernel (torch's first choice on Hopper
+    and newer GPUs): it builds a graph for every new input shape, and token-budget batches, the cache
+    builder's batches and beam search seldom repeat a shape, so most calls would wait for a build. The
+    flash and memory-efficient kernels need none.
+    """
+    if torch.device(device).type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def grad_scaler(runtime: Runtime) -> "torch.amp.GradScaler":

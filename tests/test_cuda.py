@@ -289,6 +289,23 @@ def test_a_training_update_on_the_device_matches_the_cpu_at_fp32(world, tmp_path
     assert any("prlm" in name for name, _ in other.model.named_parameters())
 
 
+@pytest.mark.parametrize("device", [CUDA, CPU])
+def test_stages_keep_cudnn_attention_off_on_a_gpu_and_leave_it_alone_on_a_cpu(world, tmp_path, device):
+    # cuDNN's SDPA kernel builds a graph for every new shape; every stage resolves its runtime, and a
+    # Trainer handed a runtime resolved in another process sets its own process up too.
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    try:
+        runtime = resolve_runtime(device, "fp32")
+        assert torch.backends.cuda.cudnn_sdp_enabled() == (device == "cpu")
+        torch.backends.cuda.enable_cudnn_sdp(True)  # as in a process that did not resolve it
+        trainer, pairs = _fused_trainer(world, small_runs.tiny_run("dev", prlms=[world.use]), tmp_path / "run", runtime)
+        assert torch.backends.cuda.cudnn_sdp_enabled() == (device == "cpu")
+        loss, _, tokens = trainer.train_step([pairs.__getitems__(list(range(0, 6)))])
+        assert tokens > 0 and math.isfinite(loss)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+
+
 @pytest.mark.parametrize("device, precision", [
     pytest.param("cuda", "bf16", marks=pytest.mark.cuda, id="cuda-bf16"),
     pytest.param("cuda", "fp16", marks=pytest.mark.cuda, id="cuda-fp16"),

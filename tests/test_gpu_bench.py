@@ -39,7 +39,7 @@ def test_gpu_bench_runs_every_section_on_the_cpu(tmp_path):
     assert report["errors"] == [] and summary["errors"] == []
 
     sections = report["sections"]
-    assert set(sections) == {"env", "tests", "inputs", "cache", "train", "decode", "torchrun", "compile"}
+    assert set(sections) == {"env", "tests", "inputs", "cache", "train", "shapes", "decode", "torchrun", "compile"}
     assert all(_number(s["seconds"]) for s in sections.values())
     env = sections["env"]
     assert env["torch"] and env["cache_backend"] in ("zarr", "hdf5") and env["device"] == "cpu"
@@ -66,13 +66,20 @@ def test_gpu_bench_runs_every_section_on_the_cpu(tmp_path):
         assert len(system["step_ms"]) == report["sizes"]["steps"] and all(_number(t) for t in system["step_ms"])
     assert _number(train["systems"]["fused_live_prlm"]["prlm_non_embedding_parameters"])
 
+    shapes = sections["shapes"]
+    for name in ("new_shapes", "seen_shapes"):  # each choice timed on its own batches, in both passes
+        for choice in ("cudnn_off", "cudnn_allowed"):
+            times = shapes[name][f"{choice}_step_ms"]
+            assert len(times) == report["sizes"]["shape_steps"] and all(_number(t) for t in times), (name, choice)
+        assert _number(shapes[name]["allowed_over_off"])
+
     assert _number(sections["decode"]["fused_over_baseline"])
     torchrun = sections["torchrun"]
     assert torchrun["ok"] and torchrun["child"]["backend"] == "gloo" and torchrun["child"]["updates"] == 2
     assert _number(sections["compile"]["compile_true"]["step_ms_median"]) and _number(sections["compile"]["off_over_on"])
 
     targets = report["targets"]
-    assert len(targets) == 9
+    assert len(targets) == 10
     for target in targets:
         assert isinstance(target["met"], bool) and _number(target["value"]), target
         assert summary["targets"][target["target"]] == {"value": target["value"], "met": target["met"]}

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from prlmfuse.distributed import DistContext, all_reduce_sum, barrier, reduce_gradients
 from prlmfuse.errors import UserError
 from prlmfuse.fileio import disk_full_error, is_disk_full
-from prlmfuse.precision import Runtime, grad_scaler, resolve_runtime
+from prlmfuse.precision import Runtime, grad_scaler, prepare_device, resolve_runtime
 from prlmfuse.train_fused import checkpointing, run_dir as rundir
 from prlmfuse.train_fused.bpe import PAD_ID
 from prlmfuse.train_fused.config import RunConfig
@@ -157,6 +157,7 @@ class Trainer:
         self.run_dir = run_dir
         self.runtime = runtime if runtime is not None else resolve_runtime()
         self.device = self.runtime.device
+        prepare_device(self.device)  # a runtime resolved in another process did not set this one up
         self.model = model.to(self.device)
         # torch.compile wraps the module; checkpoints keep saving and loading the plain one.
         self.forward_model = torch.compile(self.model) if run.compile else self.model
