@@ -453,10 +453,12 @@ def plan_lines(cfg: PipelineConfig, names: list[str] | None, parallel: int = 1) 
             state, done = "to train again: its corpus changed", 0
         budget = f"{run.max_updates} updates" if run.max_updates is not None else f"{run.max_epochs} epochs"
         prlms = ", ".join(f"{u.checkpoint}[{u.layer}]" for u in run.prlms) or "none (baseline)"
-        lines.append(f"train: {run.name:<28} [{state}] PrLM: {prlms}; budget {budget} of {run.max_tokens}-token batches")
+        per_update = f"{run.update_freq} x {run.max_tokens}-token batches per update" if run.update_freq > 1 \
+            else f"{run.max_tokens}-token batches"
+        lines.append(f"train: {run.name:<28} [{state}] PrLM: {prlms}; budget {budget} of {per_update}")
         if run.max_updates is not None and not state.startswith("done"):
             total_updates += max(0, run.max_updates - done)
-            total_tokens += max(0, run.max_updates - done) * run.max_tokens
+            total_tokens += max(0, run.max_updates - done) * run.max_tokens * run.update_freq
             runs_left += 1
     if total_updates:
         lines.append(f"estimate: {total_updates} updates left, at most {total_tokens / 1e6:.1f}M tokens")

@@ -354,3 +354,17 @@ def test_the_issue_runs_are_refused_by_the_dry_run_with_their_location(tmp_path)
         assert out.returncode == 2 and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
         assert out.stderr.startswith(f"error: {p}{expected[name]}"), out.stderr
     assert not (tmp_path / "work").exists()
+
+
+def test_the_plan_counts_every_batch_of_an_update(tmp_path):
+    """`run --dry-run` states an update as update_freq batches, and its token bound counts them all."""
+    from prlmfuse.pipeline import plan_lines
+
+    cfg = load_pipeline(write(tmp_path, "device: cpu\ntrain:\n  defaults: {max_tokens: 4096, max_updates: 300}\n"
+                                        "  runs:\n    one: {}\n    eight: {update_freq: 8}\n"))
+    lines = plan_lines(cfg, None)
+    assert any(line.startswith("train: one ") and line.endswith("budget 300 updates of 4096-token batches")
+               for line in lines), lines
+    assert any(line.startswith("train: eight ") and line.endswith("budget 300 updates of 8 x 4096-token batches per update")
+               for line in lines), lines
+    assert "estimate: 600 updates left, at most 11.1M tokens" in lines  # 300 x 4096 x (1 + 8)
