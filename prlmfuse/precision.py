@@ -142,10 +142,11 @@ def resolve_runtime(device: str | torch.device | None = "auto", precision: str |
 def prepare_device(device: torch.device | str) -> None:
     """Process-wide settings for computing on `device`; every stage applies them before it computes.
 
-    On CUDA, scaled_dot_product_attention may not choose cuDNN's kernel (torch's first choice on Hopper
-    and newer GPUs): it builds a graph for every new input shape, and token-budget batches, the cache
-    builder's batches and beam search seldom repeat a shape, so most calls would wait for a build. The
-    flash and memory-efficient kernels need none.
+    On CUDA, scaled_dot_product_attention may not choose cuDNN's kernel, which recent torch builds put
+    first for bf16/fp16 on Hopper and Blackwell GPUs: it builds a graph for every new input shape, and
+    token-budget batches and the cache builder's batches seldom repeat one within an epoch, so a first
+    pass over the data would wait for a build at most steps. The flash and memory-efficient kernels need
+    none.
     """
     if torch.device(device).type == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)

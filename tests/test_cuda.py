@@ -289,21 +289,42 @@ def test_a_training_update_on_the_device_matches_the_cpu_at_fp32(world, tmp_path
     assert any("prlm" in name for name, _ in other.model.named_parameters())
 
 
+@pytest.fixture
+def cudnn_sdp_restored():
+    """torch's process-wide cuDNN attention flag as this test found it, whatever the test sets."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+
+
 @pytest.mark.parametrize("device", [CUDA, CPU])
-def test_stages_keep_cudnn_attention_off_on_a_gpu_and_leave_it_alone_on_a_cpu(world, tmp_path, device):
+def test_stages_keep_cudnn_attention_off_on_a_gpu_and_leave_it_alone_on_a_cpu(world, tmp_path, device, cudnn_sdp_restored):
     # cuDNN's SDPA kernel builds a graph for every new shape; every stage resolves its runtime, and a
     # Trainer handed a runtime resolved in another process sets its own process up too.
+    import warnings
+
+    from torch.nn.attention import SDPBackend
+
+    def picked() -> SDPBackend:  # SDPA's kernel for a bf16 self-attention with a padding mask, as the model's
+        q = torch.randn(4, 8, 37, 64, device=device, dtype=torch.bfloat16)
+        mask = torch.ones(4, 1, 1, 37, dtype=torch.bool, device=device)
+        return SDPBackend(torch._fused_sdp_choice(q, q, q, mask))
+
     torch.backends.cuda.enable_cudnn_sdp(True)
-    try:
-        runtime = resolve_runtime(device, "fp32")
-        assert torch.backends.cuda.cudnn_sdp_enabled() == (device == "cpu")
-        torch.backends.cuda.enable_cudnn_sdp(True)  # as in a process that did not resolve it
-        trainer, pairs = _fused_trainer(world, small_runs.tiny_run("dev", prlms=[world.use]), tmp_path / "run", runtime)
-        assert torch.backends.cuda.cudnn_sdp_enabled() == (device == "cpu")
-        loss, _, tokens = trainer.train_step([pairs.__getitems__(list(range(0, 6)))])
-        assert tokens > 0 and math.isfinite(loss)
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(True)
+    default = picked()
+    if device != "cpu" and default != SDPBackend.CUDNN_ATTENTION:
+        warnings.warn(f"with cuDNN's kernel allowed, SDPA picks {default.name} on this GPU: nothing to turn off here")
+    runtime = resolve_runtime(device, "bf16")
+    assert torch.backends.cuda.cudnn_sdp_enabled() == (device == "cpu")
+    assert picked() != SDPBackend.CUDNN_ATTENTION and (device != "cpu" or picked() == default)
+    torch.backends.cuda.enable_cudnn_sdp(True)  # as in a process that did not resolve it
+    trainer, pairs = _fused_trainer(world, small_runs.tiny_run("dev", prlms=[world.use]), tmp_path / "run", runtime)
+    assert torch.backends.cuda.cudnn_sdp_enabled() == (device == "cpu")
+    assert picked() != SDPBackend.CUDNN_ATTENTION
+    loss, _, tokens = trainer.train_step([pairs.__getitems__(list(range(0, 6)))])
+    assert tokens > 0 and math.isfinite(loss)
 
 
 @pytest.mark.parametrize("device, precision", [
