@@ -38,7 +38,8 @@ or not, with their measured values. In order:
             batch of the process has, alternating prlmfuse's choice (cuDNN's SDPA kernel off:
             precision.prepare_device) with torch's own (cuDNN's allowed; it builds a graph for every new
             shape), then the same batches again, every shape now seen, each batch always under the same
-            choice. Per choice and pass: median step time; and which kernel SDPA picks under each. It runs
+            choice. Per choice and pass: median step time; which kernel SDPA picks under each; and the ops
+            of one more new-shape step with cuDNN's kernel off, by own CPU time (torch.profiler). It runs
             inside the train section, once that is set up and before its systems are timed
   decode    beam search, fused (PrLM features in memory) against baseline, random models forced to the same
             output length (bench/decode_throughput.py's synthetic mode), sentences/s
@@ -705,7 +706,7 @@ def train_section(report: Report, sizes: Sizes, device: torch.device, scratch: P
     shape_order = TokenBudgetBatchSampler(src_lens, tgt_lens, sizes.shape_max_tokens, seed=2)
     new_shapes = []
     for b in shape_order.epoch_order(0):
-        if shape(shape_order.batches[b]) not in seen and len(new_shapes) < 2 * sizes.shape_steps + 2:
+        if shape(shape_order.batches[b]) not in seen and len(new_shapes) < 2 * sizes.shape_steps + 3:
             seen.add(shape(shape_order.batches[b]))
             new_shapes.append(shape_order.batches[b])
     shared["shapes_system"] = lambda: (trainer_for([spec], cached, 0),
@@ -774,7 +775,7 @@ def shapes_section(report: Report, sizes: Sizes, device: torch.device, shared: d
     passes: dict[str, dict[str, list[float]]] = {}
     try:
         trainer, batches, shapes = shared["shapes_system"]()
-        if len(batches) < 2 * sizes.shape_steps + 2:
+        if len(batches) < 2 * sizes.shape_steps + 3:
             raise RuntimeError(f"only {len(batches)} batches of new shapes at {sizes.shape_max_tokens} tokens; "
                                "raise the corpus size")
         # Which kernel SDPA picks under each choice, for a bf16 self-attention of the first batch's shape.
@@ -791,7 +792,7 @@ def shapes_section(report: Report, sizes: Sizes, device: torch.device, shared: d
         for i, batch in enumerate(batches[:2]):
             torch.backends.cuda.enable_cudnn_sdp(choices[i % 2] == "cudnn_allowed")
             trainer.train_step([batch])
-        timed = batches[2:]
+        timed, profiled = batches[2:-1], batches[-1]
         for name in ("new_shapes", "seen_shapes"):
             times: dict[str, list[float]] = {choice: [] for choice in choices}
             for i, batch in enumerate(timed):
@@ -803,12 +804,21 @@ def shapes_section(report: Report, sizes: Sizes, device: torch.device, shared: d
                 sync(device)
                 times[choice].append(time.perf_counter() - start)
             passes[name] = times
+        # Where a step over a new shape spends its time with prlmfuse's choice: the ops by own CPU time.
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        with torch.profiler.profile() as prof:
+            trainer.train_step([profiled])
+            sync(device)
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)
+        report.log_file.write("shapes: one step over a new shape with cuDNN attention off, by own CPU time\n" + table + "\n")
+        top_ops = [{"op": e.key, "self_cpu_ms": round(e.self_cpu_time_total / 1000, 2), "calls": e.count}
+                   for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:8]]
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
         del trainer, batches
         free_memory(device)
     result = {"system": "fused_gpu_memory", "max_tokens": sizes.shape_max_tokens, "steps_per_choice": sizes.shape_steps,
-              "sdpa_backend_picked": picked, "distinct_shapes": len(set(shapes)),
+              "sdpa_backend_picked": picked, "distinct_shapes": len(set(shapes)), "new_shape_step_top_ops": top_ops,
               "shapes": {choice: [list(shapes[2 + i]) for i in range(len(timed)) if i % 2 == k]
                          for k, choice in enumerate(choices)},
               "target_tokens_per_step": float(np.mean([b.ntokens for b in timed]))}
