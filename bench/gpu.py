@@ -705,10 +705,12 @@ def train_section(report: Report, sizes: Sizes, device: torch.device, scratch: P
     seen = {shape(b) for b in chosen}
     shape_order = TokenBudgetBatchSampler(src_lens, tgt_lens, sizes.shape_max_tokens, seed=2)
     new_shapes = []
-    for b in shape_order.epoch_order(0):
-        if shape(shape_order.batches[b]) not in seen and len(new_shapes) < 2 * sizes.shape_steps + 3:
-            seen.add(shape(shape_order.batches[b]))
-            new_shapes.append(shape_order.batches[b])
+    for batch in (shape_order.batches[b] for b in shape_order.epoch_order(0)):
+        if len(new_shapes) == shape_batches(sizes):
+            break
+        if shape(batch) not in seen:
+            seen.add(shape(batch))
+            new_shapes.append(batch)
     shared["shapes_system"] = lambda: (trainer_for([spec], cached, 0),
                                        [cached.__getitems__(b).to(device) for b in new_shapes],
                                        [shape(b) for b in new_shapes])
@@ -764,6 +766,11 @@ def train_section(report: Report, sizes: Sizes, device: torch.device, scratch: P
     return result
 
 
+def shape_batches(sizes: Sizes) -> int:
+    """The shapes section's batches: a warm-up per attention choice, the timed ones, one profiled."""
+    return 2 + 2 * sizes.shape_steps + 1
+
+
 def shapes_section(report: Report, sizes: Sizes, device: torch.device, shared: dict) -> dict:
     if "shapes_system" not in shared:
         raise RuntimeError("the training section did not get far enough to build the fused system")
@@ -775,7 +782,7 @@ def shapes_section(report: Report, sizes: Sizes, device: torch.device, shared: d
     passes: dict[str, dict[str, list[float]]] = {}
     try:
         trainer, batches, shapes = shared["shapes_system"]()
-        if len(batches) < 2 * sizes.shape_steps + 3:
+        if len(batches) < shape_batches(sizes):
             raise RuntimeError(f"only {len(batches)} batches of new shapes at {sizes.shape_max_tokens} tokens; "
                                "raise the corpus size")
         # Which kernel SDPA picks under each choice, for a bf16 self-attention of the first batch's shape.
