@@ -249,11 +249,9 @@ def create_shard(location: Location, backend: str, name: str, specs: dict[str, A
 
 
 @dataclass(frozen=True)
-class _FileRegion:
+class _FileRegion(ArraySpec):
     """Where an HDF5 contiguous dataset's rows lie in its file (offset None: no rows were ever stored)."""
 
-    shape: tuple[int, ...]
-    dtype: np.dtype
     offset: int | None
 
 
@@ -317,7 +315,7 @@ class ShardHandle:
         if array.offset is None:
             raise OSError(f"{name} of shard {self.name} has no stored rows; the file is damaged")
         buffer = memoryview(rows).cast("B")
-        offset = array.offset + start * (rows.nbytes // len(rows))
+        offset = array.offset + start * array.row_bytes()
         done = 0
         while done < rows.nbytes:  # a read may return less than asked (large reads, network filesystems)
             count = os.preadv(self.fd, [buffer[done:]], offset + done)
