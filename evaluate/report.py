@@ -20,6 +20,7 @@ import logging
 import math
 import re
 import statistics
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
@@ -136,6 +137,8 @@ def merge_evaluations(paths: list[str | Path], out: str | Path, against: list[st
 
     against: runs every other row is also compared with (Δ and paired-bootstrap p on the same resampled
     test sets), e.g. a table's default setting, so that rows differing from it in one factor are compared directly.
+    Where several files each hold their own run of that name (each batch's `fused`), a row is compared with the
+    one of its own file.
     """
     if not paths:
         raise UserError("no results.json given; pass the results of at least one evaluation")
@@ -186,19 +189,17 @@ def merge_evaluations(paths: list[str | Path], out: str | Path, against: list[st
         } if hyps else {}
         refs_sha[(row.run, row.test_set)] = row.ref_sha256
         row.delta, row.p_value, row.compared_with = {}, {}, None
-    unknown = [a for a in against if a not in sources]
-    if unknown:
-        raise UserError(f"--against {unknown[0]}: no such run in the files (runs: {', '.join(sources)})")
+    targets = {name: _against_targets(name, by_key.values(), sources) for name in against}
     add_bootstrap(rows, sentence_level, refs_sha, baseline_of, n_samples=int(settings["bootstrap_samples"]),
                   seed=int(settings["seed"]))
     compared = []
-    for name in dict.fromkeys(against):
+    for name, target_of in targets.items():
         # copies: the rows keep the comparison with their baseline
         copies = [replace(r, delta={}, p_value={}, compared_with=None) for r in rows]
-        add_bootstrap(copies, sentence_level, refs_sha, {r.run: name for r in copies if r.run != name},
+        add_bootstrap(copies, sentence_level, refs_sha, target_of,
                       n_samples=int(settings["bootstrap_samples"]), seed=int(settings["seed"]))
-        compared += [{"run": c.run, "test_set": c.test_set, "against": name, "delta": c.delta, "p_value": c.p_value}
-                     for c in copies if c.compared_with]
+        compared += [{"run": c.run, "test_set": c.test_set, "against": name, "against_run": c.compared_with,
+                      "delta": c.delta, "p_value": c.p_value} for c in copies if c.compared_with]
 
     baselines = {b for b in baseline_of.values()} | {e.baseline for e in inputs if e.baseline}
     order = {name: i for i, name in enumerate(_report_order([r.run for r in rows], baselines))}
@@ -219,16 +220,36 @@ def _name_apart(inputs: list[Evaluation]) -> None:
         for row in evaluation.rows:
             hyps.setdefault(row.run, set()).add(row.hyp_sha256)
     clashing = {name for name, digests in hyps.items() if len(digests) > 1}
-    labels = [e.path.parent.name if e.path.stem == "results" else e.path.stem for e in inputs]
+    labels = [_file_label(e) for e in inputs]
     if clashing and len(set(labels)) < len(labels):
         raise UserError(f"run {sorted(clashing)[0]} has other hypotheses in each of several files whose names do not tell "
                         "them apart; give each evaluation's results.json a name of its own (e.g. batch-1.json)")
     for evaluation, label in zip(inputs, labels):
-        renamed = {name: f"{name} [{label}]" for name in clashing}
+        renamed = {name: _in_file(name, label) for name in clashing}
         for row in evaluation.rows:
             row.run = renamed.get(row.run, row.run)
             row.compared_with = renamed.get(row.compared_with, row.compared_with)
         evaluation.baseline = renamed.get(evaluation.baseline, evaluation.baseline)
+
+
+def _file_label(evaluation: Evaluation) -> str:
+    return evaluation.path.parent.name if evaluation.path.stem == "results" else evaluation.path.stem
+
+
+def _in_file(run: str, label: str) -> str:
+    return f"{run} [{label}]"
+
+
+def _against_targets(name: str, rows: Iterable[tuple[RunResult, Evaluation]], sources: dict[str, Path]) -> dict[str, str]:
+    """run -> the run `name` it is compared with: the one run of that name, or the one of the row's own file where
+    several files hold their own (a row in a file without one is not compared)."""
+    if name in sources:
+        return {run: name for run in sources if run != name}
+    own = {row.run: _in_file(name, _file_label(evaluation)) for row, evaluation in rows}
+    own = {run: target for run, target in own.items() if target in sources and run != target}
+    if not own:
+        raise UserError(f"--against {name}: no such run in the files (runs: {', '.join(sources)})")
+    return own
 
 
 def _first(mapping: dict[str, str], value: str) -> str:
@@ -315,12 +336,14 @@ def report_markdown(report: Report) -> str:
             lines.append(f"| {m.system} | {len(m.runs)} | {_fmt(m.mean)} ± {_fmt(m.sd)} | "
                          f"{_fmt(m.chrf_mean)} ± {_fmt(m.chrf_sd)} | {delta} | {ahead} |")
         for other in dict.fromkeys(c["against"] for c in report.against if c["test_set"] == split):
-            lines += ["", f"Against {other} (paired bootstrap on the same resampled test sets; * p < {SIGNIFICANCE:g}):",
+            own = any(c["against_run"] != other for c in report.against if c["against"] == other)
+            lines += ["", f"Against {other}{' (the one of each row’s own file)' if own else ''} (paired bootstrap on the "
+                          f"same resampled test sets; * p < {SIGNIFICANCE:g}):",
                       "", f"| run | Δ {name} vs {other} | p | Δ chrF vs {other} |", "|---|---|---|---|"]
             for c in report.against:
                 if c["test_set"] == split and c["against"] == other and metric in c["delta"]:
                     p_value = c["p_value"][metric]
-                    chrf = next(r.chrf for r in rows if r.run == c["run"]) - next(r.chrf for r in rows if r.run == other)
+                    chrf = next(r.chrf for r in rows if r.run == c["run"]) - next(r.chrf for r in rows if r.run == c["against_run"])
                     lines.append(f"| {c['run']} | {c['delta'][metric]:+.2f} | {p_value:.3f}"
                                  f"{'*' if p_value < SIGNIFICANCE else ''} | {_fmt(chrf, 2) if math.isfinite(chrf) else '-'} |")
         signatures = dict.fromkeys(f"{k}: {v}" for r in rows for k, v in sorted(r.signature.items()))

@@ -179,7 +179,8 @@ def test_batches_with_runs_of_one_name_are_told_apart_by_their_file(evaluated, t
         row["run"] = row["run"].replace("seed-2", "seed-1")
         row["compared_with"] = row["compared_with"] and row["compared_with"].replace("seed-2", "seed-1")
     (folder / "batch-2.json").write_text(json.dumps(data))
-    report = merge_evaluations([folder / "seed-1.json", folder / "batch-2.json"], tmp_path / "merged")
+    report = merge_evaluations([folder / "seed-1.json", folder / "batch-2.json"], tmp_path / "merged",
+                               against=["fused.seed-1"])
     rows = {r.run: r for r in report.rows}
     assert set(rows) == {"baseline.seed-1 [seed-1]", "baseline.seed-1 [batch-2]", "fused.seed-1 [seed-1]",
                          "fused.seed-1 [batch-2]"}
@@ -187,3 +188,9 @@ def test_batches_with_runs_of_one_name_are_told_apart_by_their_file(evaluated, t
     assert second.compared_with == "baseline.seed-1 [batch-2]"
     assert second.delta["bleu"] == pytest.approx(evaluated["evaluations"][2].row("fused.seed-2").delta["bleu"])
     assert {m.system: len(m.runs) for m in report.systems} == {"baseline": 2, "fused": 2}
+    # --against a name each file holds its own run of: every row against the one of its own file
+    compared = {c["run"]: c for c in report.against}
+    assert {run: c["against_run"] for run, c in compared.items()} == {
+        "baseline.seed-1 [seed-1]": "fused.seed-1 [seed-1]", "baseline.seed-1 [batch-2]": "fused.seed-1 [batch-2]"}
+    assert compared["baseline.seed-1 [batch-2]"]["delta"]["bleu"] == pytest.approx(-second.delta["bleu"])
+    assert "Against fused.seed-1 (the one of each row’s own file)" in (tmp_path / "merged" / "results.md").read_text()

@@ -9,7 +9,8 @@ import click
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="Where the merged results.md/csv/json and scores.png go.")
 @click.option("--against", "against", multiple=True, metavar="RUN",
-              help="Also compare every run with RUN (Δ and paired-bootstrap p), e.g. a table's default setting; repeatable.")
+              help="Also compare every run with RUN (Δ and paired-bootstrap p), e.g. a table's default setting; where "
+                   "several files hold their own RUN, the one of the row's file; repeatable.")
 def report(files: tuple[str, ...], out: str, against: tuple[str, ...]) -> None:
     """Merge FILES (results.json of `evaluate`, each with its hyp.* and ref.* files beside it) into one table.
 
