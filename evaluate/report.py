@@ -86,7 +86,8 @@ class Report:
     rows: list[RunResult]  # with the file each came from in `sources`
     sources: dict[str, Path]  # run -> results.json it came from
     systems: list[SystemSummary] = field(default_factory=list)
-    # each row against a run named with --against: {run, test_set, against, delta, p_value} (metric -> value)
+    # each row against a run named with --against: {run, test_set, against, against_run, delta, p_value}
+    # (metric -> value); against_run is the run of that name in the row's own file where several files hold one
     against: list[dict] = field(default_factory=list)
 
     @property
@@ -245,10 +246,15 @@ def _against_targets(name: str, rows: Iterable[tuple[RunResult, Evaluation]], so
     several files hold their own (a row in a file without one is not compared)."""
     if name in sources:
         return {run: name for run in sources if run != name}
+    rows = list(rows)
     own = {row.run: _in_file(name, _file_label(evaluation)) for row, evaluation in rows}
     own = {run: target for run, target in own.items() if target in sources and run != target}
     if not own:
         raise UserError(f"--against {name}: no such run in the files (runs: {', '.join(sources)})")
+    without = sorted({evaluation.path.name for row, evaluation in rows if _in_file(name, _file_label(evaluation)) not in sources})
+    if without:
+        logger.warning("--against %s: rows of files without a %s of their own are not compared with one: %s",
+                       name, name, ", ".join(without))
     return own
 
 

@@ -193,4 +193,7 @@ def test_batches_with_runs_of_one_name_are_told_apart_by_their_file(evaluated, t
     assert {run: c["against_run"] for run, c in compared.items()} == {
         "baseline.seed-1 [seed-1]": "fused.seed-1 [seed-1]", "baseline.seed-1 [batch-2]": "fused.seed-1 [batch-2]"}
     assert compared["baseline.seed-1 [batch-2]"]["delta"]["bleu"] == pytest.approx(-second.delta["bleu"])
-    assert "Against fused.seed-1 (the one of each row’s own file)" in (tmp_path / "merged" / "results.md").read_text()
+    md = (tmp_path / "merged" / "results.md").read_text()
+    chrf = rows["baseline.seed-1 [batch-2]"].chrf - second.chrf
+    assert "Against fused.seed-1 (the one of each row’s own file)" in md
+    assert f"| baseline.seed-1 [batch-2] | {-second.delta['bleu']:+.2f} |" in md and f"| {chrf:.2f} |" in md

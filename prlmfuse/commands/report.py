@@ -32,6 +32,6 @@ def report(files: tuple[str, ...], out: str, against: tuple[str, ...]) -> None:
     for c in merged.against:
         metric = next(r.main_metric for r in merged.rows if r.run == c["run"] and r.test_set == c["test_set"])
         if metric in c["delta"]:
-            click.echo(f"  {c['test_set']} {c['run']} vs {c['against']}: Δ {c['delta'][metric]:+.2f} "
+            click.echo(f"  {c['test_set']} {c['run']} vs {c['against_run']}: Δ {c['delta'][metric]:+.2f} "
                        f"(p {c['p_value'][metric]:.3f})")
     click.echo(f"plot: {merged.files['scores.png']}")
