@@ -247,11 +247,12 @@ def _against_targets(name: str, rows: Iterable[tuple[RunResult, Evaluation]], so
     if name in sources:
         return {run: name for run in sources if run != name}
     rows = list(rows)
-    own = {row.run: _in_file(name, _file_label(evaluation)) for row, evaluation in rows}
-    own = {run: target for run, target in own.items() if target in sources and run != target}
+    in_file = {evaluation.path: _in_file(name, _file_label(evaluation)) for _, evaluation in rows}
+    own = {row.run: in_file[evaluation.path] for row, evaluation in rows
+           if in_file[evaluation.path] in sources and row.run != in_file[evaluation.path]}
     if not own:
         raise UserError(f"--against {name}: no such run in the files (runs: {', '.join(sources)})")
-    without = sorted({evaluation.path.name for row, evaluation in rows if _in_file(name, _file_label(evaluation)) not in sources})
+    without = sorted(path.name for path, target in in_file.items() if target not in sources)
     if without:
         logger.warning("--against %s: rows of files without a %s of their own are not compared with one: %s",
                        name, name, ", ".join(without))
