@@ -30,7 +30,7 @@ import torch
 
 from prlmfuse.distributed import DistContext, all_reduce_max, destroy, init_distributed, join_group
 from prlmfuse.errors import UserError
-from prlmfuse.precision import Runtime, dtype_of, resolve_runtime
+from prlmfuse.precision import Runtime, dtype_of, machine_line, resolve_runtime
 from prlmfuse.fileio import disk_full_error, is_disk_full, read_lines, sha256_file
 
 from .extract import (
@@ -292,6 +292,7 @@ def _build(spec: BuildSpec, lines: list[str], dist: DistContext) -> dict:
 
     location, key, info, selection = spec.location, spec.key, spec.info, spec.selection
     dtype, runtime = spec.dtype, spec.runtime
+    build_started = time.perf_counter()
     model, tokenizer = load_prlm(info)
     corpus = encode_corpus(tokenizer, lines, max_length=info.max_length)
     del lines
@@ -350,7 +351,13 @@ def _build(spec: BuildSpec, lines: list[str], dist: DistContext) -> dict:
     manifest = None
     if dist.is_main:
         try:
-            manifest = write_manifest(spec, corpus, names, shards)
+            seconds = time.perf_counter() - build_started
+            build = {"seconds": round(seconds, 1), "resumed_shards": len(done), "machine": machine_line(runtime.device),
+                     "precision": runtime.precision, "max_tokens": spec.max_tokens, "world_size": dist.world_size}
+            manifest = write_manifest(spec, corpus, names, shards, build)
+            logger.info("cache: built %s in %.1f s (%s tokens/s%s)", location, seconds,
+                        f"{int(corpus.offsets[-1]) / max(seconds, 1e-9):,.0f}",
+                        f"; {len(done)} of {len(shards)} shards were already complete" if done else "")
         except BaseException as e:  # noqa: BLE001
             failed, error = 1, e
     if all_reduce_max(dist, failed):
@@ -391,8 +398,13 @@ def write_shards(spec: BuildSpec, corpus: EncodedCorpus, todo: list[ShardPlan], 
     writer.close()
 
 
-def write_manifest(spec: BuildSpec, corpus: EncodedCorpus, names: dict[int, str], shards: list[ShardPlan]) -> dict:
-    """manifest.json once every shard of the plan has its progress record: the cache becomes complete."""
+def write_manifest(spec: BuildSpec, corpus: EncodedCorpus, names: dict[int, str], shards: list[ShardPlan],
+                   build: dict | None = None) -> dict:
+    """manifest.json once every shard of the plan has its progress record: the cache becomes complete.
+
+    build: how this cache was built (wall seconds from model load to the last shard, machine, precision):
+    kept for the reader, never part of the key.
+    """
     location, dtype, selection = spec.location, spec.dtype, spec.selection
     records = completed_records(location, spec.key, names)
     missing = [names[p.index] for p in shards if p.index not in records]
@@ -418,6 +430,8 @@ def write_manifest(spec: BuildSpec, corpus: EncodedCorpus, names: dict[int, str]
         "max_length": spec.fields["truncation"]["max_length"],
         "complete": True,
     }
+    if build is not None:
+        manifest["build"] = build
     try:
         write_json_at(location, MANIFEST, manifest)
     except OSError as e:

@@ -258,7 +258,7 @@ def inspect_cache(path) -> dict:
     d = manifest["hidden_size"]
     pooled_dtype = token_numpy_dtype(pooled_storage_dtype(manifest["dtype"]))
     pooled_bytes = int(manifest["num_sentences"]) * len(manifest["pooled_layers"]) * 2 * d * pooled_dtype.itemsize
-    return {
+    info = {
         "path": str(location),
         "key": manifest["key"],
         "key_fields": manifest["key_fields"],
@@ -281,3 +281,6 @@ def inspect_cache(path) -> dict:
         # everything on disk (pooled vectors, ids, metadata) divided by tokens
         "bytes_per_token_total": location.size() / tokens,
     }
+    if "build" in manifest:  # wall time, machine and precision of the build, where the manifest records them
+        info["build"] = manifest["build"]
+    return info

@@ -215,6 +215,10 @@ def test_roundtrip_every_backend_and_dtype(tiny, corpus, tmp_path, backend, dtyp
     assert stats["num_sentences"] == len(lines) and stats["num_tokens"] == int(reader.lengths.sum())
     assert stats["truncated_sentences"] == 3 and stats["truncated_tokens"] > 0
     assert stats["size_on_disk"] > 0 and stats["bytes_per_token"] > 0
+    build = stats["build"]  # how it was built, for the reader: never part of the key
+    assert build["seconds"] > 0 and build["resumed_shards"] == 0 and build["precision"] == "fp32"
+    assert build["max_tokens"] == 64 and build["world_size"] == 1
+    assert "build" not in stats["key_fields"]
 
 
 def test_in_memory_reader_equals_on_disk(tiny, corpus, tmp_path):

@@ -67,6 +67,7 @@ def test_kill_9_mid_shard_then_resume_is_byte_identical(setup, tmp_path, backend
     resumed = build_cache(str(checkpoint), corpus, out, backend=backend, **{**BUILD_ARGS, "progress": True})
     assert not resumed.reused and resumed.key == uninterrupted.key
     assert resumed.manifest["shards"] == uninterrupted.manifest["shards"]  # names, counts and sha256 of bytes
+    assert resumed.manifest["build"]["resumed_shards"] == len(recorded)  # its time covers only the shards it built
     assert not any(p.name.startswith(".shard-") for p in (out / "shards").iterdir())
     verify_cache(out)
     a, b = CacheReader(out), CacheReader(tmp_path / "whole")
