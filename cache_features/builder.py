@@ -355,9 +355,9 @@ def _build(spec: BuildSpec, lines: list[str], dist: DistContext) -> dict:
             build = {"seconds": round(seconds, 1), "resumed_shards": len(done), "machine": machine_line(runtime.device),
                      "precision": runtime.precision, "max_tokens": spec.max_tokens, "world_size": dist.world_size}
             manifest = write_manifest(spec, corpus, names, shards, build)
-            logger.info("cache: built %s in %.1f s (%s tokens/s%s)", location, seconds,
-                        f"{int(corpus.offsets[-1]) / max(seconds, 1e-9):,.0f}",
-                        f"; {len(done)} of {len(shards)} shards were already complete" if done else "")
+            # a resumed build already said how many shards it found done
+            logger.info("cache: built %s in %.1f s (%s tokens/s)", location, seconds,
+                        f"{manifest['num_tokens'] / max(seconds, 1e-9):,.0f}")
         except BaseException as e:  # noqa: BLE001
             failed, error = 1, e
     if all_reduce_max(dist, failed):
