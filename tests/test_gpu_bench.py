@@ -83,3 +83,20 @@ def test_gpu_bench_runs_every_section_on_the_cpu(tmp_path):
     for target in targets:
         assert isinstance(target["met"], bool) and _number(target["value"]), target
         assert summary["targets"][target["target"]] == {"value": target["value"], "met": target["met"]}
+
+
+NODE_SCRIPT = BENCH.parent / "gpu_node.sh"
+
+
+@pytest.mark.parametrize("args, says", [
+    (["out", "60", "bench", "warmup"], "unknown step 'warmup'"),
+    (["out", "ten", "probe"], "SECONDS must be a whole number"),
+    (["out", "60"], "usage: bash bench/gpu_node.sh"),
+    (["out", "60", "probe"], "no offline/install.sh here"),
+])
+def test_gpu_node_script_refuses_bad_input_in_one_line_before_writing_anything(tmp_path, args, says):
+    # The node is lent for minutes: a typo must fail at once, before the bundle's install or any step.
+    done = subprocess.run(["bash", str(NODE_SCRIPT), *args], capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert done.returncode == 2
+    assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
