@@ -8,16 +8,20 @@
 # the bundle, unpacks its corpus, then runs the steps in the order given, each stopped when SECONDS
 # (counted from the start) run out, and a step that fails does not stop the next:
 #
-#   bench     python bench/gpu.py, every section            -> OUT/gpu/gpu.json, OUT/gpu/gpu.log
-#   bench:S   bench/gpu.py --only S (S as its --only takes)  -> the same files
+#   bench     python bench/gpu.py, every section              -> OUT/gpu/gpu.json, OUT/gpu/gpu.log
+#   bench:S   bench/gpu.py --only S (its sections, comma-separated) -> OUT/gpu-S/ (commas as '-')
 #   probe     the GPU recipe (examples/results-en-ja-base.yaml) for baseline.seed-1 and fused.seed-1,
-#             stopped at PROBE_UPDATES updates (default 400)  -> OUT/probe.tar.gz
-#   demo      the shipped pipeline.yaml with --device cuda; evaluate only where MeCab is installed
-#             (the bundle's --with-ja), since its BLEU is Japanese    -> OUT/demo.tar.gz
-#   tests     pytest -m cuda                                  -> OUT/pytest-cuda.txt
+#             stopped at PROBE_UPDATES updates (default 400)    -> OUT/probe.tar.gz
+#   demo      the shipped pipeline.yaml with --device cuda; its evaluate stage only where sacrebleu's
+#             ja-mecab tokenizer works (the bundle's --with-ja), since its BLEU is Japanese
+#                                                               -> OUT/demo.tar.gz
+#   tests     pytest -m cuda                                    -> OUT/pytest-cuda.txt
 #
 # OUT/session.txt holds the machine, each step's command with its exit status and seconds, and the
-# end of each step's output. The tarballs hold each run's logs, metrics.jsonl and run.json, no weights.
+# end of each step's output; OUT/install.log the bundle's install. The tarballs hold each run's logs,
+# metrics.jsonl and run.json (no weights) and the pipeline's results. bench/gpu.py exits 1 under
+# --only, since the targets of the sections it leaves out count as not met. Give SECONDS a little
+# under the time the node is lent for: the logs are packed after the last step stops.
 set -uo pipefail
 if [ $# -lt 3 ]; then
     echo "usage: bash bench/gpu_node.sh OUT SECONDS STEP... (steps: bench, bench:SECTIONS, probe, demo, tests)" >&2
@@ -25,9 +29,22 @@ if [ $# -lt 3 ]; then
 fi
 out="$1"; seconds="$2"; shift 2
 case "$seconds" in '' | *[!0-9]*) echo "gpu_node.sh: SECONDS must be a whole number, got '$seconds'" >&2; exit 2 ;; esac
+seconds=$((10#$seconds))
+probe_updates="${PROBE_UPDATES:-400}"
+case "$probe_updates" in '' | *[!0-9]*) echo "gpu_node.sh: PROBE_UPDATES must be a whole number, got '$probe_updates'" >&2; exit 2 ;; esac
+sections="tests,cache,train,shapes,decode,torchrun,compile"  # bench/gpu.py's --only
 for step in "$@"; do
-    case "$step" in bench | bench:* | probe | demo | tests) ;;
-        *) echo "gpu_node.sh: unknown step '$step'; steps: bench, bench:SECTIONS, probe, demo, tests" >&2; exit 2 ;;
+    case "$step" in
+    bench | probe | demo | tests) ;;
+    bench:*)
+        IFS=, read -ra wanted <<< "${step#bench:}"
+        [ ${#wanted[@]} -gt 0 ] || { echo "gpu_node.sh: '$step' names no section; bench/gpu.py's are $sections" >&2; exit 2; }
+        for section in "${wanted[@]}"; do
+            case ",$sections," in *",$section,"*) ;;
+                *) echo "gpu_node.sh: '$step': bench/gpu.py has no section '$section'; its sections are $sections" >&2; exit 2 ;;
+            esac
+        done ;;
+    *) echo "gpu_node.sh: unknown step '$step'; steps: bench, bench:SECTIONS, probe, demo, tests" >&2; exit 2 ;;
     esac
 done
 [ -f offline/install.sh ] || { echo "gpu_node.sh: no offline/install.sh here; run from the source tree with its bundle in offline/" >&2; exit 2; }
@@ -37,7 +54,8 @@ start=$(date +%s)
 mkdir -p "$out"
 session="$out/session.txt"
 say() { echo "$*" | tee -a "$session"; }
-left() { echo $(( seconds - ($(date +%s) - start) )); }
+margin=10  # seconds kept after the last step, to pack its logs
+left() { echo $(( seconds - margin - ($(date +%s) - start) )); }
 # Runs one command under what is left of the deadline, logging it with its exit status and seconds.
 timed() {
     local log="$1"; shift
@@ -45,16 +63,16 @@ timed() {
     if [ "$budget" -le 5 ]; then say "skipped (deadline): $*"; return 1; fi
     say "\$ $*"
     local t0; t0=$(date +%s)
-    timeout "$budget" "$@" > "$log" 2>&1
+    timeout -k 15 "$budget" "$@" > "$log" 2>&1
     local rc=$?
-    say "rc $rc in $(( $(date +%s) - t0 )) s$([ $rc -eq 124 ] && echo ' (stopped at the deadline)')"
+    say "rc $rc in $(( $(date +%s) - t0 )) s$( { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && echo ' (stopped at the deadline)')"
     return $rc
 }
 
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; lscpu | grep "Model name"; } >> "$session" 2>&1
-timed /tmp/gpu_node-install.log bash offline/install.sh || { tail -5 /tmp/gpu_node-install.log >> "$session"; exit 1; }
+timed "$out/install.log" bash offline/install.sh || { tail -5 "$out/install.log" >> "$session" 2>/dev/null; exit 1; }
 # install.sh installs into python3's environment, whose scripts directory may not be on PATH.
-PATH="$(python3 -c 'import os, sys; print(os.path.dirname(sys.executable))'):$PATH"
+command -v prlmfuse > /dev/null || PATH="$(python3 -c 'import os, sys; print(os.path.dirname(sys.executable))'):$PATH"
 corpus=offline/corpus/bible-en-ja.tar.gz
 checkpoint=offline/checkpoints/minilm-l6
 
@@ -62,11 +80,12 @@ checkpoint=offline/checkpoints/minilm-l6
 node_pipeline() {  # SOURCE WORKDIR OUTFILE [max_updates]
     sed -e "s#^workdir: .*#workdir: ../$2#" -e "s#minilm-l6#$checkpoint#" "$1" > "$3"
     [ -n "${4:-}" ] && sed -i "s#^\(    max_updates:\).*#\1 $4#" "$3"
-    if [ -f "$corpus" ]; then mkdir -p "$2/data" && tar -xzf "$corpus" -C "$2/data"; fi
+    mkdir -p "$2/data"
+    if [ -f "$corpus" ]; then tar -xzf "$corpus" -C "$2/data"; else say "no $corpus: the data stage builds the corpus here"; fi
 }
 pack() {  # WORKDIR TARBALL FILE...: each run's logs, metrics and run.json, and those of the files that exist
     local workdir="$1" tarball="$2" kept=() f; shift 2
-    for f in "$@" "$workdir"/runs/*/; do [ -e "$f" ] && kept+=("$f"); done
+    for f in "$@" "$workdir"/runs/*/ "$workdir"/results; do [ -e "$f" ] && kept+=("$f"); done
     [ ${#kept[@]} -gt 0 ] && tar -czf "$tarball" --exclude='*.safetensors' --exclude='checkpoints' "${kept[@]}" 2>> "$session"
 }
 
@@ -74,12 +93,12 @@ for step in "$@"; do
     say "== $step (at $(( $(date +%s) - start )) s)"
     case "$step" in
     bench | bench:*)
-        only=(); [ "$step" != bench ] && only=(--only "${step#bench:}")
-        timed "$out/gpu-stdout.txt" python3 bench/gpu.py --out "$out/gpu" --minilm "$checkpoint" "${only[@]}"
-        grep -v '^  \[' "$out/gpu-stdout.txt" | grep -v '^RESULT' | tail -30 >> "$session"; rm -f "$out/gpu-stdout.txt"
+        if [ "$step" = bench ]; then only=(); dir="$out/gpu"; else only=(--only "${step#bench:}"); dir="$out/gpu-$(echo "${step#bench:}" | tr , -)"; fi
+        timed /tmp/gpu_node-bench.txt python3 bench/gpu.py --out "$dir" --minilm "$checkpoint" ${only[@]+"${only[@]}"}
+        grep -v '^  \[' /tmp/gpu_node-bench.txt | grep -v '^RESULT' | tail -30 >> "$session"
         ;;
     probe)
-        node_pipeline examples/results-en-ja-base.yaml work/probe offline/probe.yaml "${PROBE_UPDATES:-400}"
+        node_pipeline examples/results-en-ja-base.yaml work/probe offline/probe.yaml "$probe_updates"
         timed work/probe/cache.log prlmfuse run offline/probe.yaml --runs baseline.seed-1,fused.seed-1 --only cache &&
             timed work/probe/pipeline.log prlmfuse run offline/probe.yaml --runs baseline.seed-1,fused.seed-1 --only train
         tail -3 work/probe/pipeline.log >> "$session" 2>/dev/null
@@ -87,10 +106,10 @@ for step in "$@"; do
         ;;
     demo)
         node_pipeline pipeline.yaml work/demo offline/demo.yaml
-        if python3 -c "import MeCab" 2> /dev/null; then
+        if python3 -c "import sacrebleu; sacrebleu.BLEU(tokenize='ja-mecab')" 2> /dev/null; then
             timed work/demo/run.log prlmfuse run offline/demo.yaml --device cuda
         else
-            say "no MeCab here: the demo stops after training"
+            say "no MeCab with its dictionary here (sacrebleu's ja-mecab): the demo stops after training"
             timed work/demo/cache.log prlmfuse run offline/demo.yaml --device cuda --only cache &&
                 timed work/demo/run.log prlmfuse run offline/demo.yaml --device cuda --only train
         fi

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
+import tarfile
 import sys
 from pathlib import Path
 
@@ -90,6 +92,7 @@ NODE_SCRIPT = BENCH.parent / "gpu_node.sh"
 
 @pytest.mark.parametrize("args, says", [
     (["out", "60", "bench", "warmup"], "unknown step 'warmup'"),
+    (["out", "60", "bench:shape"], "bench/gpu.py has no section 'shape'"),
     (["out", "ten", "probe"], "SECONDS must be a whole number"),
     (["out", "60"], "usage: bash bench/gpu_node.sh"),
     (["out", "60", "probe"], "no offline/install.sh here"),
@@ -100,3 +103,50 @@ def test_gpu_node_script_refuses_bad_input_in_one_line_before_writing_anything(t
     assert done.returncode == 2
     assert says in done.stderr and len(done.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_gpu_node_script_runs_its_steps_in_order_on_node_pipeline_files(tmp_path):
+    # A node tree: the two pipeline files the steps derive from, a bundle whose install does nothing, and
+    # a `prlmfuse` that records its arguments and leaves a run behind, so the steps and the packing run
+    # here in seconds; the pipeline files they write must load and point at the bundle's checkpoint.
+    from prlmfuse.config import load_pipeline
+
+    repo = BENCH.parents[1]
+    tree = tmp_path / "tree"
+    (tree / "examples").mkdir(parents=True)
+    (tree / "offline").mkdir()
+    (tree / "examples" / "results-en-ja-base.yaml").write_text(
+        (repo / "examples" / "results-en-ja-base.yaml").read_text(encoding="utf-8"), encoding="utf-8")
+    (tree / "pipeline.yaml").write_text((repo / "pipeline.yaml").read_text(encoding="utf-8"), encoding="utf-8")
+    (tree / "offline" / "install.sh").write_text("echo installed\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "prlmfuse"
+    stub.write_text('#!/usr/bin/env bash\necho "$@" >> calls.txt\n'
+                    'd=$(dirname "$2")/../work/$(basename "$2" .yaml)/runs/baseline.seed-1; mkdir -p "$d"\n'
+                    'echo "{}" > "$d/metrics.jsonl"; echo weights > "$d/best.safetensors"\n')
+    stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PROBE_UPDATES": "7"}
+    done = subprocess.run(["bash", str(NODE_SCRIPT), str(tmp_path / "out"), "120", "probe", "demo"],
+                          capture_output=True, text=True, timeout=120, cwd=tree, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    calls = (tree / "calls.txt").read_text().splitlines()
+    assert calls[:2] == ["run offline/probe.yaml --runs baseline.seed-1,fused.seed-1 --only cache",
+                         "run offline/probe.yaml --runs baseline.seed-1,fused.seed-1 --only train"]
+    assert calls[2].startswith("run offline/demo.yaml --device cuda") and len(calls) in (3, 4)
+    session = (tmp_path / "out" / "session.txt").read_text()
+    assert session.index("== probe") < session.index("== demo") and "no offline/corpus" in session
+
+    probe = load_pipeline(tree / "offline" / "probe.yaml")
+    assert probe.workdir.resolve() == (tree / "work" / "probe").resolve()
+    assert probe.train.defaults["max_updates"] == 7
+    assert probe.cache.checkpoints[0].name == "offline/checkpoints/minilm-l6"
+    demo = load_pipeline(tree / "offline" / "demo.yaml")
+    assert demo.workdir.resolve() == (tree / "work" / "demo").resolve()
+    assert demo.cache.checkpoints[0].name == "offline/checkpoints/minilm-l6"
+
+    with tarfile.open(tmp_path / "out" / "probe.tar.gz") as tar:
+        names = tar.getnames()
+    assert "offline/probe.yaml" in names and "work/probe/runs/baseline.seed-1/metrics.jsonl" in names
+    assert not any(n.endswith(".safetensors") for n in names)
