@@ -288,10 +288,14 @@ def _systems(rows: list[RunResult]) -> list[SystemSummary]:
             metric = group[0].main_metric
             mean, sd = _mean_sd([getattr(r, metric) for r in group])
             chrf_mean, chrf_sd = _mean_sd([r.chrf for r in group])
-            deltas = [r.delta[metric] for r in group if metric in r.delta]
+            # Only a comparison with another system counts: an evaluation that named one seed's baseline
+            # also compares the baseline's other seeds with it, which measures seed spread, not a gain.
+            against_other = [r for r in group if metric in r.delta and r.compared_with
+                             and system_of(r.compared_with) != system]
+            deltas = [r.delta[metric] for r in against_other]
             summary = SystemSummary(system, split, [r.run for r in group], metric, mean, sd, chrf_mean, chrf_sd,
                                     compared=len(deltas),
-                                    significant=sum(1 for r in group if r.p_value.get(metric, 1.0) < SIGNIFICANCE))
+                                    significant=sum(1 for r in against_other if r.p_value[metric] < SIGNIFICANCE))
             if deltas:
                 summary.delta_mean, summary.delta_sd = _mean_sd(deltas)
             out.append(summary)

@@ -197,3 +197,27 @@ def test_batches_with_runs_of_one_name_are_told_apart_by_their_file(evaluated, t
     chrf = rows["baseline.seed-1 [batch-2]"].chrf - second.chrf
     assert "Against fused.seed-1 (the one of each row’s own file)" in md
     assert f"| baseline.seed-1 [batch-2] | {-second.delta['bleu']:+.2f} |" in md and f"| {chrf:.2f} |" in md
+
+
+def test_a_baseline_seed_compared_with_another_seed_of_the_baseline_counts_as_no_gain(evaluated, tmp_path):
+    # `prlmfuse run --runs baseline.seed-2,fused.seed-2` with `evaluate.baseline: baseline.seed-1` evaluates
+    # baseline.seed-1 beside the pair and compares baseline.seed-2 with it: that row keeps its Δ, but the
+    # over-seeds summary counts only each system's comparisons with another system.
+    from prlmfuse.evaluate import evaluate_runs
+    from prlmfuse.evaluate.report import merge_evaluations
+
+    runs = evaluated["dirs"]
+    out = tmp_path / "eval-2"
+    evaluate_runs([runs / "baseline.seed-1", runs / "baseline.seed-2", runs / "fused.seed-2"], out=out,
+                  baseline="baseline.seed-1", beam=2, average_last=2, progress=False)
+    merged_in = _copy_inputs(evaluated, tmp_path / "in")
+    shutil.copy(out / "results.json", merged_in / "seed-2.json")
+    report = merge_evaluations([merged_in / "seed-1.json", merged_in / "seed-2.json"], tmp_path / "merged")
+    rows = {r.run: r for r in report.rows}
+    assert rows["baseline.seed-2"].compared_with == "baseline.seed-1" and "bleu" in rows["baseline.seed-2"].delta
+    assert rows["fused.seed-2"].compared_with == "baseline.seed-2"
+    systems = {m.system: m for m in report.systems}
+    assert systems["baseline"].compared == 0 and systems["baseline"].delta_mean is None
+    assert systems["fused"].compared == 2
+    assert "| baseline | 2 |" in (md := (tmp_path / "merged" / "results.md").read_text())
+    assert next(line for line in md.splitlines() if line.startswith("| baseline | 2 |")).endswith("| - | - |")
