@@ -295,7 +295,7 @@ def _systems(rows: list[RunResult]) -> list[SystemSummary]:
             deltas = [r.delta[metric] for r in against_other]
             summary = SystemSummary(system, split, [r.run for r in group], metric, mean, sd, chrf_mean, chrf_sd,
                                     compared=len(deltas),
-                                    significant=sum(1 for r in against_other if r.p_value[metric] < SIGNIFICANCE))
+                                    significant=sum(1 for r in against_other if r.p_value.get(metric, 1.0) < SIGNIFICANCE))
             if deltas:
                 summary.delta_mean, summary.delta_sd = _mean_sd(deltas)
             out.append(summary)
