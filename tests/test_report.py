@@ -196,7 +196,9 @@ def test_batches_with_runs_of_one_name_are_told_apart_by_their_file(evaluated, t
     md = (tmp_path / "merged" / "results.md").read_text()
     chrf = rows["baseline.seed-1 [batch-2]"].chrf - second.chrf
     assert "Against fused.seed-1 (the one of each row’s own file)" in md
-    assert f"| baseline.seed-1 [batch-2] | {-second.delta['bleu']:+.2f} |" in md and f"| {chrf:.2f} |" in md
+    # the Δ the row prints is that comparison's own (negating a Δ of 0.0 would print -0.00 where it prints +0.00)
+    against_delta = compared["baseline.seed-1 [batch-2]"]["delta"]["bleu"]
+    assert f"| baseline.seed-1 [batch-2] | {against_delta:+.2f} |" in md and f"| {chrf:.2f} |" in md
 
 
 def test_a_baseline_seed_compared_with_another_seed_of_the_baseline_counts_as_no_gain(evaluated, tmp_path):
