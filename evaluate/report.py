@@ -4,11 +4,13 @@ Each input is a results.json that `evaluate` wrote, read together with the files
 each run's hypotheses (`hyp_file`) and the test set's references (`ref_file`), both checked by sha256.
 The inputs must have been scored alike: the same test sets and references, the same training corpus,
 the same metrics (sacrebleu and ROUGE signatures) and the same decoding and bootstrap settings; a
-difference is refused in one line that names it. Each fused run keeps the baseline its evaluation
-compared it with (the baseline of its own seed where the grid has one, or of its own batch: runs of one
-name with other hypotheses in several files, such as each batch's `baseline`, are told apart by their
-file's name); its Δ and paired-bootstrap p are computed again here from the hypothesis files, and each
-system (a run name without its `.seed-N`) gets the mean and standard deviation of its scores over seeds.
+difference is refused in one line that names it, and so is a stored score its hypotheses do not give here.
+Each fused run keeps the baseline its evaluation compared it with (the baseline of its own seed where the
+grid has one, or of its own batch: runs of one name with other hypotheses in several files, such as each
+batch's `baseline`, are told apart by their file's name); a run compared with another seed's baseline is
+compared with its own seed's where another file holds it. Its paired-bootstrap p is computed again here from
+the hypothesis files, and each system (a run name without its `.seed-N`) gets the mean and sample standard
+deviation of its scores over seeds, one row per seed.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ SHARED_SETTINGS = ("beam", "lenpen", "average_last", "average", "max_len_a", "ma
 SHARED_PER_TEST_SET = {"ref_sha256": "references", "num_sentences": "number of sentences",
                        "corpus_sha256": "training corpus", "main_metric": "main metric", "signature": "metric signatures",
                        "tgt_lang": "target language", "task": "task"}
+# Settings the merge itself reads (the bootstrap is run again; the table names the decoding).
+REQUIRED_SETTINGS = ("beam", "lenpen", "average_last", "bootstrap_samples", "seed", "test_sets")
+SCORE_TOLERANCE = 1e-3  # a stored score and the same hypotheses scored again agree to rounding
 SEED_SUFFIX = re.compile(r"\.seed-[^.]+")
 FILE_LABEL = re.compile(r" \[[^\]]*\]$")
 
@@ -75,8 +80,9 @@ class SystemSummary:
     chrf_sd: float
     delta_mean: float | None = None  # of Δ against each seed's own baseline
     delta_sd: float | None = None
-    significant: int = 0  # seeds whose Δ has p < SIGNIFICANCE
+    significant: int = 0  # seeds ahead of their baseline with p < SIGNIFICANCE
     compared: int = 0  # seeds with a Δ
+    left_out: dict[str, str] = field(default_factory=dict)  # run -> the run of its seed that counts instead
 
 
 @dataclass
@@ -104,12 +110,16 @@ def read_evaluation(path: str | Path) -> Evaluation:
     known = {f.name for f in fields(RunResult)}
     rows = []
     for d in data["rows"]:
-        missing = [k for k in ("hyp_sha256", "ref_file", "ref_sha256", "corpus_sha256") if not d.get(k)]
+        missing = [k for k in ("hyp_file", "hyp_sha256", "ref_file", "ref_sha256", "corpus_sha256") if not d.get(k)]
         if missing:
             raise UserError(f"{path}: run {d.get('run', '?')} records no {missing[0]}: it was written by an older "
                             "prlmfuse; evaluate the runs again (their hypotheses are reused) to record what a merge checks")
         values = {k: (float("nan") if v is None and k in _FLOAT_FIELDS else v) for k, v in d.items() if k in known}
         rows.append(RunResult(**{"reused": False, **values}))
+    lacking = [k for k in REQUIRED_SETTINGS if data["settings"].get(k) is None]
+    if lacking:
+        raise UserError(f"{path}: its settings record no {lacking[0]}: it was written by an older prlmfuse; evaluate "
+                        "the runs again (their hypotheses are reused) to record what a merge checks")
     evaluation = Evaluation(path, data.get("baseline"), data["settings"], rows)
     for row in rows:
         for name, digest, what in ((row.hyp_file, row.hyp_sha256, "hypothesis"), (row.ref_file, row.ref_sha256, "reference")):
@@ -178,16 +188,24 @@ def merge_evaluations(paths: list[str | Path], out: str | Path, against: list[st
     if missing:
         raise UserError(f"the baseline run {missing[0]} that {sources[_first(baseline_of, missing[0])]} compares with "
                         "is in none of the files; add the results.json that holds it")
+    _pair_with_own_seed(baseline_of, list(by_key.values()))
     sentence_level, refs_sha = {}, {}
     settings = first.settings
     for row, evaluation in by_key.values():
         hyps = read_lines(evaluation.folder / row.hyp_file, check_text=False) if row.num_sentences else []
         refs = read_lines(evaluation.folder / row.ref_file)
         tested = ("bleu", "rougeL") if row.task == "summarization" else ("bleu",)
-        sentence_level[(row.run, row.test_set)] = {
+        stats = {
             m: sentence_stats(hyps, refs, metric=m, tgt_lang=row.tgt_lang, bleu_tokenize=settings.get("bleu_tokenize"))
             for m in tested
         } if hyps else {}
+        for metric, computed in stats.items():  # Δ is taken from the stored scores: they must be the files' scores
+            stored = getattr(row, metric)
+            if math.isfinite(stored) and abs(computed.score - stored) > SCORE_TOLERANCE:
+                raise UserError(f"{evaluation.path}: run {row.run} records {metric} {stored:.4f}, but its hypotheses score "
+                                f"{computed.score:.4f} here (another sacrebleu or tokenizer version, or an edited file); "
+                                "merge results scored with this installation's metrics")
+        sentence_level[(row.run, row.test_set)] = stats
         refs_sha[(row.run, row.test_set)] = row.ref_sha256
         row.delta, row.p_value, row.compared_with = {}, {}, None
     targets = {name: _against_targets(name, by_key.values(), sources) for name in against}
@@ -208,29 +226,59 @@ def merge_evaluations(paths: list[str | Path], out: str | Path, against: list[st
                              order[r.run]))
     order_of = {(r.run, r.test_set): k for k, r in enumerate(rows)}
     compared.sort(key=lambda c: (order_of[(c["run"], c["test_set"])], c["against"]))
-    report = Report(out=Path(out), inputs=inputs, rows=rows, sources=sources, systems=_systems(rows), against=compared)
+    file_order = {run: [e.path for e in inputs].index(path) for run, path in sources.items()}
+    report = Report(out=Path(out), inputs=inputs, rows=rows, sources=sources, systems=_systems(rows, file_order),
+                    against=compared)
     write_report(report)
     return report
 
 
 def _name_apart(inputs: list[Evaluation]) -> None:
     """Runs of one name with other hypotheses in several files (each batch's `baseline`) are different runs:
-    each gets its file's name in brackets, in its rows and in the comparisons made within its file."""
-    hyps: dict[str, set[str]] = {}
-    for evaluation in inputs:
-        for row in evaluation.rows:
-            hyps.setdefault(row.run, set()).add(row.hyp_sha256)
-    clashing = {name for name, digests in hyps.items() if len(digests) > 1}
+    each gets the name of the first file that holds its hypotheses in brackets, in its rows and in the
+    comparisons made within its file; files holding the same hypotheses (a run decoded again alike) share it."""
     labels = [_file_label(e) for e in inputs]
+    copies: dict[str, dict[tuple, str]] = {}  # run -> its hypotheses in a file -> the first file's label
+    for evaluation, label in zip(inputs, labels):
+        for name, digests in _hypotheses_of(evaluation).items():
+            copies.setdefault(name, {}).setdefault(digests, label)
+    clashing = {name: seen for name, seen in copies.items() if len(seen) > 1}
     if clashing and len(set(labels)) < len(labels):
         raise UserError(f"run {sorted(clashing)[0]} has other hypotheses in each of several files whose names do not tell "
                         "them apart; give each evaluation's results.json a name of its own (e.g. batch-1.json)")
-    for evaluation, label in zip(inputs, labels):
-        renamed = {name: _in_file(name, label) for name in clashing}
+    for evaluation in inputs:
+        held = _hypotheses_of(evaluation)
+        renamed = {name: _in_file(name, seen[held[name]]) for name, seen in clashing.items() if name in held}
         for row in evaluation.rows:
             row.run = renamed.get(row.run, row.run)
             row.compared_with = renamed.get(row.compared_with, row.compared_with)
         evaluation.baseline = renamed.get(evaluation.baseline, evaluation.baseline)
+
+
+def _hypotheses_of(evaluation: Evaluation) -> dict[str, tuple]:
+    """run -> the digests of its hypothesis files in this evaluation, one per test set."""
+    out: dict[str, list] = {}
+    for row in evaluation.rows:
+        out.setdefault(row.run, []).append((row.test_set, row.hyp_sha256))
+    return {run: tuple(sorted(digests)) for run, digests in out.items()}
+
+
+def _pair_with_own_seed(baseline_of: dict[str, str], pairs: list[tuple[RunResult, Evaluation]]) -> None:
+    """A run its evaluation compared with another seed's baseline (that evaluation held none of the run's seed)
+    is compared with its own seed's baseline where another file holds one: seed-to-seed spread is not a gain."""
+    first = {}
+    for row, evaluation in pairs:
+        first.setdefault(row.run, (row, evaluation))
+    for run, base in list(baseline_of.items()):
+        row, evaluation = first[run]
+        if row.seed is None or first[base][0].seed == row.seed or system_of(base) == system_of(run):
+            continue
+        own = [(other_evaluation is not evaluation, other.run) for other, other_evaluation in first.values()
+               if system_of(other.run) == system_of(base) and other.seed == row.seed]
+        if own:
+            baseline_of[run] = min(own, key=lambda t: t[0])[1]  # the one of the row's own file, else the first file's
+            logger.info("%s: compared with %s, the baseline of its own seed (its evaluation compared it with %s)",
+                        run, baseline_of[run], base)
 
 
 def _file_label(evaluation: Evaluation) -> str:
@@ -280,11 +328,18 @@ def _mean_sd(values: list[float]) -> tuple[float, float]:
     return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else float("nan")
 
 
-def _systems(rows: list[RunResult]) -> list[SystemSummary]:
+def _systems(rows: list[RunResult], file_order: dict[str, int]) -> list[SystemSummary]:
+    """Each system's mean and sd over its seeds, one row per seed: where a seed has several rows (a run decoded
+    again with other hypotheses, or batches that each trained it), the one from the earliest file counts."""
     out = []
     for split in dict.fromkeys(r.test_set for r in rows):
         for system in dict.fromkeys(system_of(r.run) for r in rows if r.test_set == split):
-            group = [r for r in rows if r.test_set == split and system_of(r.run) == system]
+            candidates = [r for r in rows if r.test_set == split and system_of(r.run) == system]
+            counted: dict[object, RunResult] = {}  # seed -> its row that counts
+            for r in sorted(candidates, key=lambda r: file_order[r.run]):
+                counted.setdefault(r.seed if r.seed is not None else r.run, r)
+            counting = {c.run for c in counted.values()}
+            group = [r for r in candidates if r.run in counting]
             metric = group[0].main_metric
             mean, sd = _mean_sd([getattr(r, metric) for r in group])
             chrf_mean, chrf_sd = _mean_sd([r.chrf for r in group])
@@ -293,9 +348,10 @@ def _systems(rows: list[RunResult]) -> list[SystemSummary]:
             against_other = [r for r in group if metric in r.delta and r.compared_with
                              and system_of(r.compared_with) != system]
             deltas = [r.delta[metric] for r in against_other]
+            ahead = sum(1 for r in against_other if r.delta[metric] > 0 and r.p_value.get(metric, 1.0) < SIGNIFICANCE)
             summary = SystemSummary(system, split, [r.run for r in group], metric, mean, sd, chrf_mean, chrf_sd,
-                                    compared=len(deltas),
-                                    significant=sum(1 for r in against_other if r.p_value.get(metric, 1.0) < SIGNIFICANCE))
+                                    compared=len(deltas), significant=ahead,
+                                    left_out={r.run: counted[r.seed].run for r in candidates if r.run not in counting})
             if deltas:
                 summary.delta_mean, summary.delta_sd = _mean_sd(deltas)
             out.append(summary)
@@ -338,7 +394,7 @@ def report_markdown(report: Report) -> str:
                 f"{r.stopped_by or 'unfinished'} | {last3} |"
             )
         systems = [m for m in report.systems if m.test_set == split]
-        lines += ["", f"Over seeds ({name}: mean ± sd; sd needs two seeds or more):", "",
+        lines += ["", f"Over seeds ({name}: mean ± sample sd, n − 1; sd needs two seeds or more; one row per seed):", "",
                   f"| system | seeds | {name} | chrF | Δ vs own seed's baseline | seeds ahead with p < {SIGNIFICANCE:g} |",
                   "|---|---|---|---|---|---|"]
         for m in systems:
@@ -346,6 +402,9 @@ def report_markdown(report: Report) -> str:
             ahead = f"{m.significant} of {m.compared}" if m.compared else "-"
             lines.append(f"| {m.system} | {len(m.runs)} | {_fmt(m.mean)} ± {_fmt(m.sd)} | "
                          f"{_fmt(m.chrf_mean)} ± {_fmt(m.chrf_sd)} | {delta} | {ahead} |")
+        left_out = [f"{run} (its seed counts as {kept})" for m in systems for run, kept in m.left_out.items()]
+        if left_out:
+            lines += ["", "Not counted over seeds, since another row of the same seed counts: " + "; ".join(left_out) + "."]
         for other in dict.fromkeys(c["against"] for c in report.against if c["test_set"] == split):
             own = any(c["against_run"] != other for c in report.against if c["against"] == other)
             lines += ["", f"Against {other}{' (the one of each row’s own file)' if own else ''} (paired bootstrap on the "

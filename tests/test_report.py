@@ -160,6 +160,10 @@ def test_an_older_results_file_and_a_lost_baseline_are_refused(evaluated, tmp_pa
     (folder / "old.json").write_text(json.dumps(data))
     with pytest.raises(UserError, match="records no hyp_sha256: it was written by an older prlmfuse"):
         merge_evaluations([folder / "old.json"], tmp_path / "o1")
+    data = json.loads((folder / "seed-1.json").read_text())
+    del data["settings"]["bootstrap_samples"]
+    (folder / "old.json").write_text(json.dumps(data))
+    assert "its settings record no bootstrap_samples" in _refusal([folder / "old.json"], tmp_path / "o3")
 
     data = json.loads((folder / "seed-2.json").read_text())
     data["rows"] = [r for r in data["rows"] if r["run"] != "baseline.seed-2"]
@@ -178,6 +182,7 @@ def test_batches_with_runs_of_one_name_are_told_apart_by_their_file(evaluated, t
     for row in data["rows"]:
         row["run"] = row["run"].replace("seed-2", "seed-1")
         row["compared_with"] = row["compared_with"] and row["compared_with"].replace("seed-2", "seed-1")
+        row["seed"] = 1
     (folder / "batch-2.json").write_text(json.dumps(data))
     report = merge_evaluations([folder / "seed-1.json", folder / "batch-2.json"], tmp_path / "merged",
                                against=["fused.seed-1"])
@@ -187,13 +192,17 @@ def test_batches_with_runs_of_one_name_are_told_apart_by_their_file(evaluated, t
     second = rows["fused.seed-1 [batch-2]"]
     assert second.compared_with == "baseline.seed-1 [batch-2]"
     assert second.delta["bleu"] == pytest.approx(evaluated["evaluations"][2].row("fused.seed-2").delta["bleu"])
-    assert {m.system: len(m.runs) for m in report.systems} == {"baseline": 2, "fused": 2}
+    # both batches trained seed 1: over seeds, seed 1 counts once, from the first file
+    systems = {m.system: m for m in report.systems}
+    assert systems["baseline"].runs == ["baseline.seed-1 [seed-1]"] and systems["fused"].runs == ["fused.seed-1 [seed-1]"]
+    assert systems["fused"].left_out == {"fused.seed-1 [batch-2]": "fused.seed-1 [seed-1]"}
     # --against a name each file holds its own run of: every row against the one of its own file
     compared = {c["run"]: c for c in report.against}
     assert {run: c["against_run"] for run, c in compared.items()} == {
         "baseline.seed-1 [seed-1]": "fused.seed-1 [seed-1]", "baseline.seed-1 [batch-2]": "fused.seed-1 [batch-2]"}
     assert compared["baseline.seed-1 [batch-2]"]["delta"]["bleu"] == pytest.approx(-second.delta["bleu"])
     md = (tmp_path / "merged" / "results.md").read_text()
+    assert "fused.seed-1 [batch-2] (its seed counts as fused.seed-1 [seed-1])" in md
     chrf = rows["baseline.seed-1 [batch-2]"].chrf - second.chrf
     assert "Against fused.seed-1 (the one of each row’s own file)" in md
     # the Δ the row prints is that comparison's own (negating a Δ of 0.0 would print -0.00 where it prints +0.00)
@@ -223,3 +232,92 @@ def test_a_baseline_seed_compared_with_another_seed_of_the_baseline_counts_as_no
     assert systems["fused"].compared == 2
     assert "| baseline | 2 |" in (md := (tmp_path / "merged" / "results.md").read_text())
     assert next(line for line in md.splitlines() if line.startswith("| baseline | 2 |")).endswith("| - | - |")
+
+
+def _evaluate(evaluated, runs: list[str], out: Path, baseline: str) -> Path:
+    from prlmfuse.evaluate import evaluate_runs
+
+    evaluate_runs([evaluated["dirs"] / run for run in runs], out=out, baseline=baseline, beam=2, average_last=2,
+                  progress=False)
+    return out / "results.json"
+
+
+def _rewrite_hypotheses(results: Path, run: str, lines: list[str]) -> None:
+    """Give `run` other hypotheses in an evaluation's folder, with the digest and scores an evaluation would record."""
+    from prlmfuse.evaluate.metrics import sentence_stats
+    from prlmfuse.fileio import sha256_file
+
+    data = json.loads(results.read_text())
+    row = next(r for r in data["rows"] if r["run"] == run)
+    hyp = results.parent / row["hyp_file"]
+    hyp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    refs = (results.parent / row["ref_file"]).read_text(encoding="utf-8").splitlines()
+    row["hyp_sha256"] = sha256_file(hyp)
+    row["bleu"] = sentence_stats(lines, refs, metric="bleu", tgt_lang=row["tgt_lang"]).score
+    results.write_text(json.dumps(data))
+
+
+def test_a_baseline_decoded_again_with_other_hypotheses_counts_its_seed_once(evaluated, tmp_path):
+    # seed 3's evaluation decodes the named baseline, baseline.seed-1, again; on another CPU its hypotheses may
+    # differ: it is then another row, but over seeds the baseline's seed 1 counts once, as seed 1's file has it.
+    from prlmfuse.evaluate.report import merge_evaluations
+
+    merged_in = _copy_inputs(evaluated, tmp_path / "in")
+    results = _evaluate(evaluated, ["baseline.seed-1", "baseline.seed-2", "fused.seed-2"], tmp_path / "eval-2",
+                        baseline="baseline.seed-1")
+    seed_1 = (merged_in / "hyp.baseline.seed-1.test.txt").read_text(encoding="utf-8").splitlines()
+    _rewrite_hypotheses(results, "baseline.seed-1", [seed_1[1], *seed_1[1:]])
+    for f in results.parent.glob("*.txt"):
+        shutil.copy(f, merged_in / f.name.replace("hyp.baseline.seed-1", "hyp.baseline.seed-1.again"))
+    data = json.loads(results.read_text())
+    for row in data["rows"]:
+        row["hyp_file"] = row["hyp_file"].replace("hyp.baseline.seed-1", "hyp.baseline.seed-1.again")
+    (merged_in / "seed-2.json").write_text(json.dumps(data))
+    report = merge_evaluations([merged_in / "seed-1.json", merged_in / "seed-2.json"], tmp_path / "merged")
+    rows = {r.run: r for r in report.rows}
+    assert {"baseline.seed-1 [seed-1]", "baseline.seed-1 [seed-2]"} <= set(rows)
+    systems = {m.system: m for m in report.systems}
+    assert systems["baseline"].runs == ["baseline.seed-1 [seed-1]", "baseline.seed-2"]
+    assert systems["baseline"].left_out == {"baseline.seed-1 [seed-2]": "baseline.seed-1 [seed-1]"}
+    assert systems["baseline"].mean == pytest.approx((rows["baseline.seed-1 [seed-1]"].bleu + rows["baseline.seed-2"].bleu) / 2)
+    assert rows["fused.seed-2"].compared_with == "baseline.seed-2" and systems["fused"].compared == 2
+
+
+def test_a_fused_run_its_evaluation_compared_with_another_seed_is_compared_with_its_own(evaluated, tmp_path):
+    # fused.seed-2 evaluated beside baseline.seed-1 only (its own seed's baseline was evaluated in another job)
+    from prlmfuse.evaluate.report import merge_evaluations
+
+    merged_in = _copy_inputs(evaluated, tmp_path / "in")
+    results = _evaluate(evaluated, ["baseline.seed-1", "fused.seed-2"], tmp_path / "eval-fused-2", baseline="baseline.seed-1")
+    assert json.loads(results.read_text())["rows"][1]["compared_with"] == "baseline.seed-1"
+    shutil.copy(results, merged_in / "fused-2.json")
+    report = merge_evaluations([merged_in / "seed-1.json", merged_in / "fused-2.json", merged_in / "seed-2.json"],
+                               tmp_path / "merged")
+    fused = next(r for r in report.rows if r.run == "fused.seed-2")
+    assert report.sources["fused.seed-2"].name == "fused-2.json" and fused.compared_with == "baseline.seed-2"
+    own = evaluated["evaluations"][2].row("fused.seed-2")
+    assert fused.delta["bleu"] == pytest.approx(own.delta["bleu"]) and fused.p_value["bleu"] == pytest.approx(own.p_value["bleu"])
+
+
+def test_a_seed_significantly_behind_its_baseline_is_not_counted_ahead(evaluated, tmp_path):
+    from prlmfuse.evaluate.report import merge_evaluations
+
+    merged_in = _copy_inputs(evaluated, tmp_path / "in")
+    refs = (merged_in / "ref.test.txt").read_text(encoding="utf-8").splitlines()
+    _rewrite_hypotheses(merged_in / "seed-2.json", "baseline.seed-2", refs)  # a baseline that scores 100
+    report = merge_evaluations([merged_in / "seed-1.json", merged_in / "seed-2.json"], tmp_path / "merged")
+    fused = next(r for r in report.rows if r.run == "fused.seed-2")
+    assert fused.delta["bleu"] < -50 and fused.p_value["bleu"] < 0.05
+    systems = {m.system: m for m in report.systems}
+    seed_1 = next(r for r in report.rows if r.run == "fused.seed-1")
+    ahead = int(seed_1.delta["bleu"] > 0 and seed_1.p_value["bleu"] < 0.05)
+    assert systems["fused"].compared == 2 and systems["fused"].significant == ahead
+
+
+def test_a_stored_score_its_hypotheses_do_not_give_is_refused(evaluated, tmp_path):
+    folder = _copy_inputs(evaluated, tmp_path / "in")
+    data = json.loads((folder / "seed-2.json").read_text())
+    row = next(r for r in data["rows"] if r["run"] == "fused.seed-2")
+    row["bleu"] += 1.0
+    (folder / "seed-2.json").write_text(json.dumps(data))
+    assert "run fused.seed-2 records bleu" in _refusal([folder / "seed-1.json", folder / "seed-2.json"], tmp_path / "o")
