@@ -43,6 +43,8 @@ SHARED_PER_TEST_SET = {"ref_sha256": "references", "num_sentences": "number of s
                        "tgt_lang": "target language", "task": "task"}
 # Settings the merge itself reads (the bootstrap is run again; the table names the decoding).
 REQUIRED_SETTINGS = ("beam", "lenpen", "average_last", "bootstrap_samples", "seed", "test_sets")
+_WRITTEN_BY_AN_OLDER_PRLMFUSE = ("it was written by an older prlmfuse; evaluate the runs again (their hypotheses "
+                                 "are reused) to record what a merge checks")
 SCORE_TOLERANCE = 1e-3  # a stored score and the same hypotheses scored again agree to rounding
 SEED_SUFFIX = re.compile(r"\.seed-[^.]+")
 FILE_LABEL = re.compile(r" \[[^\]]*\]$")
@@ -112,14 +114,12 @@ def read_evaluation(path: str | Path) -> Evaluation:
     for d in data["rows"]:
         missing = [k for k in ("hyp_file", "hyp_sha256", "ref_file", "ref_sha256", "corpus_sha256") if not d.get(k)]
         if missing:
-            raise UserError(f"{path}: run {d.get('run', '?')} records no {missing[0]}: it was written by an older "
-                            "prlmfuse; evaluate the runs again (their hypotheses are reused) to record what a merge checks")
+            raise UserError(f"{path}: run {d.get('run', '?')} records no {missing[0]}: {_WRITTEN_BY_AN_OLDER_PRLMFUSE}")
         values = {k: (float("nan") if v is None and k in _FLOAT_FIELDS else v) for k, v in d.items() if k in known}
         rows.append(RunResult(**{"reused": False, **values}))
     lacking = [k for k in REQUIRED_SETTINGS if data["settings"].get(k) is None]
     if lacking:
-        raise UserError(f"{path}: its settings record no {lacking[0]}: it was written by an older prlmfuse; evaluate "
-                        "the runs again (their hypotheses are reused) to record what a merge checks")
+        raise UserError(f"{path}: its settings record no {lacking[0]}: {_WRITTEN_BY_AN_OLDER_PRLMFUSE}")
     evaluation = Evaluation(path, data.get("baseline"), data["settings"], rows)
     for row in rows:
         for name, digest, what in ((row.hyp_file, row.hyp_sha256, "hypothesis"), (row.ref_file, row.ref_sha256, "reference")):
@@ -226,7 +226,7 @@ def merge_evaluations(paths: list[str | Path], out: str | Path, against: list[st
                              order[r.run]))
     order_of = {(r.run, r.test_set): k for k, r in enumerate(rows)}
     compared.sort(key=lambda c: (order_of[(c["run"], c["test_set"])], c["against"]))
-    file_order = {run: [e.path for e in inputs].index(path) for run, path in sources.items()}
+    file_order = {run: next(i for i, e in enumerate(inputs) if e.path == path) for run, path in sources.items()}
     report = Report(out=Path(out), inputs=inputs, rows=rows, sources=sources, systems=_systems(rows, file_order),
                     against=compared)
     write_report(report)
@@ -238,16 +238,16 @@ def _name_apart(inputs: list[Evaluation]) -> None:
     each gets the name of the first file that holds its hypotheses in brackets, in its rows and in the
     comparisons made within its file; files holding the same hypotheses (a run decoded again alike) share it."""
     labels = [_file_label(e) for e in inputs]
+    held_by = [_hypotheses_of(e) for e in inputs]
     copies: dict[str, dict[tuple, str]] = {}  # run -> its hypotheses in a file -> the first file's label
-    for evaluation, label in zip(inputs, labels):
-        for name, digests in _hypotheses_of(evaluation).items():
+    for held, label in zip(held_by, labels):
+        for name, digests in held.items():
             copies.setdefault(name, {}).setdefault(digests, label)
     clashing = {name: seen for name, seen in copies.items() if len(seen) > 1}
     if clashing and len(set(labels)) < len(labels):
         raise UserError(f"run {sorted(clashing)[0]} has other hypotheses in each of several files whose names do not tell "
                         "them apart; give each evaluation's results.json a name of its own (e.g. batch-1.json)")
-    for evaluation in inputs:
-        held = _hypotheses_of(evaluation)
+    for evaluation, held in zip(inputs, held_by):
         renamed = {name: _in_file(name, seen[held[name]]) for name, seen in clashing.items() if name in held}
         for row in evaluation.rows:
             row.run = renamed.get(row.run, row.run)

@@ -214,15 +214,12 @@ def test_a_baseline_seed_compared_with_another_seed_of_the_baseline_counts_as_no
     # `prlmfuse run --runs baseline.seed-2,fused.seed-2` with `evaluate.baseline: baseline.seed-1` evaluates
     # baseline.seed-1 beside the pair and compares baseline.seed-2 with it: that row keeps its Δ, but the
     # over-seeds summary counts only each system's comparisons with another system.
-    from prlmfuse.evaluate import evaluate_runs
     from prlmfuse.evaluate.report import merge_evaluations
 
-    runs = evaluated["dirs"]
-    out = tmp_path / "eval-2"
-    evaluate_runs([runs / "baseline.seed-1", runs / "baseline.seed-2", runs / "fused.seed-2"], out=out,
-                  baseline="baseline.seed-1", beam=2, average_last=2, progress=False)
+    results = _evaluate(evaluated, ["baseline.seed-1", "baseline.seed-2", "fused.seed-2"], tmp_path / "eval-2",
+                        baseline="baseline.seed-1")
     merged_in = _copy_inputs(evaluated, tmp_path / "in")
-    shutil.copy(out / "results.json", merged_in / "seed-2.json")
+    shutil.copy(results, merged_in / "seed-2.json")
     report = merge_evaluations([merged_in / "seed-1.json", merged_in / "seed-2.json"], tmp_path / "merged")
     rows = {r.run: r for r in report.rows}
     assert rows["baseline.seed-2"].compared_with == "baseline.seed-1" and "bleu" in rows["baseline.seed-2"].delta
