@@ -253,3 +253,19 @@ def test_int8_error_bench_shows_what_one_outlier_does_to_a_per_token_scale():
     assert bench.relative_errors(token, token) == (0.0, 0.0)
     read_back = bench.per_token_absmax(token)
     assert read_back[0, 0] == 1000.0 and (read_back[0, 1:] == 0).all()
+
+
+def test_storage_dtype_bench_builds_and_reads_both_dtypes_of_the_same_verses(tmp_path, monkeypatch, capsys):
+    import json
+
+    bench = _module(BENCH / "storage_dtype.py")
+    checkpoint = small_runs.tiny_prlm(tmp_path / "prlm", width=128)
+    monkeypatch.setattr(sys, "argv", ["storage_dtype.py", "--checkpoint", str(checkpoint), "--sentences", "12",
+                                      "--rounds", "2"])
+    bench.main()
+    out = capsys.readouterr().out
+    result = json.loads(out.splitlines()[-1].removeprefix("RESULT "))
+    assert result["tokens"] > 12 and set(result["build_seconds"]) == {"float16", "int8"}
+    # int8 stores a byte per value plus a per-token scale and 4 exact outliers: at 128 wide, well under float16's two bytes
+    assert result["bytes_per_token"]["int8"] < 0.75 * result["bytes_per_token"]["float16"]
+    assert all(rate > 0 for rate in result["read_sentences_per_s"].values())
