@@ -91,15 +91,18 @@ def bare_forward(model, tokenizer, info, lines: list[str], device: str = "cpu") 
     return time.perf_counter() - start, int(corpus.offsets[-1])
 
 
-def read_all(path: str, seed: int) -> tuple[float, int]:
-    """Seconds to read every sentence's token features once, shuffled, through a fresh reader."""
+def read_all(path: str, seed: int, *, in_memory: bool = False, widen: bool = False) -> tuple[float, int]:
+    """Seconds to read every sentence's token features once, shuffled, through a fresh reader.
+
+    The defaults read as a DataLoader worker does (from disk, not widened); in_memory=True, widen=True
+    read as an `in_memory_features` run does (the cache in RAM, widened to float32 for the model)."""
     from prlmfuse.cache_features import CacheReader
 
-    reader = CacheReader(path)
+    reader = CacheReader(path, in_memory=in_memory)
     order = np.random.default_rng(seed).permutation(len(reader))
     start = time.perf_counter()
     for k in range(0, len(order), 64):
-        reader.features_many(order[k : k + 64].tolist(), widen=False)
+        reader.features_many(order[k : k + 64].tolist(), widen=widen)
     elapsed = time.perf_counter() - start
     reader.close()
     return elapsed, len(order)

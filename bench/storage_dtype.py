@@ -6,7 +6,8 @@ For each of --rounds rounds, in alternating order (float16 first in odd rounds, 
 ones), the same verses are built into a float16 and an int8 cache (build_cache end to end, model
 load included), and each cache is then read the way training reads it with `in_memory_features`:
 a reader holding the cache in RAM, every sentence once in shuffled order, 64 at a time, widened to
-float32 for the model (`CacheReader(in_memory=True).features_many`). Each dtype keeps its best round.
+float32 for the model (cache_throughput.read_all with in_memory and widen). Each dtype keeps its
+best round.
 Printed: build seconds and tokens/s, the read rate, bytes per token of the stored layer and of all
 files, the int8/float16 ratios, and the last line `RESULT {json}`. Quality (BLEU) is not measured
 here: that is the `storage-int8` row of examples/prlm-choice-en-ja.yaml.
@@ -22,26 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cache_throughput import bible_sentences, write_corpus  # noqa: E402
+from cache_throughput import bible_sentences, read_all, write_corpus  # noqa: E402
 
 DTYPES = ("float16", "int8")
-
-
-def read_in_memory(path: str, seed: int) -> float:
-    """Seconds to read every sentence once, shuffled, widened to float32, from a reader holding the cache in RAM."""
-    from prlmfuse.cache_features import CacheReader
-
-    reader = CacheReader(path, in_memory=True)
-    order = np.random.default_rng(seed).permutation(len(reader))
-    start = time.perf_counter()
-    for k in range(0, len(order), 64):
-        reader.features_many(order[k : k + 64].tolist())
-    elapsed = time.perf_counter() - start
-    reader.close()
-    return elapsed
 
 
 def main() -> None:
@@ -68,8 +53,9 @@ def main() -> None:
                 start = time.perf_counter()
                 result = build_cache(args.checkpoint, corpus, out, dtype=dtype, progress=False, device=args.device)
                 build_s[dtype] = min(build_s[dtype], time.perf_counter() - start)
-                read_s[dtype] = min(read_s[dtype], read_in_memory(result.path, seed=r))
-                stats[dtype] = inspect_cache(result.path)
+                read_s[dtype] = min(read_s[dtype], read_all(result.path, r, in_memory=True, widen=True)[0])
+                if dtype not in stats:
+                    stats[dtype] = inspect_cache(result.path)
             print(f"round {r + 1}: " + ", ".join(f"{d} build {build_s[d]:.1f} s read {read_s[d]:.2f} s" for d in DTYPES),
                   file=sys.stderr)
 

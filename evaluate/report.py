@@ -226,7 +226,8 @@ def merge_evaluations(paths: list[str | Path], out: str | Path, against: list[st
                              order[r.run]))
     order_of = {(r.run, r.test_set): k for k, r in enumerate(rows)}
     compared.sort(key=lambda c: (order_of[(c["run"], c["test_set"])], c["against"]))
-    file_order = {run: next(i for i, e in enumerate(inputs) if e.path == path) for run, path in sources.items()}
+    position = {e.path: i for i, e in enumerate(inputs)}
+    file_order = {run: position[path] for run, path in sources.items()}
     report = Report(out=Path(out), inputs=inputs, rows=rows, sources=sources, systems=_systems(rows, file_order),
                     against=compared)
     write_report(report)
