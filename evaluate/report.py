@@ -138,7 +138,10 @@ _FLOAT_FIELDS = {f.name for f in fields(RunResult) if f.type in ("float", float)
 
 def _first_difference(a: Evaluation, b: Evaluation) -> str | None:
     for key in SHARED_SETTINGS:
-        if a.settings.get(key) != b.settings.get(key):
+        mine, theirs = a.settings.get(key), b.settings.get(key)
+        if key == "test_sets" and isinstance(mine, list) and isinstance(theirs, list):
+            mine, theirs = sorted(mine), sorted(theirs)  # the same sets named in another order score alike
+        if mine != theirs:
             return f"{key} {b.settings.get(key)!r} in {b.path}, {a.settings.get(key)!r} in {a.path}"
     return None
 

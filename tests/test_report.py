@@ -150,6 +150,23 @@ def test_other_decoding_settings_or_another_test_set_are_refused(evaluated, tmp_
     assert "differ in their references on test set 'test'" in _refusal(files, tmp_path / "o2")
 
 
+def test_the_same_test_sets_named_in_another_order_merge_and_other_sets_are_refused(evaluated, tmp_path):
+    from prlmfuse.evaluate.report import merge_evaluations
+
+    folder = _copy_inputs(evaluated, tmp_path / "in")
+    files = [folder / "seed-1.json", folder / "seed-2.json"]
+    for file, sets in zip(files, (["test", "dev"], ["dev", "test"])):
+        data = json.loads(file.read_text())
+        data["settings"]["test_sets"] = sets
+        file.write_text(json.dumps(data))
+    report = merge_evaluations(files, tmp_path / "merged")
+    assert {r.run for r in report.rows} == {"baseline.seed-1", "fused.seed-1", "baseline.seed-2", "fused.seed-2"}
+
+    data["settings"]["test_sets"] = ["test"]
+    files[1].write_text(json.dumps(data))
+    assert "not scored alike: test_sets ['test'] in" in _refusal(files, tmp_path / "o1")
+
+
 def test_an_older_results_file_and_a_lost_baseline_are_refused(evaluated, tmp_path):
     from prlmfuse.evaluate.report import merge_evaluations
 
