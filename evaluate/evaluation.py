@@ -208,6 +208,7 @@ def evaluate_runs(
                     hyp_file=hyp_path.name, reused=reused is not None, signature=scores["signature"],
                     main_metric=main_metric, **run.budget(),
                     seed=(run.record.get("train") or {}).get("seed"), tgt_lang=run.tgt_lang,
+                    trainable_parameters=run.record.get("trainable_parameters"),
                     hyp_sha256=meta["hyp_sha256"], ref_file=ref_file, ref_sha256=refs_sha[(run.name, split)],
                     corpus_sha256=run.corpus_digest(),
                 )

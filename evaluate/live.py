@@ -51,8 +51,9 @@ def live_features(
     corpus_file.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
     paths = []
     for i, prlm in enumerate(run.prlms):
-        name = str(prlm["checkpoint"])
         trained = prlm["key_fields"]
+        # The checkpoint the cache was built from: a pipeline's label for it (cache.checkpoints' name) may differ.
+        name = str(trained.get("checkpoint") or prlm["checkpoint"])
         info = resolve_checkpoint(name, trust_remote_code=trust_remote_code)
         if info.identity != trained["checkpoint_identity"]:
             raise UserError(
@@ -107,6 +108,11 @@ def translate(
         raise UserError(f"beam must be >= 1, got {beam}")
     runtime = Runtime(resolve_runtime(device, "auto").device, torch.bfloat16 if bf16 else torch.float32)
     run = open_run(run_dir)
+    shuffled = [str(use.get("checkpoint")) for use in (run.record.get("train") or {}).get("prlms") or []
+                if use.get("control") == "shuffled"]
+    if shuffled:
+        raise UserError(f"run {run.name} reads {', '.join(shuffled)} under control 'shuffled' (another sentence's "
+                        "features from its split), which raw text has no split for; translate with a run without it")
     # One sentence per line: a stray newline or carriage return would shift every later line.
     lines = [" ".join(line.replace("\r", " ").replace("\n", " ").split()) if ("\n" in line or "\r" in line) else line
              for line in lines]

@@ -29,7 +29,8 @@ from pathlib import Path
 from prlmfuse.errors import UserError
 from prlmfuse.evaluate.bootstrap import add_bootstrap
 from prlmfuse.evaluate.metrics import sentence_stats
-from prlmfuse.evaluate.results import SIGNIFICANCE, EvaluationResults, RunResult, json_safe, results_csv
+from prlmfuse.evaluate.results import (SIGNIFICANCE, EvaluationResults, RunResult, format_parameters, json_safe,
+                                       results_csv)
 from prlmfuse.fileio import atomic_write_json, atomic_write_text, read_json, read_lines, sha256_file
 
 logger = logging.getLogger(__name__)
@@ -385,8 +386,9 @@ def report_markdown(report: Report) -> str:
         metric = rows[0].main_metric
         name = {"bleu": "BLEU", "rougeL": "ROUGE-L"}.get(metric, metric)
         lines += ["", f"## {split} ({rows[0].num_sentences} sentences)", "",
-                  f"| run | file | {name} | Δ | p | vs | chrF | updates | epochs | stopped by | dev loss, last 3 epoch ends |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  f"| run | file | {name} | Δ | p | vs | chrF | params | updates | epochs | stopped by | "
+                  "dev loss, last 3 epoch ends |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in rows:
             delta, p = r.delta.get(metric), r.p_value.get(metric)
             mark = "*" if p is not None and p < SIGNIFICANCE else ""
@@ -394,7 +396,8 @@ def report_markdown(report: Report) -> str:
             lines.append(
                 f"| {r.run} | {report.sources[r.run].name} | {_fmt(getattr(r, metric))} | "
                 f"{'-' if delta is None else f'{delta:+.2f}'} | {'-' if p is None else f'{p:.3f}{mark}'} | "
-                f"{r.compared_with or '-'} | {_fmt(r.chrf)} | {r.updates} | {len(r.epoch_dev_losses)} | "
+                f"{r.compared_with or '-'} | {_fmt(r.chrf)} | {format_parameters(r.trainable_parameters)} | "
+                f"{r.updates} | {len(r.epoch_dev_losses)} | "
                 f"{r.stopped_by or 'unfinished'} | {last3} |"
             )
         systems = [m for m in report.systems if m.test_set == split]

@@ -52,6 +52,8 @@ class RunResult:
     stopped_by: str = ""
     epoch_dev_losses: list[float] = field(default_factory=list)
     seed: int | None = None
+    # The run's trainable parameters (run.json; None for runs trained before it recorded them).
+    trainable_parameters: int | None = None
     # What `prlmfuse report` checks when it merges evaluations made apart: the hypothesis file and the
     # copy of the references beside results.json (ref_file), each by sha256, the target language
     # (BLEU's tokenizer) and one digest of the training corpus's files.
@@ -128,6 +130,11 @@ def _fmt(x: float, digits: int = 2) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
+def format_parameters(count: int | None) -> str:
+    """Trainable parameters in millions, two decimals ("-" where a run did not record them)."""
+    return "-" if count is None else f"{count / 1e6:.2f}M"
+
+
 def _with_delta(row: RunResult, metric: str, baseline: str | None) -> str:
     score = _fmt(getattr(row, metric))
     if row.run == baseline:
@@ -158,7 +165,7 @@ def results_markdown(results: EvaluationResults) -> str:
         header = ["run", "PrLM", "layer", "merge", "position", "side", "BLEU (Δ, p)", "chrF"]
         if summarization:
             header += ["R-1", "R-2", "R-L (Δ, p)"]
-        header += ["sentences/s", "tokens/s", "95% CI", "updates", "train tokens", "train min"]
+        header += ["params", "sentences/s", "tokens/s", "95% CI", "updates", "train tokens", "train min"]
         lines.append("| " + " | ".join(header) + " |")
         lines.append("|" + "|".join("---" for _ in header) + "|")
         for r in rows:
@@ -166,7 +173,7 @@ def results_markdown(results: EvaluationResults) -> str:
             if summarization:
                 cells += [_fmt(r.rouge1), _fmt(r.rouge2), _with_delta(r, "rougeL", results.baseline)]
             ci = f"{r.main_metric} [{_fmt(r.ci_low)}, {_fmt(r.ci_high)}]"
-            cells += [_fmt(r.sentences_per_s, 1), _fmt(r.tokens_per_s, 0), ci, str(r.updates),
+            cells += [format_parameters(r.trainable_parameters), _fmt(r.sentences_per_s, 1), _fmt(r.tokens_per_s, 0), ci, str(r.updates),
                       f"{r.train_tokens / 1e6:.2f}M", _fmt(r.train_seconds / 60, 1)]
             lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
         signatures = dict.fromkeys(f"{k}: {v}" for r in rows for k, v in sorted(r.signature.items()))
@@ -177,7 +184,7 @@ def results_markdown(results: EvaluationResults) -> str:
 _CSV_COLUMNS = [
     "test_set", "run", "prlm", "layer", "merge", "position", "side", "num_sentences", "bleu", "bleu_delta",
     "bleu_p", "chrf", "rouge1", "rouge2", "rougeL", "rougeL_delta", "rougeL_p", "compared_with", "main_metric", "ci_low",
-    "ci_high", "sentences_per_s", "tokens_per_s", "decode_seconds", "updates", "train_tokens", "train_seconds", "checkpoints", "hyp_file", "run_dir",
+    "ci_high", "trainable_parameters", "sentences_per_s", "tokens_per_s", "decode_seconds", "updates", "train_tokens", "train_seconds", "checkpoints", "hyp_file", "run_dir",
 ]
 
 

@@ -98,14 +98,15 @@ class RunView:
                       source_lines: int, in_memory: bool = True) -> list[PrLMBranch]:
         """One PrLMBranch per PrLM of the run, over the caches at `paths` (one each, in order), each checked
         against the run's training cache and against `source`, the text it must encode."""
-        uses = RunConfig.from_dict(self.record.get("train") or {"name": self.name}).prlms
+        run = RunConfig.from_dict(self.record.get("train") or {"name": self.name})
+        uses = run.prlms
         if len(uses) != len(self.prlms) or len(paths) != len(self.prlms):
             raise UserError(f"{self.run_dir / rundir.RUN_JSON} lists {len(self.prlms)} PrLM records for "
                             f"{len(uses)} configured PrLMs; the file is inconsistent")
         # Test sets are small and read once: one bulk read per cache (in_memory) rather than a read
         # per sentence from zarr/HDF5, which would count against the fused model's sentences/s.
         return [open_branch(use, str(path), trained=record, source=source, source_name=source_name,
-                            source_sha256=source_sha256, source_lines=source_lines, in_memory=in_memory)
+                            source_sha256=source_sha256, source_lines=source_lines, seed=run.seed, in_memory=in_memory)
                 for use, record, path in zip(uses, self.prlms, paths)]
 
     def test_cache_paths(self, split: str) -> list[str]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import itertools
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,8 +24,10 @@ from prlmfuse.errors import SettingError, UserError
 from prlmfuse.precision import check_device_text, check_precision_text
 from prlmfuse.evaluate.settings import AVERAGE, AVERAGE_CHOICES, AVERAGE_LAST, DEFAULTS as DECODE_DEFAULTS
 from prlmfuse.train_fused.config import RunConfig
+from prlmfuse.yaml_fields import Where, build, check_choice, coerce
 
 CORPUS_KINDS = ("bible", "debian-descriptions", "text", "hf")
+CHECKPOINT_INITS = ("pretrained", "random")
 
 
 @dataclass
@@ -68,10 +69,21 @@ HF_KEYS = ("dataset", "subset", "revision", "src_field", "tgt_field", "translati
 class CheckpointEntry:
     """One frozen PrLM to cache: name (alias, hub id or local dir) and what to store."""
 
-    name: str
+    name: str  # what runs' prlms call it; also the checkpoint itself unless `checkpoint` is set
     layers: list[int] | str = field(default_factory=lambda: [-2])  # indices or "all"
     dtype: str | None = None  # default: cache.dtype
     trust_remote_code: bool = False
+    # The checkpoint (alias, hub id or local dir) when `name` is only a label, e.g. for init: random.
+    checkpoint: str | None = None
+    # pretrained: its trained weights. random: its architecture and tokenizer with the model class's own
+    # initialisation under `seed` (a control: what the PrLM's training adds), saved once in the workdir.
+    init: str = "pretrained"
+    seed: int | None = None
+
+    @property
+    def source(self) -> str:
+        """The checkpoint whose files (or, for init: random, architecture and tokenizer) this entry reads."""
+        return self.checkpoint or self.name
 
 
 @dataclass
@@ -128,149 +140,7 @@ class PipelineConfig:
         raise UserError(f"{self.path}: no run named {name!r}; runs are {', '.join(r.name for r in self.train.runs)}")
 
 
-# --------------------------------------------------------------------------------------------
-# Loading
-
-
-class _Where:
-    """Maps a key path to the (line, column) where it stands in the YAML file."""
-
-    def __init__(self, path: Path, root: yaml.Node | None):
-        self.path = path
-        self.marks: dict[tuple, tuple[int, int]] = {}
-        if root is not None:
-            self._walk(root, ())
-
-    def _walk(self, node: yaml.Node, keypath: tuple) -> None:
-        self.marks[keypath] = (node.start_mark.line + 1, node.start_mark.column + 1)
-        if isinstance(node, yaml.MappingNode):
-            for k, v in node.value:
-                sub = keypath + (k.value,)
-                self._walk(v, sub)
-                self.marks[sub + ("<key>",)] = (k.start_mark.line + 1, k.start_mark.column + 1)
-        elif isinstance(node, yaml.SequenceNode):
-            for i, v in enumerate(node.value):
-                self._walk(v, keypath + (i,))
-
-    def error(self, keypath: tuple, message: str, at_key: bool = False) -> UserError:
-        mark = None
-        if at_key:
-            mark = self.marks.get(keypath + ("<key>",))
-        probe = keypath
-        while mark is None and probe is not None:
-            mark = self.marks.get(probe)
-            probe = probe[:-1] if probe else None
-        where = f"{self.path}:{mark[0]}:{mark[1]}" if mark else str(self.path)
-        dotted = ".".join(str(p) for p in keypath if p != "<key>") or "(top level)"
-        return UserError(f"{where}: {dotted}: {message}")
-
-
-def _type_name(tp: Any) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in typing.get_args(tp) if a is not type(None))
-    if origin is list:
-        return f"a list of {_type_name(typing.get_args(tp)[0])}"
-    if origin is dict:
-        return "a mapping"
-    if tp is Path:
-        return "a path"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
-        tp, getattr(tp, "__name__", str(tp))
-    )
-
-
-def _coerce(value: Any, tp: Any, keypath: tuple, where: _Where, base_dir: Path) -> Any:
-    """Check `value` against the type annotation `tp` and convert it; errors name the key path."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        last: UserError | None = None
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, keypath, where, base_dir)
-            except UserError as e:
-                last = e
-        if dataclasses.is_dataclass(next((a for a in args if a is not type(None)), None)) and last:
-            raise last
-        raise where.error(keypath, f"expected {_type_name(tp)}, got {value!r}")
-    if origin is list:
-        if not isinstance(value, list):
-            raise where.error(keypath, f"expected {_type_name(tp)}, got {value!r}")
-        (item,) = typing.get_args(tp)
-        return [_coerce(v, item, keypath + (i,), where, base_dir) for i, v in enumerate(value)]
-    if origin is tuple:
-        args = typing.get_args(tp)
-        if not isinstance(value, list) or len(value) != len(args):
-            raise where.error(keypath, f"expected a list of {len(args)} numbers, got {value!r}")
-        return tuple(_coerce(v, a, keypath + (i,), where, base_dir) for i, (v, a) in enumerate(zip(value, args)))
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise where.error(keypath, f"expected a mapping, got {value!r}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, keypath, where, base_dir)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads 7e-4 as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif tp is Path:
-        if isinstance(value, str) and value:
-            p = Path(value).expanduser()
-            return p if p.is_absolute() else (base_dir / p)
-    elif tp is Any:
-        return value
-    raise where.error(keypath, f"expected {_type_name(tp)}, got {value!r}")
-
-
-def _build(cls: type, value: Any, keypath: tuple, where: _Where, base_dir: Path, extra: dict | None = None):
-    if value is None:
-        value = {}
-    if not isinstance(value, dict):
-        raise where.error(keypath, f"expected a mapping, got {value!r}")
-    hints = typing.get_type_hints(cls)
-    valid = [f.name for f in dataclasses.fields(cls) if f.init and f.name != "path"]
-    kwargs: dict[str, Any] = dict(extra or {})
-    for key, v in value.items():
-        if key not in valid:
-            close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.5)
-            hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(valid)}"
-            raise where.error(keypath + (key,), f"unknown key{hint}", at_key=True)
-        kwargs[key] = _coerce(v, hints[key], keypath + (key,), where, base_dir)
-    missing = [
-        f.name
-        for f in dataclasses.fields(cls)
-        if f.init and f.name not in kwargs
-        and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING  # type: ignore[misc]
-    ]
-    if missing:
-        raise where.error(keypath, f"missing required key {missing[0]!r}")
-    return cls(**kwargs)
-
-
-def _check_choice(value: Any, choices: tuple, keypath: tuple, where: _Where) -> None:
-    if value not in choices:
-        raise where.error(keypath, f"{value!r} is not one of {', '.join(map(str, choices))}")
-
-
-def _expand_runs(raw_runs: Any, defaults: dict, where: _Where, base_dir: Path) -> list[RunConfig]:
+def _expand_runs(raw_runs: Any, defaults: dict, where: Where, base_dir: Path) -> list[RunConfig]:
     """`runs` maps a name to overrides of the defaults; an optional `grid` multiplies a run.
 
     grid: {merge: [sum, gate], position: [attn, ffn]} gives fused.merge-sum.position-attn, ... — one run
@@ -300,7 +170,7 @@ def _expand_runs(raw_runs: Any, defaults: dict, where: _Where, base_dir: Path) -
         for combo in combos:
             merged = {**defaults, **overrides, **combo}
             run_name = str(name) + "".join(f".{k}-{v}" for k, v in combo.items())
-            run = _build(RunConfig, {k: v for k, v in merged.items()}, keypath, where, base_dir, {"name": run_name})
+            run = build(RunConfig, {k: v for k, v in merged.items()}, keypath, where, base_dir, {"name": run_name})
             written = {**overrides, **combo}
             try:
                 run.check()
@@ -336,7 +206,7 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         raise UserError(f"{where}: YAML syntax error: {problem}") from None
-    where = _Where(path, node)
+    where = Where(path, node)
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -349,12 +219,12 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
             hint = f"; did you mean {close[0]!r}?" if close else f"; valid keys: {', '.join(top_keys)}"
             raise where.error((key,), f"unknown key{hint}", at_key=True)
 
-    workdir = _coerce(raw.get("workdir", "work"), Path, ("workdir",), where, base_dir)
+    workdir = coerce(raw.get("workdir", "work"), Path, ("workdir",), where, base_dir)
     device = _runtime_text(raw, "device", check_device_text, where)
     precision = _runtime_text(raw, "precision", check_precision_text, where)
-    data = _build(DataConfig, raw.get("data"), ("data",), where, base_dir)
-    _check_choice(data.kind, CORPUS_KINDS, ("data", "kind"), where)
-    _check_choice(data.task, TASKS, ("data", "task"), where)
+    data = build(DataConfig, raw.get("data"), ("data",), where, base_dir)
+    check_choice(data.kind, CORPUS_KINDS, ("data", "kind"), where)
+    check_choice(data.task, TASKS, ("data", "task"), where)
     if data.kind == "text":
         if data.files is None:
             raise where.error(("data",), "kind 'text' needs files: {train_src, train_tgt, dev_src, dev_tgt, test_src, test_tgt}")
@@ -370,14 +240,30 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
         if stray:
             raise where.error(("data", stray), f"only kind 'hf' reads {stray}; remove it or set kind: hf", at_key=True)
 
-    cache = _build(CacheConfig, raw.get("cache"), ("cache",), where, base_dir)
-    _check_choice(cache.backend, BACKENDS, ("cache", "backend"), where)
-    _check_choice(cache.dtype, STORAGE_DTYPES, ("cache", "dtype"), where)
+    cache = build(CacheConfig, raw.get("cache"), ("cache",), where, base_dir)
+    check_choice(cache.backend, BACKENDS, ("cache", "backend"), where)
+    check_choice(cache.dtype, STORAGE_DTYPES, ("cache", "dtype"), where)
     for i, ck in enumerate(cache.checkpoints):
         if isinstance(ck.layers, str) and ck.layers != "all":
             raise where.error(("cache", "checkpoints", i, "layers"), f"expected a list of layer indices or 'all', got {ck.layers!r}")
         if ck.dtype is not None:
-            _check_choice(ck.dtype, STORAGE_DTYPES, ("cache", "checkpoints", i, "dtype"), where)
+            check_choice(ck.dtype, STORAGE_DTYPES, ("cache", "checkpoints", i, "dtype"), where)
+        check_choice(ck.init, CHECKPOINT_INITS, ("cache", "checkpoints", i, "init"), where)
+        if ck.init == "random" and (ck.checkpoint is None or ck.checkpoint == ck.name):
+            raise where.error(("cache", "checkpoints", i), "init: random needs a name of its own and `checkpoint`: the "
+                              f"checkpoint whose architecture it takes, e.g. {{name: {ck.name}-untrained, "
+                              f"checkpoint: {ck.name}, init: random, seed: 1}}")
+        if ck.seed is not None and ck.init != "random":
+            raise where.error(("cache", "checkpoints", i, "seed"), "only init: random reads seed; remove it or set "
+                              "init: random", at_key=True)
+        if ck.init == "random" and ck.seed is None:
+            ck.seed = 1
+    names = [ck.name for ck in cache.checkpoints]
+    for i, ck in enumerate(cache.checkpoints):
+        other = next((o for o in cache.checkpoints[:i] if o.name == ck.name), None)
+        if other is not None and (other.source, other.init, other.seed) != (ck.source, ck.init, ck.seed):
+            raise where.error(("cache", "checkpoints", i, "name"), f"{ck.name!r} names another checkpoint in an "
+                              f"earlier entry; give this one a name of its own (names: {', '.join(names)})")
 
     raw_train = raw.get("train") or {}
     if not isinstance(raw_train, dict):
@@ -400,12 +286,12 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
             close = difflib.get_close_matches(str(key), run_fields, n=1, cutoff=0.5)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise where.error(("train", "defaults", key), f"unknown key{hint}", at_key=True)
-        _coerce(defaults[key], typing.get_type_hints(RunConfig)[key], ("train", "defaults", key), where, base_dir)
+        coerce(defaults[key], typing.get_type_hints(RunConfig)[key], ("train", "defaults", key), where, base_dir)
     runs = _expand_runs(raw_train.get("runs"), defaults, where, base_dir)
     train = TrainConfig(defaults=defaults, runs=runs, jobs=jobs)
 
-    evaluate = _build(EvaluateConfig, raw.get("evaluate"), ("evaluate",), where, base_dir)
-    _check_choice(evaluate.average, AVERAGE_CHOICES, ("evaluate", "average"), where)
+    evaluate = build(EvaluateConfig, raw.get("evaluate"), ("evaluate",), where, base_dir)
+    check_choice(evaluate.average, AVERAGE_CHOICES, ("evaluate", "average"), where)
     if evaluate.average == "epochs":
         # Training would delete epoch-end checkpoints the average is to read.
         short = next((r for r in runs if r.keep_last_epochs < evaluate.average_last), None)
@@ -425,6 +311,7 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise where.error(("evaluate", "baseline"), f"no run named {evaluate.baseline!r}{hint}")
 
+    _check_matched_runs(runs, raw_train.get("runs") or {}, defaults, where)
     cached = {ck.name for ck in cache.checkpoints}
     for r_i, run in enumerate(runs):
         for i, use in enumerate(run.prlms):
@@ -450,7 +337,35 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
                           device=device, precision=precision)
 
 
-def _check_hf(data: DataConfig, where: _Where, base_dir: Path) -> None:
+def _check_matched_runs(runs: list[RunConfig], raw_runs: dict, defaults: dict, where: Where) -> None:
+    """match_params names another run of the file, with PrLMs or not, that is itself not matched; the
+    matched run has no PrLMs and no ffn of its own (the match chooses it)."""
+    by_name = {r.name: r for r in runs}
+    for run in runs:
+        if run.match_params is None:
+            continue
+        name = run.name.split(".")[0]
+        written = raw_runs.get(name) or {}
+        keypath = _run_keypath(("train", "runs", name), defaults, written, "match_params")
+        target = by_name.get(run.match_params)
+        problem = None
+        if run.prlms:
+            problem = "widens a run without PrLMs to another run's size; remove prlms or match_params"
+        elif run.ffn is not None:
+            problem = f"chooses this run's ffn, so an explicit ffn ({run.ffn}) cannot stand beside it; remove one"
+        elif run.match_params == run.name:
+            problem = "names this run itself; name the run whose trainable parameters to match"
+        elif target is None:
+            close = difflib.get_close_matches(run.match_params, list(by_name), n=1)
+            problem = f"no run named {run.match_params!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+        elif target.match_params is not None:
+            problem = (f"{target.name!r} is itself matched (to {target.match_params!r}); "
+                       f"match {target.match_params!r} directly")
+        if problem:
+            raise where.error(keypath, problem)
+
+
+def _check_hf(data: DataConfig, where: Where, base_dir: Path) -> None:
     """Located errors for kind hf; a local dataset path becomes absolute (relative to the pipeline file)."""
     from prlmfuse.corpora.hf import check_fields, check_splits, looks_like_path
 
@@ -498,7 +413,7 @@ def _yaml_scalar(value: Any) -> str:
     return yaml.safe_dump(value, default_flow_style=True, allow_unicode=True, width=10**6).strip().removesuffix("\n...").strip()
 
 
-def _runtime_text(raw: dict, key: str, check, where: _Where) -> str:
+def _runtime_text(raw: dict, key: str, check, where: Where) -> str:
     """A top-level runtime setting (device, precision), spell-checked here; availability is checked where it is used."""
     try:
         return check(raw.get(key, "auto"))

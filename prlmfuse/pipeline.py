@@ -126,6 +126,7 @@ class CacheJob:
     split: str
     corpus_file: Path
     out: str  # directory or fsspec URL
+    checkpoint: str  # what build_cache resolves: entry.source, or the directory of an untrained copy
 
     @property
     def layers_arg(self) -> str:
@@ -137,11 +138,25 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", name).strip("_") or "checkpoint"
 
 
-def cache_jobs(cfg: PipelineConfig, corpus, names: list[str] | None = None) -> list[CacheJob]:
+def entry_checkpoint(cfg: PipelineConfig, entry: CheckpointEntry, *, prepare: bool = True) -> str:
+    """The checkpoint a cache.checkpoints entry reads: its source, or for init: random the untrained copy
+    under the workdir (made here once; with prepare=False, the source until it exists)."""
+    if entry.init != "random":
+        return entry.source
+    from prlmfuse.prlms.random_init import prepare_random_init
+
+    directory = cfg.workdir / "checkpoints" / f"{_safe(entry.name)}"
+    if prepare:
+        return str(prepare_random_init(entry.source, directory, int(entry.seed), trust_remote_code=entry.trust_remote_code))
+    return str(directory) if directory.is_dir() else entry.source
+
+
+def cache_jobs(cfg: PipelineConfig, corpus, names: list[str] | None = None, *, prepare: bool = True) -> list[CacheJob]:
     """One job per (checkpoint entry, split), for every entry or with `names` only those the selected
     runs read (so an alias no selected run needs is never converted). The directory name carries a
     hash of everything that goes into the cache key, so a changed corpus or checkpoint gets a new
-    cache beside the old one."""
+    cache beside the old one. prepare=False (the plan) writes nothing: an untrained copy not yet made
+    is keyed by its source for now."""
     from prlmfuse.cache_features import parse_layers
     from prlmfuse.prlms import resolve_checkpoint
 
@@ -154,7 +169,8 @@ def cache_jobs(cfg: PipelineConfig, corpus, names: list[str] | None = None) -> l
         entries = [e for e in entries if any(e is r for r in read)]
     jobs = []
     for entry in entries:
-        info = resolve_checkpoint(entry.name, trust_remote_code=entry.trust_remote_code)
+        checkpoint = entry_checkpoint(cfg, entry, prepare=prepare)
+        info = resolve_checkpoint(checkpoint, trust_remote_code=entry.trust_remote_code)
         try:
             parse_layers(entry.layers, info.num_layers)
         except UserError as e:
@@ -172,7 +188,7 @@ def cache_jobs(cfg: PipelineConfig, corpus, names: list[str] | None = None) -> l
                 fields["format"] = format_version(dtype)
             h = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]
             out = f"{base}/{_safe(entry.name)}/{dtype}-{_safe(str(entry.layers))}/{split}-{h}"
-            jobs.append(CacheJob(entry, dtype, split, corpus.src_path(split), out))
+            jobs.append(CacheJob(entry, dtype, split, corpus.src_path(split), out, checkpoint))
     return jobs
 
 
@@ -184,7 +200,7 @@ def build_caches(cfg: PipelineConfig, corpus, names: list[str] | None = None) ->
     for job in jobs:
         # build_cache's own first line names the job's output, device and precision
         build_cache(
-            job.entry.name, job.corpus_file, job.out, layers=job.layers_arg, backend=cfg.cache.backend,
+            job.checkpoint, job.corpus_file, job.out, layers=job.layers_arg, backend=cfg.cache.backend,
             dtype=job.dtype, max_tokens=cfg.cache.max_tokens, trust_remote_code=job.entry.trust_remote_code,
             device=cfg.device, precision=cfg.precision,
         )
@@ -217,6 +233,48 @@ def _find_entry(use: PrLMUse, cfg: PipelineConfig) -> CheckpointEntry:
             + (f" with dtype {use.dtype}" if use.dtype else "") + "; add one"
         )
     return candidates[0]
+
+
+# ---------------------------------------------------------------------------- model sizes
+
+
+def planned_specs(cfg: PipelineConfig, run: RunConfig) -> list:
+    """Each PrLM branch of `run` shaped from its checkpoint's config and cache entry, as its caches will
+    shape it: the model's size is known before any cache exists."""
+    from prlmfuse.cache_features import choose_layers, parse_layers
+    from prlmfuse.prlms import resolve_checkpoint
+    from prlmfuse.train_fused.branches import branch_spec
+
+    specs = []
+    for use in run.prlms:
+        entry = _find_entry(use, cfg)
+        info = resolve_checkpoint(entry_checkpoint(cfg, entry, prepare=False), trust_remote_code=entry.trust_remote_code)
+        selection = parse_layers(entry.layers, info.num_layers)
+        fields = {"layers": list(selection.token_layers), "pooled_layers": list(selection.pooled_layers),
+                  "num_layers": info.num_layers}
+        layers, pooled, mode = choose_layers(use.layer, fields, checkpoint=use.checkpoint, where=f"cache of {entry.name}")
+        specs.append(branch_spec(use, info.hidden_size, layers, pooled, mode))
+    return specs
+
+
+def planned_parameters(cfg: PipelineConfig, run: RunConfig) -> int:
+    """Trainable parameters of `run` (match_params resolved) at its configured bpe_vocab."""
+    from prlmfuse.train_fused.matching import run_parameters
+
+    run = resolve_run(cfg, run)
+    return run_parameters(run, run.bpe_vocab, planned_specs(cfg, run))
+
+
+def resolve_run(cfg: PipelineConfig, run: RunConfig) -> RunConfig:
+    """The run as it trains: with match_params, the FFN width that brings it within 1% of the named run's
+    trainable parameters, both counted at their configured bpe_vocab (so the width never depends on
+    what the BPE learns). run.json records the width and the trained model's own count."""
+    if run.match_params is None:
+        return run
+    from prlmfuse.train_fused.matching import matched_ffn
+
+    target = cfg.run(run.match_params)
+    return dataclasses.replace(run, ffn=matched_ffn(run, planned_parameters(cfg, target), run.bpe_vocab))
 
 
 # ---------------------------------------------------------------------------- training
@@ -275,7 +333,7 @@ def train_runs(
     for run in runs:
         out = run_path(cfg, run.name)
         # train_run's first line names the run, its directory, device and precision
-        train_run(run, corpus, caches_for_run(run, jobs, cfg), out, resume=resume, runtime=runtime)
+        train_run(resolve_run(cfg, run), corpus, caches_for_run(run, jobs, cfg), out, resume=resume, runtime=runtime)
         dirs.append(out)
     return dirs
 
@@ -404,74 +462,6 @@ def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None):
         no_repeat_ngram_size=e.no_repeat_ngram_size, max_len_a=e.max_len_a, max_len_b=e.max_len_b,
         min_len=e.min_len, device=cfg.device,
     )
-
-
-# ---------------------------------------------------------------------------- plan
-
-
-def _measured_speed(cfg: PipelineConfig) -> float | None:
-    """Updates per second seen so far in this workdir's runs (their last logged records)."""
-    speeds = [float(r["updates_per_s"]) for run in cfg.train.runs
-              for r in rundir.read_metrics(run_path(cfg, run.name))[-20:] if r.get("updates_per_s")]
-    return sum(speeds) / len(speeds) if speeds else None
-
-
-def plan_lines(cfg: PipelineConfig, names: list[str] | None, parallel: int = 1) -> list[str]:
-    """What `prlmfuse run` would do: data, caches present or to build, runs to train or resume, estimates
-    (`parallel` runs training at once)."""
-    from prlmfuse.precision import resolve_runtime
-
-    runtime = resolve_runtime(cfg.device, cfg.precision)  # the plan refuses a device the run would refuse
-    lines = []
-    root = corpus_dir(cfg)
-    edited = _edited_input(cfg)
-    has_data = (root / "corpus.json").is_file() and not edited
-    lines.append(f"pipeline {cfg.path} (workdir {cfg.workdir})")
-    lines.append(f"runtime: {runtime.describe()} (cache and train; evaluate decodes in fp32)")
-    state = f"to rebuild: {edited} changed" if edited else "present" if has_data else "to build: " + cfg.data.kind
-    lines.append(f"data:  {root} [{state}]")
-    jobs = corpus = None
-    if has_data:
-        from prlmfuse import corpora
-
-        corpus = corpora.load_corpus(root)
-        jobs = cache_jobs(cfg, corpus)
-        for j in jobs:
-            lines.append(f"cache: {j.entry.name} ({j.layers_arg}, {j.dtype}) {j.split:<5} "
-                         f"[{'present' if cache_status(j.out)[0] == BUILT else 'to build'}] {j.out}")
-    else:
-        for e in cfg.cache.checkpoints:
-            layers = "all" if e.layers == "all" else ",".join(str(i) for i in e.layers)
-            lines.append(f"cache: {e.name} ({layers}, {e.dtype or cfg.cache.dtype}) train/dev/test "
-                         f"[to build once the corpus exists]")
-    speed = _measured_speed(cfg)
-    total_updates = total_tokens = runs_left = 0
-    for run in _selected_runs(cfg, names):
-        out = run_path(cfg, run.name)
-        state, done = rundir.training_progress(run, rundir.latest_trainer_state(out))
-        if (edited or corpus is not None and _is_stale(out, corpus)) and state != "new":
-            state, done = "to train again: its corpus changed", 0
-        budget = f"{run.max_updates} updates" if run.max_updates is not None else f"{run.max_epochs} epochs"
-        prlms = ", ".join(f"{u.checkpoint}[{u.layer}]" for u in run.prlms) or "none (baseline)"
-        per_update = f"{run.update_freq} x {run.max_tokens}-token batches per update" if run.update_freq > 1 \
-            else f"{run.max_tokens}-token batches"
-        lines.append(f"train: {run.name:<28} [{state}] PrLM: {prlms}; budget {budget} of {per_update}")
-        if run.max_updates is not None and not state.startswith("done"):
-            total_updates += max(0, run.max_updates - done)
-            total_tokens += max(0, run.max_updates - done) * run.max_tokens * run.update_freq
-            runs_left += 1
-    if total_updates:
-        lines.append(f"estimate: {total_updates} updates left, at most {total_tokens / 1e6:.1f}M tokens")
-        if speed:
-            # Each run's logged rate is its own, whether or not others trained beside it.
-            at_once = max(1, min(parallel, runs_left))
-            lines.append(f"estimate: about {total_updates / speed / at_once / 60:.0f} min at the {speed:.2f} updates/s "
-                         f"measured so far{f', {at_once} runs at once' if at_once > 1 else ''}")
-        else:
-            lines.append("estimate: time unknown until a run has logged its speed (metrics.jsonl)")
-    lines.append(f"evaluate: -> {cfg.workdir / cfg.evaluate.out} (beam {cfg.evaluate.beam}, average of last {cfg.evaluate.average_last}"
-                 f"{' epoch-end' if cfg.evaluate.average == 'epochs' else ''})")
-    return lines
 
 
 # ---------------------------------------------------------------------------- all of it

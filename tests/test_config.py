@@ -358,7 +358,7 @@ def test_the_issue_runs_are_refused_by_the_dry_run_with_their_location(tmp_path)
 
 def test_the_plan_counts_every_batch_of_an_update(tmp_path):
     """`run --dry-run` states an update as update_freq batches, and its token bound counts them all."""
-    from prlmfuse.pipeline import plan_lines
+    from prlmfuse.plan import plan_lines
 
     cfg = load_pipeline(write(tmp_path, "device: cpu\ntrain:\n  defaults: {max_tokens: 4096, max_updates: 300}\n"
                                         "  runs:\n    one: {}\n    eight: {update_freq: 8}\n"))

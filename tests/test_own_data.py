@@ -90,7 +90,8 @@ def _readme_pipeline(root: Path) -> Path:
 
 def test_readme_own_data_pipeline_loads_and_builds_its_corpus(tmp_path):
     from prlmfuse.config import load_pipeline
-    from prlmfuse.pipeline import ensure_data, plan_lines
+    from prlmfuse.pipeline import ensure_data
+    from prlmfuse.plan import plan_lines
 
     cfg = load_pipeline(_readme_pipeline(tmp_path))
     assert [r.name for r in cfg.train.runs] == ["baseline", "fused"] and cfg.evaluate.baseline == "baseline"

@@ -159,7 +159,7 @@ def test_dry_run_on_a_fresh_pipeline_writes_nothing(tmp_path):
     path = tmp_path / "pipeline.yaml"
     path.write_text(PIPELINE.format(raw=raw, prlm="minilm-l6", backend="hdf5"), encoding="utf-8")
     from prlmfuse.config import load_pipeline
-    from prlmfuse.pipeline import plan_lines
+    from prlmfuse.plan import plan_lines
 
     cfg = load_pipeline(path)
     lines = plan_lines(cfg, None)
@@ -178,7 +178,7 @@ def test_dry_run_estimate_counts_runs_trained_at_once(tmp_path):
     text = PIPELINE.format(raw=raw, prlm="minilm-l6", backend="zarr").replace("max_updates: 6,", "max_updates: 600,")
     path.write_text(text, encoding="utf-8")
     from prlmfuse.config import load_pipeline
-    from prlmfuse.pipeline import plan_lines
+    from prlmfuse.plan import plan_lines
 
     cfg = load_pipeline(path)
     # A rate each run logged earlier: 1,200 updates left at 1 update/s is 20 minutes one after the other.

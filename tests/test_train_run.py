@@ -513,7 +513,7 @@ def test_dyn_modes_read_transformer_layers_only_from_a_cache_of_every_layer(worl
     for layer in ("dyn_cls", "dyn_aver", "dwatt", "concat"):
         opened[layer] = open_branch(PrLMUse(checkpoint=str(ckpt), layer=layer), str(cache), trained=None,
                                     source=str(corpus.src_path("dev")), source_name="dev source",
-                                    source_sha256=entry["sha256"], source_lines=entry["lines"])
+                                    source_sha256=entry["sha256"], source_lines=entry["lines"], seed=1)
     assert opened["dyn_cls"].reader.layers == [0, 1, 2, 3]
     for layer in ("dyn_cls", "dyn_aver"):
         branch = opened[layer]

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from prlmfuse.cache_features import CacheReader, choose_layers, layer_rows, open_cache
 from prlmfuse.cache_features.compat import POOLED_MODES
 from prlmfuse.errors import UserError
+from prlmfuse.fileio import read_lines
 from prlmfuse.train_fused.config import PrLMSpec, PrLMUse
 
 
@@ -29,6 +32,51 @@ class PrLMBranch:
     # open_branch fills both; a branch over a hand-made reader (a bench's) may go without.
     spec: PrLMSpec | None = None
     record: dict = field(default_factory=dict)
+    # control "shuffled": the cache row each sentence of the split reads (shuffled_rows); None: its own.
+    rows: np.ndarray | None = None
+
+
+def branch_spec(use: PrLMUse, hidden_size: int, layers: list[int], pooled: list[int], mode: str) -> PrLMSpec:
+    """The model's view of a branch that reads these hidden_states indices (`compat.choose_layers`)."""
+    return PrLMSpec(
+        name=use.checkpoint,
+        width=int(hidden_size),
+        num_layers=len(layers),
+        num_pooled=len(pooled),
+        layer_mode=mode,
+        feature_norm=use.feature_norm,
+        # The cache's pooled layers may be more than its token layers: each token layer's own row.
+        pooled_index=[pooled.index(x) for x in layers] if mode in POOLED_MODES else None,
+    )
+
+
+# Mixed into the run's seed, so the permutation is not the batch order's or the initialisation's stream.
+_SHUFFLE_STREAM = 0x5348_5546
+
+
+def shuffled_rows(lines: list[str], seed: int, *, where: str) -> np.ndarray:
+    """rows[i]: the sentence whose features sentence i reads under control "shuffled".
+
+    One permutation of the split drawn from `seed`, repaired so that no sentence reads its own
+    features nor those of a sentence with the same source text. It depends only on the split's lines
+    and the seed: every epoch, the dev evaluation, test decoding, a resumed run and every PrLM of the
+    run read the same one.
+    """
+    n = len(lines)
+    _, text = np.unique(np.asarray(lines, dtype=object), return_inverse=True)
+    if n == 0 or np.bincount(text).max() * 2 > n:
+        raise UserError(f"{where}: control 'shuffled' needs a split where no source text fills more than half the "
+                        f"lines ({n} lines here); remove the control or use a larger split")
+    rng = np.random.default_rng([int(seed), _SHUFFLE_STREAM])
+    rows = rng.permutation(n)
+    for i in np.flatnonzero(text[rows] == text):
+        # Swap with a random j where both sentences then read another text: a swap never undoes an earlier fix.
+        while True:
+            j = int(rng.integers(n))
+            if text[rows[j]] != text[i] and text[rows[i]] != text[j]:
+                rows[i], rows[j] = rows[j], rows[i]
+                break
+    return rows
 
 
 def open_branch(
@@ -40,6 +88,7 @@ def open_branch(
     source_name: str,
     source_sha256: str,
     source_lines: int,
+    seed: int,
     verify: bool = False,
     in_memory: bool = False,
 ) -> PrLMBranch:
@@ -49,6 +98,7 @@ def open_branch(
     trained: the branch's run.json record when the run's layers and training cache are known
     (dev and test caches, evaluation, live features): the cache must match its key fields and hold
     its layers. None for the training cache itself, which decides them from `use.layer`.
+    seed: the run's, from which control "shuffled" draws the split's permutation.
     """
     reader = open_cache(
         path, expected_fields=None if trained is None else trained["key_fields"], source=source,
@@ -68,14 +118,10 @@ def open_branch(
         record = trained
         layers, pooled, mode = list(trained["layers"]), list(trained["pooled_layers"]), trained["layer_mode"]
     rows, pooled_rows = layer_rows(reader, layers, pooled, where=path)
-    spec = PrLMSpec(
-        name=str(fields["checkpoint"]),
-        width=int(fields["hidden_size"]),
-        num_layers=len(layers),
-        num_pooled=len(pooled),
-        layer_mode=mode,
-        feature_norm=use.feature_norm,
-        # The cache's pooled layers may be more than its token layers: each token layer's own row.
-        pooled_index=[pooled.index(x) for x in layers] if mode in POOLED_MODES else None,
-    )
-    return PrLMBranch(reader=reader, layer_rows=rows, pooled_rows=pooled_rows, spec=spec, record=record)
+    spec = branch_spec(use, int(fields["hidden_size"]), layers, pooled, mode)
+    spec.name = str(fields["checkpoint"])
+    sentence_rows = None
+    if use.control == "shuffled":
+        sentence_rows = shuffled_rows(read_lines(source), seed, where=source_name)
+    return PrLMBranch(reader=reader, layer_rows=rows, pooled_rows=pooled_rows, spec=spec, record=record,
+                      rows=sentence_rows)

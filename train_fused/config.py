@@ -25,6 +25,9 @@ LAYER_MODES = ("fixed", "dyn_cls", "dyn_aver", "dwatt", "concat")
 # A string `layer` names a learned combination of layers; "fixed" is what an integer index means.
 STRING_LAYER_MODES = tuple(m for m in LAYER_MODES if m != "fixed")
 ACTIVATIONS = ("relu", "gelu")
+# A control replaces what a PrLM branch reads, to ask what its gain is made of. shuffled: each sentence
+# reads the cached features of another sentence of its split (train_fused.branches.shuffled_rows).
+CONTROLS = ("shuffled",)
 
 PRESETS: dict[str, dict] = {
     # Transformer base (Vaswani et al. 2017), as in the paper's translation experiments.
@@ -228,9 +231,13 @@ class PrLMUse:
     # hidden states are not normalized, such as a causal LM's residual stream (`cache inspect`
     # shows their scale); a BERT-style encoder's states already are.
     feature_norm: bool = False
+    # None: the sentence's own features. "shuffled": another sentence's (a control; see CONTROLS).
+    control: str | None = None
 
     def check(self) -> None:
-        """SettingError (key "layer" or "dtype") for a layer or cache dtype no cache can give."""
+        """SettingError (key "layer", "dtype" or "control") for a setting no cache can give."""
+        if self.control is not None:
+            _one_of("control", self.control, CONTROLS)
         if isinstance(self.layer, str) and self.layer not in STRING_LAYER_MODES:
             raise SettingError("layer", f"{self.layer!r} is not a layer index or one of {', '.join(STRING_LAYER_MODES)}")
         if self.dtype is not None:
@@ -268,6 +275,9 @@ class RunConfig:
     position: str = "ffn"  # attn | add_norm1 | ffn | add_norm2
     side: str = "source"  # source | target | both (bert-nmt's decoder) | target_flow | both_flow (the authors')
     dropnet_p: float = 0.5  # merge dropnet only: probability that a layer keeps one side alone
+    # A run without PrLMs widened (its FFN) to the trainable parameters of the run of this name, within
+    # 1% (train_fused.matching); the pipeline resolves it to `ffn` before training.
+    match_params: str | None = None
     # Data.
     bpe_vocab: int = 8000
     max_tokens: int = 3500  # per batch, source or target side, whichever is longer

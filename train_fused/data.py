@@ -137,6 +137,8 @@ def batch_features(branch: PrLMBranch, indices: list[int]) -> PrLMFeatures:
 def read_features(branch: PrLMBranch, indices: list[int]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """Each sentence's features ([len(layer_rows), T_i, d]) and, for Dyn[CLS]/Dyn[Aver], their pooled vectors."""
     reader = branch.reader
+    if branch.rows is not None:  # control "shuffled": another sentence's features
+        indices = [int(branch.rows[i]) for i in indices]
     # Stored float16 stays float16 until the model casts it (the same values): half the bytes
     # for the worker to copy and hand over, and less work beside the training step's threads.
     per_sentence = reader.features_many(indices, list(branch.layer_rows), widen=False)

@@ -149,6 +149,9 @@ def upgrade_run_info(info: dict) -> dict:
         train["dropnet_p"] = model.get("dropnet_p", 0.5)
     if isinstance(train, dict):
         train.setdefault("read_window", 0)  # older runs batched the whole split
+        train.setdefault("match_params", None)  # older runs could not be matched
+        for use in train.get("prlms") or []:
+            use.setdefault("control", None)  # older runs read each sentence's own features
     return info
 
 

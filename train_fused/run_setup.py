@@ -62,7 +62,7 @@ def open_run_branches(run: RunConfig, corpus, caches: list[dict[str, str]]) -> d
             branch = open_branch(
                 use, str(paths[split]), trained=trained, source=str(corpus.src_path(split)),
                 source_name=f"{split} source", source_sha256=corpus.src_sha256(split), source_lines=int(corpus.splits[split]["src"]["lines"]),
-                in_memory=run.in_memory_features and split != "test",
+                seed=run.seed, in_memory=run.in_memory_features and split != "test",
             )
             trained = branch.record
             by_split[split].append(branch)
@@ -177,6 +177,7 @@ def _train_locked(run: RunConfig, corpus, branches: dict[str, list[PrLMBranch]],
         "world_size": ctx.world_size,
         "train_pairs": len(train_set),
         "train_pairs_used": trainer.train_sampler.num_pairs,
+        "trainable_parameters": sum(p.numel() for p in model.parameters() if p.requires_grad),
     })
     if existing is not None and (run_dir / rundir.RUN_JSON).is_file():
         rundir.check_same_run(run_dir, rundir.read_run_info(run_dir), info)

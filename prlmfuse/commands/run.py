@@ -28,7 +28,8 @@ def run(pipeline, only, runs, more_runs, dry_run, parallel, device, precision) -
     After an evaluation it prints a summary: where results.md is, each run's score with delta and p,
     two test sentences translated by every run beside the reference, and the plots.
     """
-    from prlmfuse.pipeline import plan_lines, run_pipeline
+    from prlmfuse.pipeline import run_pipeline
+    from prlmfuse.plan import plan_lines
 
     if pipeline and runs and not Path(pipeline).exists():
         # click gives the first name after `--runs NAME` to PIPELINE when no file came before it.

@@ -1,0 +1,281 @@
+"""Controls that separate what a PrLM learned from the branch's extra parameters, on real small data:
+shuffled features, an untrained PrLM of the same architecture, a baseline matched in parameters."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from prlmfuse.config import load_pipeline
+from prlmfuse.errors import UserError
+from prlmfuse.fileio import read_lines
+from prlmfuse.train_fused import PrLMUse, train_run
+from prlmfuse.train_fused.branches import shuffled_rows
+from prlmfuse.train_fused.config import ModelConfig
+from prlmfuse.train_fused.matching import MATCH_TOLERANCE, matched_ffn, run_parameters, trainable_parameters
+from prlmfuse.train_fused.modeling import FusedTransformer
+from prlmfuse.train_fused.run_setup import open_run_branches
+
+from helpers import small_runs
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("controls")
+    corpus = small_runs.small_bible(root)
+    ckpt = small_runs.tiny_prlm(root / "bert")
+    paths = small_runs.build_caches(ckpt, corpus, root / "cache", layers="-2")
+    return corpus, ckpt, paths
+
+
+# ----------------------------------------------------------------------------- shuffled features
+
+
+def test_shuffled_rows_never_read_the_own_sentence_nor_an_identical_source_text():
+    lines = [f"verse {i % 7}" for i in range(40)] + ["alone", "also alone"]  # each text 5-6 times
+    rows = shuffled_rows(lines, 1, where="train source")
+    assert sorted(rows) == list(range(len(lines)))  # a permutation: every sentence's features read once
+    assert all(lines[rows[i]] != lines[i] for i in range(len(lines)))
+    assert np.array_equal(rows, shuffled_rows(lines, 1, where="train source"))  # the seed decides it
+    assert not np.array_equal(rows, shuffled_rows(lines, 2, where="train source"))
+
+
+def test_shuffled_rows_refuse_a_split_one_text_fills_more_than_half():
+    with pytest.raises(UserError, match="no source text fills more than half") as e:
+        shuffled_rows(["amen"] * 6 + ["selah"] * 5, 1, where="dev source")
+    assert str(e.value).startswith("dev source:")
+    assert sorted(shuffled_rows(["amen"] * 5 + ["selah"] * 5, 1, where="dev source")) == list(range(10))
+
+
+def test_a_shuffled_run_reads_another_sentences_features_the_same_way_everywhere(world, tmp_path):
+    from prlmfuse.evaluate import evaluate_runs
+    from prlmfuse.evaluate.live import translate
+    from prlmfuse.evaluate.runs import open_run
+
+    corpus, ckpt, paths = world
+    use = PrLMUse(checkpoint=str(ckpt), layer=-2, control="shuffled")
+    run = small_runs.tiny_run("shuffled", prlms=[use], max_updates=8)
+    caches = [small_runs.caches_for(use, paths)]
+
+    branches = open_run_branches(run, corpus, caches)
+    for split in ("train", "dev", "test"):
+        (branch,) = branches[split]
+        expected = shuffled_rows(read_lines(corpus.src_path(split)), run.seed, where=split)
+        assert np.array_equal(branch.rows, expected)
+    # A batch's features are those of the sentences the permutation names, never the sentence's own.
+    from prlmfuse.train_fused.data import batch_features
+
+    (train,) = branches["train"]
+    feats = batch_features(train, [0, 1, 2])
+    for b, i in enumerate([0, 1, 2]):
+        other = train.reader.features(int(train.rows[i]))[list(train.layer_rows)]
+        n = other.shape[1]
+        torch.testing.assert_close(feats.states[b, :, :n].float(), other.float())
+        own = train.reader.features(i)[list(train.layer_rows)]
+        assert own.shape != other.shape or not torch.equal(own.float(), other.float())
+
+    # Stopped at update 4 and resumed: the same weights as 8 updates straight (the permutation is the same).
+    straight = train_run(run, corpus, caches, tmp_path / "straight", progress=False)
+    half = small_runs.tiny_run("shuffled", prlms=[use], max_updates=4)
+    train_run(half, corpus, caches, tmp_path / "resumed", progress=False)
+    resumed = train_run(run, corpus, caches, tmp_path / "resumed", progress=False)
+    a = load_file(str(straight / "checkpoints" / "update-00000008.safetensors"))
+    b = load_file(str(resumed / "checkpoints" / "update-00000008.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    # Evaluation opens the test cache with the training run's permutation of that split.
+    view = open_run(straight)
+    (test_branch,) = view.open_branches(view.test_cache_paths("test"), source=str(corpus.src_path("test")),
+                                        source_name="test source", source_sha256=corpus.src_sha256("test"),
+                                        source_lines=int(corpus.splits["test"]["src"]["lines"]))
+    assert np.array_equal(test_branch.rows, branches["test"][0].rows)
+    results = evaluate_runs([straight], out=tmp_path / "results", beam=1, average_last=1, progress=False)
+    info = json.loads((straight / "run.json").read_text())
+    assert results.row("shuffled").trainable_parameters == info["trainable_parameters"] > 0
+
+    with pytest.raises(UserError, match="control 'shuffled'") as e:
+        translate(straight, ["In the beginning"], device="cpu")
+    assert "\n" not in str(e.value)
+
+
+def test_the_control_is_checked_where_it_is_written(tmp_path):
+    p = tmp_path / "p.yaml"
+    p.write_text(textwrap.dedent("""
+        cache: {checkpoints: [{name: minilm-l6}]}
+        train:
+          defaults: {max_updates: 5}
+          runs:
+            fused: {prlms: [{checkpoint: minilm-l6, control: shufled}]}
+    """))
+    with pytest.raises(UserError) as e:
+        load_pipeline(p)
+    assert str(e.value) == (f"{p}:6:54: train.runs.fused.prlms.0.control: 'shufled' is not one of shuffled")
+
+
+# ----------------------------------------------------------------------------- matched parameters
+
+
+@pytest.mark.parametrize("layer, preset", [(-2, "small"), ("concat", "small"), (-2, "tiny")])
+def test_a_matched_baseline_lands_within_one_percent(layer, preset):
+    from prlmfuse.train_fused.branches import branch_spec
+
+    layers = [5] if layer == -2 else list(range(7))
+    spec = branch_spec(PrLMUse(checkpoint="minilm-l6", layer=layer), 384, layers, [], "fixed" if layer == -2 else layer)
+    fused = small_runs.tiny_run("fused", preset=preset, prlms=[PrLMUse("minilm-l6", layer)], side="both")
+    target = run_parameters(fused, 4000, [spec])
+    base = small_runs.tiny_run("matched", preset=preset, match_params="fused")
+    width = matched_ffn(base, target, 4000)
+    assert width % 8 == 0
+    got = run_parameters(small_runs.tiny_run("m", preset=preset, ffn=width), 4000, [])
+    assert abs(got - target) <= MATCH_TOLERANCE * target
+    # The count is the model's own: the trainable tensors of the model built for real.
+    model = FusedTransformer(ModelConfig.from_preset(preset, vocab_size=4000, ffn=width))
+    assert got == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def test_matching_a_run_with_prlms_is_refused():
+    run = small_runs.tiny_run("x", prlms=[PrLMUse("minilm-l6")])
+    with pytest.raises(UserError, match="without PrLMs"):
+        matched_ffn(run, 10**6, 600)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ("fused2: {prlms: [{checkpoint: minilm-l6}], match_params: base}",
+     "train.runs.fused2.match_params: widens a run without PrLMs"),
+    ("m: {match_params: m}", "train.runs.m.match_params: names this run itself"),
+    ("m: {match_params: fusd}", "train.runs.m.match_params: no run named 'fusd'; did you mean 'fused'?"),
+    ("m: {match_params: fused}, m2: {match_params: m}", "train.runs.m2.match_params: 'm' is itself matched (to 'fused')"),
+    ("m: {match_params: fused, ffn: 512}", "train.runs.m.match_params: chooses this run's ffn"),
+])
+def test_match_params_refusals_point_at_the_setting(tmp_path, extra, message):
+    p = tmp_path / "p.yaml"
+    p.write_text(textwrap.dedent("""
+        cache: {checkpoints: [{name: minilm-l6}]}
+        train:
+          defaults: {max_updates: 5}
+          runs: {base: {}, fused: {prlms: [{checkpoint: minilm-l6}]}, %s}
+    """) % extra)
+    with pytest.raises(UserError) as e:
+        load_pipeline(p)
+    text = str(e.value)
+    assert "\n" not in text and text.startswith(f"{p}:") and message in text
+
+
+def _pipeline(tmp_path: Path, ckpt: Path, corpus, runs: str, entries: str = "") -> Path:
+    p = tmp_path / "pipeline.yaml"
+    files = {f"{s}_{side}": str(getattr(corpus, f"{side}_path")(s)) for s in ("train", "dev", "test") for side in ("src", "tgt")}
+    p.write_text(textwrap.dedent(f"""
+        workdir: {tmp_path / 'work'}
+        data:
+          kind: text
+          src: en
+          tgt: ja
+          files: {json.dumps(files)}
+        cache:
+          checkpoints:
+            - {{name: {ckpt}, layers: [-2]}}
+        {entries}
+        train:
+          defaults: {{preset: tiny, bpe_vocab: 600, max_tokens: 300, max_updates: 4, max_epochs: null, save_every: 4,
+                      warmup: 4, num_workers: 0, seed: 3}}
+          runs:
+        {runs}
+    """))
+    return p
+
+
+def test_a_matched_run_trains_at_its_width_and_records_its_count(world, tmp_path):
+    from prlmfuse.pipeline import build_caches, ensure_data, planned_parameters, train_runs
+    from prlmfuse.plan import plan_lines
+
+    corpus, ckpt, _ = world
+    p = _pipeline(tmp_path, ckpt, corpus, f"""
+            fused: {{prlms: [{{checkpoint: {ckpt}, layer: -2}}], side: both}}
+            matched: {{match_params: fused}}""")
+    cfg = load_pipeline(p)
+    ensure_data(cfg)
+    target = planned_parameters(cfg, cfg.run("fused"))
+    plan = "\n".join(plan_lines(cfg, None))
+    assert f"matched to fused's {target:,}" in plan and "ffn 128;" in plan  # the tiny preset's own width for fused
+    build_caches(cfg, ensure_data(cfg, build=False))
+    (run_dir,) = train_runs(cfg, ["matched"])
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["train"]["match_params"] == "fused" and info["model"]["ffn"] == info["train"]["ffn"] > 128
+    weights = load_file(str(run_dir / "checkpoints" / "update-00000004.safetensors"))
+    assert info["trainable_parameters"] == sum(t.numel() for t in weights.values())
+    # Both counted at the configured bpe_vocab; the trained BPE may hold fewer ids, so run.json's count
+    # is the model's own and the match holds at the configured size.
+    assert abs(planned_parameters(cfg, cfg.run("matched")) - target) <= MATCH_TOLERANCE * target
+
+
+# ----------------------------------------------------------------------------- an untrained PrLM
+
+
+def test_an_untrained_prlm_is_its_own_checkpoint_with_its_own_cache_key(world, tmp_path):
+    from prlmfuse.pipeline import cache_jobs, ensure_data
+    from prlmfuse.prlms import resolve_checkpoint
+
+    corpus, ckpt, _ = world
+    p = _pipeline(tmp_path, ckpt, corpus, f"""
+            fused: {{prlms: [{{checkpoint: {ckpt}, layer: -2}}]}}
+            untrained: {{prlms: [{{checkpoint: bert-untrained, layer: -2}}]}}""",
+                  entries=f"    - {{name: bert-untrained, checkpoint: {ckpt}, init: random, seed: 4, layers: [-2]}}")
+    cfg = load_pipeline(p)
+    jobs = cache_jobs(cfg, ensure_data(cfg))
+    trained = {j.split: j for j in jobs if j.entry.init == "pretrained"}
+    untrained = {j.split: j for j in jobs if j.entry.init == "random"}
+    assert set(trained) == set(untrained) == {"train", "dev", "test"}
+    assert all(trained[s].out != untrained[s].out for s in trained)
+    directory = Path(untrained["train"].checkpoint)
+    assert directory == cfg.workdir / "checkpoints" / "bert-untrained"
+    a, b = resolve_checkpoint(str(ckpt)), resolve_checkpoint(str(directory))
+    assert (a.family, a.num_layers, a.hidden_size) == (b.family, b.num_layers, b.hidden_size)
+    assert a.identity != b.identity
+    from transformers import AutoTokenizer
+
+    text = "In the beginning God created the heaven and the earth."
+    assert AutoTokenizer.from_pretrained(str(directory))(text)["input_ids"] == \
+        AutoTokenizer.from_pretrained(str(ckpt))(text)["input_ids"]
+    made = (directory / "model.safetensors").stat().st_mtime_ns
+    cache_jobs(cfg, ensure_data(cfg, build=False))  # made once, then reused
+    assert (directory / "model.safetensors").stat().st_mtime_ns == made
+    # Another seed gives other weights.
+    from prlmfuse.prlms.random_init import prepare_random_init
+
+    other = prepare_random_init(str(ckpt), tmp_path / "seed-5", 5)
+    w4, w5 = load_file(str(directory / "model.safetensors")), load_file(str(other / "model.safetensors"))
+    assert any(not torch.equal(w4[k], w5[k]) for k in w4 if w4[k].is_floating_point() and w4[k].numel() > 1)
+
+
+@pytest.mark.parametrize("entry, message", [
+    ("{name: minilm-l6, init: random}", "init: random needs a name of its own and `checkpoint`"),
+    ("{name: x, checkpoint: minilm-l6, init: randm}", "cache.checkpoints.1.init: 'randm' is not one of pretrained, random"),
+    ("{name: x, checkpoint: minilm-l6, seed: 3}", "cache.checkpoints.1.seed: only init: random reads seed"),
+    ("{name: minilm-l6, checkpoint: e5-small-multilingual}", "cache.checkpoints.1.name: 'minilm-l6' names another checkpoint"),
+])
+def test_checkpoint_entry_refusals(tmp_path, entry, message):
+    p = tmp_path / "p.yaml"
+    p.write_text(textwrap.dedent(f"""
+        cache:
+          checkpoints:
+            - {{name: minilm-l6}}
+            - {entry}
+        train: {{defaults: {{max_updates: 5}}, runs: {{base: {{}}}}}}
+    """))
+    with pytest.raises(UserError) as e:
+        load_pipeline(p)
+    assert message in str(e.value) and "\n" not in str(e.value) and str(e.value).startswith(f"{p}:")
+
+
+def test_trainable_parameters_count_only_what_trains():
+    config = ModelConfig.from_preset("tiny", vocab_size=600)
+    model = FusedTransformer(config)
+    assert trainable_parameters(config) == sum(p.numel() for p in model.parameters() if p.requires_grad)
