@@ -269,3 +269,19 @@ def test_storage_dtype_bench_builds_and_reads_both_dtypes_of_the_same_verses(tmp
     # int8 stores a byte per value plus a per-token scale and 4 exact outliers: at 128 wide, well under float16's two bytes
     assert result["bytes_per_token"]["int8"] < 0.75 * result["bytes_per_token"]["float16"]
     assert all(rate > 0 for rate in result["read_sentences_per_s"].values())
+
+
+def test_significance_bench_gives_the_reports_p_beside_sacrebleus(capsys):
+    """On Table 3's committed files: prlmfuse's two-sided p is the one `report --against fused` stored."""
+    import json
+
+    table3 = Path(__file__).parents[1] / "docs" / "results" / "table3"
+    stored = json.loads((table3.parent / "table3.json").read_text(encoding="utf-8"))
+    (against,) = [c for c in stored["against"] if c["run"] == "merge-average" and c["against"] == "fused"]
+    bench = _module(BENCH / "significance.py")
+    assert bench.main([str(table3 / "batch-1" / "ref.test.txt"), str(table3 / "batch-1" / "hyp.fused.test.txt"),
+                       str(table3 / "batch-3" / "hyp.merge-average.test.txt"), "--ar-trials", "200"]) == 0
+    result = json.loads(capsys.readouterr().out.splitlines()[-1].removeprefix("RESULT "))
+    assert result["prlmfuse_two_sided"] == round(against["p_value"]["bleu"], 4)
+    assert result["prlmfuse_one_sided"] * 2 == pytest.approx(result["prlmfuse_two_sided"], abs=2e-3)
+    assert 0 < result["sacrebleu_paired_bs"] < result["prlmfuse_two_sided"]
