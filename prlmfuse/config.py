@@ -70,7 +70,7 @@ class CheckpointEntry:
     """One frozen PrLM to cache: name (alias, hub id or local dir) and what to store."""
 
     name: str  # what runs' prlms call it; also the checkpoint itself unless `checkpoint` is set
-    layers: list[int] | str = field(default_factory=lambda: [-2])  # indices or "all"
+    layers: list[int] | str = "all"  # indices, or "all": what the default layer choice (concat) reads
     dtype: str | None = None  # default: cache.dtype
     trust_remote_code: bool = False
     # The checkpoint (alias, hub id or local dir) when `name` is only a label, e.g. for init: random.

@@ -211,7 +211,7 @@ def test_bad_runtime_settings_are_located_one_line_errors(tmp_path, text, needle
     ("evaluate: {beam: 0}\n", "p.yaml:1:18: evaluate.beam: expected a number >= 1, got 0"),
     ("evaluate: {average_last: -1}\n", "evaluate.average_last: expected a number >= 0, got -1"),
     # a learned combination of layers over a cache of one layer
-    ("cache: {checkpoints: [{name: minilm-l6}]}\ntrain:\n  runs:\n    d: {max_updates: 2, prlms: [{checkpoint: minilm-l6, layer: dyn_cls}]}\n",
+    ("cache: {checkpoints: [{name: minilm-l6, layers: [-2]}]}\ntrain:\n  runs:\n    d: {max_updates: 2, prlms: [{checkpoint: minilm-l6, layer: dyn_cls}]}\n",
      "p.yaml:4:64: train.runs.d.prlms.0.layer: 'dyn_cls' combines the cached layers, but cache.checkpoints.0 (minilm-l6) "
      "stores only [-2]; set its layers: all"),
     # a run name that is no directory of its own

@@ -299,7 +299,7 @@ def test_gate_with_one_prlm_is_a_sigmoid_gate():
 
 def test_ffn_position_matches_the_papers_equation():
     """Post-LN, position ffn, sum: H' = LN2(x_S + FFN(x_S) + FFN_P(x_P)), x_* = LN1*(H + Attn_*)."""
-    config = tiny_config([spec("p", 24)], dropout=0.0)
+    config = tiny_config([spec("p", 24)], dropout=0.0, position="ffn")
     torch.manual_seed(0)
     layer = EncoderLayer(config, [24]).eval()
     for p in layer.parameters():  # LayerNorm weights away from 1/0, so each norm is really tested
@@ -613,7 +613,7 @@ def test_activation_dropout_drops_the_ffns_hidden_activations():
     assert torch.equal(got, expected)
     ffn.eval()
     assert torch.equal(ffn(x), ffn.fc2(F.relu(ffn.fc1(x))))
-    config = tiny_config(ONE_PRLM, dropout=0.0, activation_dropout=0.2)
+    config = tiny_config(ONE_PRLM, dropout=0.0, activation_dropout=0.2, side="source", position="ffn")
     model = FusedTransformer(config).train()
     assert all(m.activation_dropout.p == 0.2 for m in model.modules() if isinstance(m, FeedForward))
     assert sum(isinstance(m, FeedForward) for m in model.modules()) == config.enc_layers * 2 + config.dec_layers

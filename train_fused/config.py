@@ -138,13 +138,22 @@ class ModelConfig:
     bos_id: int = 1
     eos_id: int = 2
     prlms: list[PrLMSpec] = field(default_factory=list)  # empty: the baseline Transformer
+    # The defaults are the settings measured best on this code (README's settings table names the paper's).
     merge: str = "sum"  # sum | average | gate | dropnet | direct
-    position: str = "ffn"  # attn | add_norm1 | ffn | add_norm2 (encoder side)
-    side: str = "source"  # source | target | both | target_flow | both_flow
+    # attn | add_norm1 | ffn | add_norm2 (encoder side). None: add_norm1, or ffn in pre-LN layers, which
+    # have no add&norm to merge after.
+    position: str | None = None
+    # source | target | both | target_flow | both_flow. None: both, or source for merge direct, which
+    # replaces the source input.
+    side: str | None = None
     dropnet_p: float = 0.5  # merge dropnet: probability of keeping one side only
 
     def __post_init__(self):
         self.prlms = [p if isinstance(p, PrLMSpec) else PrLMSpec(**p) for p in self.prlms]
+        if self.position is None:
+            self.position = "ffn" if self.pre_ln else "add_norm1"
+        if self.side is None:
+            self.side = "source" if self.merge == "direct" else "both"
         if self.vocab_size <= max(self.pad_id, self.bos_id, self.eos_id):
             raise SettingError("vocab_size", f"{self.vocab_size} does not exceed the special token ids")
         if not (self.d_model > 0 and self.heads > 0 and self.d_model % self.heads == 0):
@@ -223,8 +232,8 @@ class PrLMUse:
     checkpoint: str
     # An int is a hidden_states index (-1 last, -2 penultimate, -3 third-to-last);
     # a string picks a learned combination of every layer in the cache:
-    # "dyn_cls" | "dyn_aver" | "dwatt" | "concat".
-    layer: int | str = -2
+    # "dyn_cls" | "dyn_aver" | "dwatt" | "concat". The default, concat, reads every cached layer.
+    layer: int | str = "concat"
     # Which cache of that checkpoint to read, when the pipeline builds several (e.g. float16 and int8).
     dtype: str | None = None
     # LayerNorm the features over d_p before the branch's key and value projections. For PrLMs whose
@@ -272,8 +281,11 @@ class RunConfig:
     pre_ln: bool = False
     prlms: list[PrLMUse] = field(default_factory=list)  # empty: the baseline
     merge: str = "sum"  # sum | average | gate | dropnet | direct
-    position: str = "ffn"  # attn | add_norm1 | ffn | add_norm2
-    side: str = "source"  # source | target | both (bert-nmt's decoder) | target_flow | both_flow (the authors')
+    # attn | add_norm1 | ffn | add_norm2; None: the model's default (ModelConfig: add_norm1, ffn if pre_ln).
+    position: str | None = None
+    # source | target | both (bert-nmt's decoder) | target_flow | both_flow (the authors'); None: the
+    # model's default (both, source for merge direct).
+    side: str | None = None
     dropnet_p: float = 0.5  # merge dropnet only: probability that a layer keeps one side alone
     # A run without PrLMs widened (its FFN) to the trainable parameters of the run of this name, within
     # 1% (train_fused.matching); the pipeline resolves it to `ffn` before training.
@@ -379,7 +391,17 @@ MODEL_SETTINGS = ("d_model", "enc_layers", "dec_layers", "heads", "ffn", "dropou
                   "activation_dropout", "feature_dropout", "pre_ln", "merge", "position", "side", "dropnet_p")
 
 
+# Settings that shape only the PrLM branches: a run without PrLMs builds the same model whatever they say.
+FUSION_SETTINGS = ("merge", "position", "side", "dropnet_p")
+
+
+def defining_settings(settings: dict, has_prlms: bool) -> dict:
+    """run.json's `train` or `model` section without the fusion settings when the run has no PrLMs, so a
+    baseline is the same run whatever those say (and whatever their defaults were when it trained)."""
+    return settings if has_prlms else {k: v for k, v in settings.items() if k not in FUSION_SETTINGS}
+
+
 def recipe_without_seed(train: dict) -> dict:
     """A run's settings (RunConfig.to_dict(), as run.json stores them) minus name and seed:
     equal for the runs of one `grid: {seed: [...]}`."""
-    return {k: v for k, v in train.items() if k not in ("name", "seed")}
+    return {k: v for k, v in defining_settings(train, bool(train.get("prlms"))).items() if k not in ("name", "seed")}

@@ -33,6 +33,7 @@ import prlmfuse
 from prlmfuse.errors import UserError
 from prlmfuse.evaluate.settings import AVERAGE_CHOICES
 from prlmfuse.fileio import atomic_write_json, atomic_write_text, fsync_dir, pid_lock, read_json
+from prlmfuse.train_fused.config import defining_settings
 
 logger = logging.getLogger(__name__)
 
@@ -168,10 +169,12 @@ def check_same_run(run_dir: Path, before: dict, now: dict) -> None:
 
 def _defining(info: dict) -> dict:
     """The parts of run.json that must not change when a run is resumed."""
-    train = {k: v for k, v in info["train"].items() if k not in RESUMABLE_FIELDS}
+    fused = bool(info["prlms"])
+    train = {k: v for k, v in defining_settings(info["train"], fused).items() if k not in RESUMABLE_FIELDS}
     prlms = [{k: v for k, v in p.items() if k != "caches"}
              | {"keys": {s: c["key"] for s, c in p["caches"].items() if s != "test"}} for p in info["prlms"]]
-    return {"model": info["model"], "train": train, "corpus": info["corpus"]["sha256"], "prlms": prlms}
+    return {"model": defining_settings(info["model"], fused), "train": train, "corpus": info["corpus"]["sha256"],
+            "prlms": prlms}
 
 
 def _first_difference(a, b, prefix: str = "") -> str:
