@@ -28,7 +28,7 @@ def evaluated(tmp_path_factory):
     corpus = small_runs.small_bible(root, train=120, dev=12, test=16)
     checkpoint = small_runs.tiny_prlm(root / "prlm")
     paths = small_runs.build_caches(checkpoint, corpus, root / "caches")
-    use = PrLMUse(checkpoint=str(checkpoint))
+    use = PrLMUse(checkpoint=str(checkpoint), layer=-2)
     merged_in = root / "merged-in"
     merged_in.mkdir()
     evaluations = {}
