@@ -27,7 +27,7 @@ for _cache_capacity in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 import click
 
-from prlmfuse import __version__
+from prlmfuse import __version__, signals
 from prlmfuse.commands.bundle import bundle
 from prlmfuse.commands.cache import cache
 from prlmfuse.commands.checkpoints import checkpoints
@@ -106,7 +106,7 @@ for _command in (data, checkpoints, cache, train, evaluate, report, translate, r
 
 
 def main() -> None:
-    with logging_to_stderr():
+    with signals.handled(), logging_to_stderr():
         _main()
 
 
@@ -129,7 +129,12 @@ def _main() -> None:
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         click.echo("interrupted", err=True)
-        sys.exit(130)
+        sys.exit(signals.INTERRUPTED_EXIT)
+    except signals.Stopped as e:
+        # SIGTERM / SIGUSR1: what was finished is saved; the status says "rerun me" to a job script.
+        what = "interrupted" if e.exit_code == signals.INTERRUPTED_EXIT else f"stopped by {e.name}"
+        click.echo(f"{what}{': ' + e.detail if e.detail else ''}", err=True)
+        sys.exit(e.exit_code)
     except OSError as e:
         message = _os_error_line(e)
         if message is None:

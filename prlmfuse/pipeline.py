@@ -13,16 +13,18 @@ Layout under `workdir`:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import logging
 import os
 import re
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from prlmfuse import __version__
+from prlmfuse import __version__, signals
 from prlmfuse.cache_features.compat import BUILT, DAMAGED, cache_status
 from prlmfuse.cache_features.manifest import FORMAT_VERSION, format_version
 from prlmfuse.config import CheckpointEntry, PipelineConfig
@@ -331,11 +333,18 @@ def train_runs(
         return _train_in_children(cfg, runs, parallel, resume=resume)
     dirs = []
     for run in runs:
+        _stop_if_signalled(f"not started: {run.name}")
         out = run_path(cfg, run.name)
         # train_run's first line names the run, its directory, device and precision
         train_run(resolve_run(cfg, run), corpus, caches_for_run(run, jobs, cfg), out, resume=resume, runtime=runtime)
         dirs.append(out)
     return dirs
+
+
+def _stop_if_signalled(what: str) -> None:
+    """A stop signal that came while a stage was finishing its last step: start nothing more."""
+    if signals.received() is not None:
+        raise signals.Stopped(signals.received(), f"{what}; rerun the same command to go on")
 
 
 def _corpus_hashes(corpus) -> dict:
@@ -393,6 +402,7 @@ def _train_in_children(cfg: PipelineConfig, runs: list[RunConfig], parallel: int
     pending = list(runs)
     active: dict = {}
     failed: list[str] = []
+    stopped_by: int | None = None
     try:
         while pending or active:
             while pending and len(active) < parallel:
@@ -410,21 +420,51 @@ def _train_in_children(cfg: PipelineConfig, runs: list[RunConfig], parallel: int
                 _say(f"train: {run.name} -> {out} (own process, {threads} thread(s); log {log})")
             time.sleep(0.5)
             for proc in [p for p in active if p.poll() is not None]:
-                run, log, started = active.pop(proc)
-                minutes = (time.monotonic() - started) / 60
-                if proc.returncode == 0:
-                    _say(f"train: {run.name} finished in {minutes:.1f} min")
-                else:
-                    failed.append(f"{run.name} (exit {proc.returncode}: {_last_line(log)}; log {log})")
-                    _say(f"train: {run.name} FAILED after {minutes:.1f} min; see {log}")
+                _report_child(proc, *active.pop(proc), failed)
+    except (signals.Stopped, KeyboardInterrupt) as e:
+        # Each child gets the signal (again, if the group's reached it too: a child handles one), finishes
+        # its update, saves a resume point and exits; no new run starts.
+        stopped_by = e.signum if isinstance(e, signals.Stopped) else signal.SIGINT
+        for proc in active:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(stopped_by)
+        for proc in list(active):
+            proc.wait()
+            _report_child(proc, *active.pop(proc), failed)
     finally:
-        for proc in active:  # interrupted: children resume from their last checkpoint next time
+        for proc in active:  # an error of this process's own: the children resume from their last save next time
             proc.terminate()
         for proc in active:
             proc.wait()
+    if stopped_by is not None:
+        waiting = f"; not started: {', '.join(r.name for r in pending)}" if pending else ""
+        raise signals.Stopped(stopped_by, "; ".join(failed) + waiting + "; rerun the same command to resume")
     if failed:
         raise UserError(f"{len(failed)} of {len(runs)} runs failed: " + "; ".join(failed))
     return [run_path(cfg, r.name) for r in runs]
+
+
+def _report_child(proc, run: RunConfig, log: Path, started: float, failed: list[str]) -> None:
+    """Say how a training child ended; a run that did not finish goes into `failed` with its cause."""
+    import time
+
+    minutes = (time.monotonic() - started) / 60
+    code = proc.returncode
+    if code == 0:
+        _say(f"train: {run.name} finished in {minutes:.1f} min")
+        return
+    if code == signals.PREEMPTED_EXIT:
+        cause = "stopped by a signal after saving a resume point"
+    elif code == signals.INTERRUPTED_EXIT:
+        cause = "interrupted after saving a resume point"
+    elif code < 0:
+        cause = f"killed by {signal.Signals(-code).name}; it resumes from its last checkpoint"
+    else:
+        cause = f"exit {code}: {_last_line(log)}"
+    failed.append(f"{run.name} ({cause}; log {log})")
+    stopped = code in (signals.PREEMPTED_EXIT, signals.INTERRUPTED_EXIT)
+    _say(f"train: {run.name} {'stopped' if stopped else 'FAILED'} after "
+         f"{minutes:.1f} min ({cause}); see {log}")
 
 
 # ---------------------------------------------------------------------------- evaluation
@@ -486,6 +526,7 @@ def run_pipeline(cfg: PipelineConfig, *, only: str | None = None, names: list[st
     jobs = build_caches(cfg, corpus, names) if only in (None, "cache") else None
     if only in (None, "train"):
         train_runs(cfg, names, jobs=jobs, parallel=parallel)
+        _stop_if_signalled("training finished; evaluation not started")
     if only in (None, "evaluate"):
         return evaluate_pipeline(cfg, names)
     return None

@@ -51,7 +51,7 @@ def plan_lines(cfg: PipelineConfig, names: list[str] | None, parallel: int = 1) 
     total_updates = total_tokens = runs_left = 0
     for run in _selected_runs(cfg, names):
         out = run_path(cfg, run.name)
-        state, done = rundir.training_progress(run, rundir.latest_trainer_state(out))
+        state, done = rundir.training_progress(run, rundir.state_to_resume(out))
         if (edited or corpus is not None and _is_stale(out, corpus)) and state != "new":
             state, done = "to train again: its corpus changed", 0
         budget = f"{run.max_updates} updates" if run.max_updates is not None else f"{run.max_epochs} epochs"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from prlmfuse.fileio import atomic_path, atomic_write_json, disk_full_error, is_
 from prlmfuse.train_fused.run_dir import (
     BEST,
     CHECKPOINT_DIR,
+    RESUME_DIR,
     TRAINER_STATE,
     TrainingState,
     checkpoint_file_update,
@@ -31,6 +33,7 @@ from prlmfuse.train_fused.run_dir import (
     latest_trainer_state,
     optimizer_path,
     relative_name,
+    resume_paths,
     state_path,
     weights_path,
 )
@@ -119,7 +122,37 @@ def _save_checkpoint(run_dir: Path, update: int, model, optimizer, trainer_state
     atomic_write_json(run_dir / TRAINER_STATE, state)
     discard_previous_run(run_dir)  # a run `--fresh` replaced goes once this one has a state of its own
     prune_checkpoints(run_dir, keep_last, keep_last_epochs)
+    shutil.rmtree(run_dir / RESUME_DIR, ignore_errors=True)  # a resume point is older than any later save
     return weights
+
+
+def save_resume_point(run_dir: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      trainer_state: TrainingState) -> Path:
+    """Write the state after the last finished update into resume/, apart from the scheduled checkpoints.
+
+    Weights and optimizer state first, under their update's names, then resume/state.json naming
+    them, atomically, then the older resume files go: a kill at any moment leaves either the previous
+    resume point or this one complete, and `run_dir.state_to_resume` picks the newest complete one.
+    """
+    run_dir = Path(run_dir)
+    update = trainer_state.update
+    weights, optimizer_file, state_file = resume_paths(run_dir, update)
+    weights.parent.mkdir(exist_ok=True)
+    try:
+        save_weights(model, weights, metadata={"update": str(update)})
+        with atomic_path(optimizer_file) as tmp:
+            save_file(optimizer_tensors(optimizer, model), str(tmp), metadata={"update": str(update)})
+        state = dataclasses.replace(trainer_state, checkpoint=relative_name(weights),
+                                    optimizer=relative_name(optimizer_file))
+        atomic_write_json(state_file, state.to_dict())
+    except Exception as e:  # noqa: BLE001 - safetensors reports I/O errors as SafetensorError
+        if is_disk_full(e):
+            raise disk_full_error(f"resume point at update {update}", run_dir) from None
+        raise
+    for entry in weights.parent.iterdir():
+        if entry.name not in (weights.name, optimizer_file.name, state_file.name) and not entry.name.startswith("."):
+            entry.unlink(missing_ok=True)
+    return state_file
 
 
 def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int, keep_last_epochs: int = 0) -> None:

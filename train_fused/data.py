@@ -19,6 +19,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from prlmfuse.batching import token_budget_batches
+from prlmfuse.signals import ignore_in_worker, start_multiprocessing_helpers
 from prlmfuse.train_fused.bpe import BOS_ID, EOS_ID, PAD_ID
 from prlmfuse.train_fused.branches import PrLMBranch
 from prlmfuse.train_fused.modeling import PrLMFeatures
@@ -407,6 +408,7 @@ def make_loader(
     else:
         methods = multiprocessing.get_all_start_methods()
         context = "forkserver" if "forkserver" in methods else "spawn"
+        start_multiprocessing_helpers(context)
         loader = DataLoader(
             dataset,
             batch_sampler=batch_sampler,
@@ -417,5 +419,7 @@ def make_loader(
             prefetch_factor=prefetch_factor,
             generator=generator,
             pin_memory=pin_memory,
+            # A stop signal sent to the process group is the trainer's: it finishes its update, then ends them.
+            worker_init_fn=ignore_in_worker,
         )
     return WindowedLoader(loader, batch_sampler) if windows else loader

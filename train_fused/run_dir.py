@@ -46,6 +46,10 @@ BEST = "best.safetensors"
 LOCK = ".lock"
 TRAIN_LOG = "train.log"  # a training child's output under `prlmfuse train --jobs N`
 TENSORBOARD_DIR = "tensorboard"
+# A stop signal's resume point: weights, optimizer state and trainer state after the last finished update,
+# apart from the scheduled checkpoints (no dev pass; never counted by keep_last or an average).
+RESUME_DIR = "resume"
+RESUME_STATE = "state.json"
 # `train --fresh` moves the run it replaces here; deleted once the new run has saved its first checkpoint.
 PREVIOUS_RUN = ".previous-run"
 
@@ -56,10 +60,15 @@ _NAMED_FILE_RE = {
     "checkpoint": re.compile(rf"^{CHECKPOINT_DIR}/update-\d{{8}}\.safetensors$"),
     "optimizer": re.compile(rf"^{CHECKPOINT_DIR}/optimizer-\d{{8}}\.safetensors$"),
 }
+# ...and what a resume point's state may name: files of its own folder.
+_RESUME_FILE_RE = {
+    "checkpoint": re.compile(rf"^{RESUME_DIR}/update-\d{{8}}\.safetensors$"),
+    "optimizer": re.compile(rf"^{RESUME_DIR}/optimizer-\d{{8}}\.safetensors$"),
+}
 # atomic_path's temp names (".<final name>.<random>.tmp") of the files training and averaging write:
 # what a kill -9 mid-save leaves behind (both write under the run directory's lock).
 _STALE_TEMP_RE = re.compile(r"^\.(update-\d{8}\.(safetensors|json)|optimizer-\d{8}\.safetensors|"
-                            r"trainer_state\.json|best\.safetensors|run\.json|bpe\.json|metrics\.jsonl|"
+                            r"trainer_state\.json|state\.json|best\.safetensors|run\.json|bpe\.json|metrics\.jsonl|"
                             r"average-(last|epochs)\d+\.safetensors)\..+\.tmp$"
                             # safetensors' save_file writes through a Rust tempfile (".tmp" + 6 characters)
                             # in the target's folder, so a kill mid-save leaves one of those too.
@@ -88,8 +97,14 @@ def state_path(run_dir: str | os.PathLike, update: int) -> Path:
 
 
 def relative_name(path: Path) -> str:
-    """How a trainer state names a checkpoint file: relative to the run directory."""
-    return f"{CHECKPOINT_DIR}/{path.name}"
+    """How a trainer state names a checkpoint or resume point file: relative to the run directory."""
+    return f"{path.parent.name}/{path.name}"
+
+
+def resume_paths(run_dir: str | os.PathLike, update: int) -> tuple[Path, Path, Path]:
+    """The weights, optimizer state and trainer state of a resume point at `update`."""
+    folder = Path(run_dir) / RESUME_DIR
+    return folder / f"update-{update:08d}.safetensors", folder / f"optimizer-{update:08d}.safetensors", folder / RESUME_STATE
 
 
 def checkpoint_file_update(name: str) -> int | None:
@@ -308,13 +323,27 @@ def latest_trainer_state(run_dir: str | os.PathLike) -> TrainingState | None:
     return _checked_state(read_json(newest, "checkpoint state"), newest)
 
 
-def _checked_state(state: dict, path: Path) -> TrainingState:
+def state_to_resume(run_dir: str | os.PathLike) -> TrainingState | None:
+    """What a rerun resumes from: the resume point a stop signal left, where it is complete and newer than
+    the last scheduled checkpoint (`latest_trainer_state`), else that checkpoint."""
+    scheduled = latest_trainer_state(run_dir)
+    path = Path(run_dir) / RESUME_DIR / RESUME_STATE
+    if not path.is_file():
+        return scheduled
+    point = _checked_state(read_json(path, "resume point"), path, _RESUME_FILE_RE)
+    complete = all((Path(run_dir) / name).is_file() for name in (point.checkpoint, point.optimizer))
+    if complete and (scheduled is None or point.update > scheduled.update):
+        return point
+    return scheduled
+
+
+def _checked_state(state: dict, path: Path, named: dict = _NAMED_FILE_RE) -> TrainingState:
     """A trainer state file's object as a TrainingState: it has an integer update, and the files it
-    names are inside the run's checkpoints/ folder."""
+    names are inside the run's checkpoints/ folder (a resume point's: inside resume/)."""
     if not isinstance(state, dict) or not isinstance(state.get("update"), int):
         raise UserError(f"{path} is not a trainer state written by prlmfuse (no integer 'update'); "
                         "restore it or start the run afresh in a new directory")
-    for key, pattern in _NAMED_FILE_RE.items():
+    for key, pattern in named.items():
         name = state.get(key)
         if not isinstance(name, str) or not pattern.match(name):
             raise UserError(f"{path}: {key} {name!r} is not a file of this run's {CHECKPOINT_DIR}/ folder; "
@@ -443,7 +472,7 @@ def remove_stale_temps(run_dir: str | os.PathLike) -> list[str]:
     """
     run_dir = Path(run_dir)
     removed = []
-    for directory in (run_dir, run_dir / CHECKPOINT_DIR):
+    for directory in (run_dir, run_dir / CHECKPOINT_DIR, run_dir / RESUME_DIR):
         if directory.is_dir():
             for entry in directory.iterdir():
                 if _STALE_TEMP_RE.match(entry.name) and entry.is_file():

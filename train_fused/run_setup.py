@@ -147,10 +147,12 @@ def _train_locked(run: RunConfig, corpus, branches: dict[str, list[PrLMBranch]],
     if ctx.is_main:
         rundir.settle_previous_run(run_dir, resume=resume)
         # Not read first: --fresh also starts over from a trainer state too damaged to resume.
-        if not resume and any((run_dir / name).exists() for name in (rundir.TRAINER_STATE, rundir.CHECKPOINT_DIR)):
+        if not resume and any((run_dir / name).exists()
+                              for name in (rundir.TRAINER_STATE, rundir.CHECKPOINT_DIR, rundir.RESUME_DIR)):
             rundir.set_aside_for_fresh_start(run_dir)
     barrier(ctx)
-    existing = rundir.latest_trainer_state(run_dir)
+    # A stop signal's resume point where it is newer than the last checkpoint.
+    existing = rundir.state_to_resume(run_dir)
 
     bpe_path = run_dir / rundir.BPE_JSON
     if ctx.is_main and (existing is None or not bpe_path.is_file()):

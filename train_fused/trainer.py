@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from prlmfuse import signals
 from prlmfuse.distributed import DistContext, all_reduce_sum, barrier, reduce_gradients
 from prlmfuse.errors import UserError
 from prlmfuse.fileio import disk_full_error, is_disk_full
@@ -189,6 +191,7 @@ class Trainer:
         )
         # Dev is read in-process: it is small, and the loop waits for it anyway.
         self.dev_loader = make_loader(dev_set, self.dev_sampler, num_workers=0, pin_memory=on_gpu)
+        self.stop_signalled = False  # set by train_step when a stop signal reached any rank
         self.state = rundir.TrainingState(
             seed=run.seed, batches_per_epoch=len(self.train_sampler.batches), world_size=ctx.world_size
         )
@@ -280,7 +283,7 @@ class Trainer:
             group["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         # Summed on the device: one host sync per update, not one per micro-batch.
-        stats = torch.zeros(3, dtype=torch.float64, device=self.device)
+        stats = torch.zeros(4, dtype=torch.float64, device=self.device)
         for b in micro:
             if b.nsentences == 0:
                 continue
@@ -289,9 +292,12 @@ class Trainer:
             stats[0] += loss_sum.detach().double()
             stats[1] += nll_sum.double()
         stats[2] = float(sum(b.ntokens for b in micro))
+        # A stop signal on any rank, summed with the gradients: every rank stops after this same update.
+        stats[3] = float(signals.received() is not None)
         stats = reduce_gradients(self.ctx, self.params, stats)
         totals = stats.tolist()
         ntokens = totals[2]
+        self.stop_signalled = totals[3] > 0
         if ntokens > 0:
             self.scaler.unscale_(self.optimizer)
             # Gradients of the sum, divided by the global token count: per-token mean over the global batch.
@@ -339,19 +345,35 @@ class Trainer:
             "best_dev_loss": state.best_dev_loss, "wall_time": round(state.wall_time, 3),
         })
         if self.ctx.is_main:
-            on_cuda = self.device.type == "cuda"
-            saved = dataclasses.replace(
-                state,
-                lr=inverse_sqrt_lr(max(state.update, 1), self.run.lr, self.run.warmup),
-                torch_rng_state=torch.get_rng_state().tolist(),
-                cuda_rng_state=torch.cuda.get_rng_state(self.device).tolist() if on_cuda else None,
-                grad_scaler=self.scaler.state_dict() if self.scaler.is_enabled() else None,
-            )
             checkpointing.save_checkpoint(
-                self.run_dir, self.model, self.optimizer, saved, is_best=is_best, keep_last=self.run.keep_last,
-                keep_last_epochs=self.run.keep_last_epochs,
+                self.run_dir, self.model, self.optimizer, self._state_to_save(), is_best=is_best,
+                keep_last=self.run.keep_last, keep_last_epochs=self.run.keep_last_epochs,
             )
         barrier(self.ctx)
+
+    def _state_to_save(self) -> rundir.TrainingState:
+        """The trainer state with what restoring it needs: learning rate, RNG states, the gradient scaler."""
+        state = self.state
+        return dataclasses.replace(
+            state,
+            lr=inverse_sqrt_lr(max(state.update, 1), self.run.lr, self.run.warmup),
+            torch_rng_state=torch.get_rng_state().tolist(),
+            cuda_rng_state=torch.cuda.get_rng_state(self.device).tolist() if self.device.type == "cuda" else None,
+            grad_scaler=self.scaler.state_dict() if self.scaler.is_enabled() else None,
+        )
+
+    def stop_for_signal(self, last_saved: int) -> None:
+        """A stop signal reached a rank: every rank has finished the same update; write the resume point
+        (unless that update was just saved) and raise `signals.Stopped`."""
+        update = self.state.update
+        if last_saved != update and update > 0:
+            if self.ctx.is_main:
+                checkpointing.save_resume_point(self.run_dir, self.model, self.optimizer, self._state_to_save())
+            barrier(self.ctx)
+        signum = signals.received() or signal.SIGTERM  # a rank the signal did not reach stops with the others
+        logger.info("train: %s stopped by %s at update %d; rerun the same command to resume from there",
+                    self.run.name, signal.Signals(signum).name, update)
+        raise signals.Stopped(signum, f"run {self.run.name} saved at update {update}; rerun the same command to resume")
 
     def stop_reason(self) -> str | None:
         return rundir.stop_reason(self.run, self.state)
@@ -367,43 +389,51 @@ class Trainer:
         last_saved = state.update if state.update > 0 else -1
         window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "updates": 0, "step_time": 0.0, "wait_time": 0.0}
         try:
-            while (reason := self.stop_reason()) is None:
-                self.train_sampler.set_epoch(state.epoch, state.batch_in_epoch)
-                batches = self._on_device(self.train_loader)
-                while True:
-                    t_wait = time.perf_counter()
-                    # The last update of an epoch takes the batches that are left (fairseq does the same).
-                    group = [b for _, b in zip(range(run.update_freq), batches)]
-                    if not group:
-                        break
-                    t_step = time.perf_counter()
-                    loss_sum, nll_sum, ntokens = self.train_step(group)
-                    t_end = time.perf_counter()
-                    state.batch_in_epoch += len(group)
-                    state.wall_time += t_end - t_wait
-                    window["loss"] += loss_sum
-                    window["nll"] += nll_sum
-                    window["tokens"] += ntokens
-                    window["updates"] += 1
-                    window["step_time"] += t_end - t_step
-                    window["wait_time"] += t_step - t_wait
-                    end_of_epoch = state.batch_in_epoch >= batches_per_epoch
-                    if end_of_epoch:
-                        state.epoch += 1
-                        state.batch_in_epoch = 0
-                    metrics.tick(self._postfix(window))
-                    if state.update % run.log_every == 0:
-                        metrics.log(self._train_record(window))
-                        window = dict.fromkeys(window, 0)
-                    if end_of_epoch or state.update % run.save_every == 0:
-                        self.evaluate_and_save(metrics)
-                        last_saved = state.update
-                    if end_of_epoch or self.stop_reason() is not None:
-                        break
-            if last_saved != state.update and state.update > 0:
-                self.evaluate_and_save(metrics)
+            with signals.deferred():
+                reason = self._loop(metrics, window, batches_per_epoch, last_saved)
         finally:
             metrics.close()
+        return reason
+
+    def _loop(self, metrics: _MetricsLog, window: dict, batches_per_epoch: int, last_saved: int) -> str:
+        run, state = self.run, self.state
+        while (reason := self.stop_reason()) is None:
+            self.train_sampler.set_epoch(state.epoch, state.batch_in_epoch)
+            batches = self._on_device(self.train_loader)
+            while True:
+                t_wait = time.perf_counter()
+                # The last update of an epoch takes the batches that are left (fairseq does the same).
+                group = [b for _, b in zip(range(run.update_freq), batches)]
+                if not group:
+                    break
+                t_step = time.perf_counter()
+                loss_sum, nll_sum, ntokens = self.train_step(group)
+                t_end = time.perf_counter()
+                state.batch_in_epoch += len(group)
+                state.wall_time += t_end - t_wait
+                window["loss"] += loss_sum
+                window["nll"] += nll_sum
+                window["tokens"] += ntokens
+                window["updates"] += 1
+                window["step_time"] += t_end - t_step
+                window["wait_time"] += t_step - t_wait
+                end_of_epoch = state.batch_in_epoch >= batches_per_epoch
+                if end_of_epoch:
+                    state.epoch += 1
+                    state.batch_in_epoch = 0
+                metrics.tick(self._postfix(window))
+                if state.update % run.log_every == 0:
+                    metrics.log(self._train_record(window))
+                    window = dict.fromkeys(window, 0)
+                if end_of_epoch or state.update % run.save_every == 0:
+                    self.evaluate_and_save(metrics)
+                    last_saved = state.update
+                if self.stop_signalled and self.stop_reason() is None:
+                    self.stop_for_signal(last_saved)
+                if end_of_epoch or self.stop_reason() is not None:
+                    break
+        if last_saved != state.update and state.update > 0:
+            self.evaluate_and_save(metrics)
         return reason
 
     def _postfix(self, window: dict) -> dict:

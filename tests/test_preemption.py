@@ -1,0 +1,164 @@
+"""The stop signals of a shared cluster on real small data: SIGTERM and SIGUSR1 (SLURM's) end a training
+run after its update with a resume point, and the resumed run trains exactly as an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from prlmfuse import signals
+from prlmfuse.train_fused import run_dir as rundir
+
+from helpers import small_runs
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.slow
+
+UPDATES = 300
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("preempt")
+    corpus = small_runs.small_bible(root)
+    ckpt = small_runs.tiny_prlm(root / "bert")
+    return root, corpus, ckpt
+
+
+def _pipeline(path: Path, corpus, ckpt: Path, *, jobs: int = 1, workers: int = 0) -> Path:
+    files = {f"{s}_{side}": str(getattr(corpus, f"{side}_path")(s)) for s in ("train", "dev", "test") for side in ("src", "tgt")}
+    path.write_text(textwrap.dedent(f"""
+        workdir: {path.parent / 'work'}
+        data: {{kind: text, src: en, tgt: ja, files: {json.dumps(files)}}}
+        cache: {{checkpoints: [{{name: {ckpt}, layers: [-2]}}]}}
+        train:
+          jobs: {jobs}
+          defaults: {{preset: tiny, bpe_vocab: 600, max_tokens: 300, max_updates: {UPDATES}, max_epochs: null,
+                      save_every: 100, keep_last: 2, log_every: 2, warmup: 4, dropout: 0.1, seed: 3,
+                      num_workers: {workers}}}
+          runs:
+            baseline: {{}}
+            fused: {{prlms: [{{checkpoint: {ckpt}, layer: -2}}]}}
+        evaluate: {{baseline: baseline, beam: 1, average_last: 2}}
+    """))
+    return path
+
+
+def _cli(*args, **popen) -> subprocess.Popen:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.Popen([sys.executable, "-m", "prlmfuse.cli", *map(str, args)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True, **popen)
+
+
+def _cached(folder: Path, corpus, ckpt: Path, workers: int) -> Path:
+    """A pipeline file in `folder` with its data and caches built."""
+    folder.mkdir()
+    pipeline = _pipeline(folder / "p.yaml", corpus, ckpt, workers=workers)
+    for stage in ("data", "cache"):
+        built = subprocess.run([sys.executable, "-m", "prlmfuse.cli", "run", pipeline, "--only", stage],
+                               env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True)
+        assert built.returncode == 0, built.stderr
+    return pipeline
+
+
+def _wait_for_update(run_dir: Path, update: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = run_dir / rundir.METRICS
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"exited early ({proc.returncode}): {proc.stdout.read()}")
+        if metrics.is_file():
+            records = [json.loads(x) for x in metrics.read_text().splitlines() if x.strip()]
+            if any(r.get("update", 0) >= update for r in records):
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"{run_dir} did not reach update {update} in {timeout} s")
+
+
+def _final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(rundir.weights_path(run_dir, UPDATES)))
+
+
+def _group_gone(pgid: int, grace: float = 5.0) -> bool:
+    """No process of the job's group is alive (multiprocessing's helpers exit once the trainer has)."""
+    deadline = time.monotonic() + grace
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("signum, to_group, workers", [(signal.SIGTERM, False, 0), (signal.SIGUSR1, True, 2)])
+def test_a_stopped_run_saves_a_resume_point_and_resumes_as_if_never_stopped(world, tmp_path, signum, to_group, workers):
+    root, corpus, ckpt = world
+    straight = _cached(tmp_path / "straight", corpus, ckpt, workers)
+    done = _cli("train", "-p", straight, "--runs", "fused")
+    assert done.wait(300) == 0, done.stdout.read()
+
+    stopped = _cached(tmp_path / "stopped", corpus, ckpt, workers)
+    run_dir = tmp_path / "stopped" / "work" / "runs" / "fused"
+    proc = _cli("train", "-p", stopped, "--runs", "fused")
+    _wait_for_update(run_dir, 120, proc)  # past the first scheduled save (100), before the second (200)
+    sent = time.monotonic()
+    if to_group:  # as SLURM and a terminal send it: the trainer and its loader workers alike
+        os.killpg(proc.pid, signum)
+    else:
+        proc.send_signal(signum)
+    out = proc.communicate(timeout=60)[0]
+    elapsed = time.monotonic() - sent
+    assert proc.returncode == signals.PREEMPTED_EXIT, out
+    assert f"stopped by {signal.Signals(signum).name}: run fused saved at update" in out
+    assert "Traceback" not in out and elapsed < 20, out
+    assert _group_gone(proc.pid)  # no worker of the run is left
+
+    # A resume point apart from the checkpoints: no dev pass, not among what keep_last and averages count.
+    resumed_at = rundir.state_to_resume(run_dir).update
+    saves = [r["update"] for r in rundir.read_metrics(run_dir) if "dev_loss" in r]
+    assert resumed_at >= 120 and saves[-1] < resumed_at or resumed_at == saves[-1]
+    if resumed_at != saves[-1]:  # (a signal that lands on a scheduled save needs no resume point)
+        point = json.loads((run_dir / rundir.RESUME_DIR / rundir.RESUME_STATE).read_text())
+        assert point["update"] == resumed_at and resumed_at not in rundir.complete_checkpoints(run_dir)
+
+    again = _cli("train", "-p", stopped, "--runs", "fused")
+    assert again.wait(300) == 0, again.stdout.read()
+    assert not (run_dir / rundir.RESUME_DIR).exists()  # the next scheduled save made it stale
+    reference = tmp_path / "straight" / "work" / "runs" / "fused"
+    a, b = _final_weights(reference), _final_weights(run_dir)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # The same checkpoints kept, the same dev passes logged: it saves and averages as the uninterrupted run.
+    assert rundir.complete_checkpoints(run_dir) == rundir.complete_checkpoints(reference)
+    dev = [(r["update"], r["dev_loss"]) for r in rundir.read_metrics(run_dir) if "dev_loss" in r]
+    assert dev == [(r["update"], r["dev_loss"]) for r in rundir.read_metrics(reference) if "dev_loss" in r]
+
+
+def test_a_grid_forwards_the_signal_to_every_run_and_does_not_evaluate(world, tmp_path):
+    root, corpus, ckpt = world
+    pipeline = _pipeline(tmp_path / "p.yaml", corpus, ckpt, jobs=2)
+    proc = _cli("run", pipeline)
+    runs = tmp_path / "work" / "runs"
+    _wait_for_update(runs / "fused", 30, proc, timeout=300)
+    _wait_for_update(runs / "baseline", 30, proc)
+    proc.send_signal(signal.SIGTERM)  # the parent alone: it forwards the signal to its children
+    out = proc.communicate(timeout=60)[0]
+    assert proc.returncode == signals.PREEMPTED_EXIT, out
+    assert "stopped by SIGTERM" in out and "Traceback" not in out
+    for name in ("baseline", "fused"):
+        assert f"train: {name} stopped" in out
+        assert (runs / name / rundir.RESUME_DIR / rundir.RESUME_STATE).is_file() or \
+            rundir.state_to_resume(runs / name).update % 100 == 0
+    assert not (tmp_path / "work" / "results").exists()
+    assert _group_gone(proc.pid)
