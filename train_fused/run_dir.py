@@ -228,6 +228,8 @@ class TrainingState:
     seed: int | None = None
     batches_per_epoch: int | None = None  # a resume refuses data that forms a different number
     world_size: int | None = None  # ranks the run was started with
+    oom_retries: int = 0  # updates done again in smaller batches after running out of memory (out_of_memory.py)
+    oom_in_a_row: int = 0  # of those, how many in a row up to the last update
     lr: float | None = None  # learning rate of the checkpoint's last update
     torch_rng_state: list[int] | None = None
     cuda_rng_state: list[int] | None = None  # runs on a CUDA device only

@@ -35,13 +35,14 @@ from prlmfuse.distributed import DistContext, all_reduce_sum, barrier, reduce_gr
 from prlmfuse.errors import UserError
 from prlmfuse.fileio import disk_full_error, is_disk_full
 from prlmfuse.precision import Runtime, grad_scaler, prepare_device, resolve_runtime
-from prlmfuse.train_fused import checkpointing, run_dir as rundir
+from prlmfuse.train_fused import checkpointing, out_of_memory as oom, run_dir as rundir
 from prlmfuse.train_fused.bpe import PAD_ID
 from prlmfuse.train_fused.config import RunConfig
 from prlmfuse.train_fused.data import (
     Batch, PairDataset, StorageWindowBatchSampler, TokenBudgetBatchSampler, make_loader,
 )
 from prlmfuse.train_fused.modeling import FusedTransformer
+from prlmfuse.train_fused.out_of_memory import split_batch
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +193,7 @@ class Trainer:
         # Dev is read in-process: it is small, and the loop waits for it anyway.
         self.dev_loader = make_loader(dev_set, self.dev_sampler, num_workers=0, pin_memory=on_gpu)
         self.stop_signalled = False  # set by train_step when a stop signal reached any rank
+        self.last_oom_retries = 0  # times train_step's last update was split after running out of memory
         self.state = rundir.TrainingState(
             seed=run.seed, batches_per_epoch=len(self.train_sampler.batches), world_size=ctx.world_size
         )
@@ -281,21 +283,32 @@ class Trainer:
         lr = inverse_sqrt_lr(self.state.update + 1, self.run.lr, self.run.warmup)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.zero_grad(set_to_none=True)
-        # Summed on the device: one host sync per update, not one per micro-batch.
-        stats = torch.zeros(4, dtype=torch.float64, device=self.device)
-        for b in micro:
-            if b.nsentences == 0:
-                continue
-            loss_sum, nll_sum = self._forward_sums(b)
-            self.scaler.scale(loss_sum).backward()
-            stats[0] += loss_sum.detach().double()
-            stats[1] += nll_sum.double()
-        stats[2] = float(sum(b.ntokens for b in micro))
-        # A stop signal on any rank, summed with the gradients: every rank stops after this same update.
-        stats[3] = float(signals.received() is not None)
-        stats = reduce_gradients(self.ctx, self.params, stats)
-        totals = stats.tolist()
+        retries = 0
+        while True:
+            totals, out_of_memory = self._accumulate(micro)
+            if not out_of_memory:
+                break
+            # Some rank ran out of memory: every rank does the update again with each batch in halves (the
+            # retry count is the same on every rank, so they give up together too).
+            if retries == oom.MAX_SPLITS:
+                raise UserError(
+                    f"run {self.run.name}: out of memory at update {self.state.update + 1} even with its batches split "
+                    f"{retries} times ({oom.describe(micro)}); lower max_tokens (now {self.run.max_tokens}) or the model size"
+                )
+            halves = [half for b in micro for half in split_batch(b)]
+            logger.warning("train: %s ran out of memory at update %d on %s; training it as %d batches",
+                           self.run.name, self.state.update + 1, oom.describe(micro), len(halves))
+            micro = halves
+            retries += 1
+        self.last_oom_retries = retries
+        self.state.oom_retries += retries
+        self.state.oom_in_a_row = self.state.oom_in_a_row + 1 if retries else 0
+        if self.state.oom_in_a_row > oom.OOM_IN_A_ROW:
+            raise UserError(
+                f"run {self.run.name}: {self.state.oom_in_a_row} updates in a row ran out of memory (the last at update "
+                f"{self.state.update + 1}: {oom.describe(micro)}); lower max_tokens (now {self.run.max_tokens}), with "
+                "update_freq to keep the batch per update"
+            )
         ntokens = totals[2]
         self.stop_signalled = totals[3] > 0
         if ntokens > 0:
@@ -309,6 +322,41 @@ class Trainer:
         self.state.update += 1
         self.state.tokens_seen += int(ntokens)
         return totals[0], totals[1], int(ntokens)
+
+    def _accumulate(self, micro: list[Batch]) -> tuple[list[float], bool]:
+        """Forward and backward every micro-batch, then sum gradients and stats over ranks.
+
+        Returns the global (loss, nll, tokens, stop signal) sums and whether any rank ran out of memory,
+        in which case the gradients are meaningless and the caller does the update again in smaller batches.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        # Summed on the device: one host sync per update, not one per micro-batch.
+        stats = torch.zeros(5, dtype=torch.float64, device=self.device)
+        failed = False
+        try:
+            for b in micro:
+                if b.nsentences == 0:
+                    continue
+                loss_sum, nll_sum = self._forward_sums(b)
+                self.scaler.scale(loss_sum).backward()
+                stats[0] += loss_sum.detach().double()
+                stats[1] += nll_sum.double()
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not oom.is_out_of_memory(e):
+                raise
+            failed = True
+        if failed:  # outside the except block: the error's frames, and the tensors they hold, are gone
+            loss_sum = nll_sum = None
+            self.optimizer.zero_grad(set_to_none=True)
+            oom.free_memory(self.device)
+            stats.zero_()
+            stats[4] = 1.0
+        stats[2] = float(sum(b.ntokens for b in micro))
+        # A stop signal on any rank, summed with the gradients: every rank stops after this same update.
+        stats[3] = float(signals.received() is not None)
+        stats = reduce_gradients(self.ctx, self.params, stats)
+        totals = stats.tolist()
+        return totals, totals[4] > 0
 
     @torch.no_grad()
     def dev_loss(self) -> tuple[float, float]:
@@ -387,7 +435,8 @@ class Trainer:
         total = run.max_updates if run.max_updates is not None else updates_per_epoch * (run.max_epochs or 1)
         metrics = _MetricsLog(self.run_dir, run, self.ctx, self.progress, total, state.update)
         last_saved = state.update if state.update > 0 else -1
-        window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "updates": 0, "step_time": 0.0, "wait_time": 0.0}
+        window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "updates": 0, "step_time": 0.0, "wait_time": 0.0,
+                  "oom_retries": 0}
         try:
             with signals.deferred():
                 reason = self._loop(metrics, window, batches_per_epoch, last_saved)
@@ -417,6 +466,7 @@ class Trainer:
                 window["updates"] += 1
                 window["step_time"] += t_end - t_step
                 window["wait_time"] += t_step - t_wait
+                window["oom_retries"] += self.last_oom_retries
                 end_of_epoch = state.batch_in_epoch >= batches_per_epoch
                 if end_of_epoch:
                     state.epoch += 1
@@ -457,6 +507,7 @@ class Trainer:
             "tokens_per_s": window["tokens"] / elapsed,
             "updates_per_s": window["updates"] / elapsed,
             "data_wait_fraction": window["wait_time"] / elapsed,
+            "oom_retries": window["oom_retries"],  # updates done again in smaller batches after running out of memory
             "wall_time": round(self.state.wall_time, 3),
         }
 

@@ -1,0 +1,113 @@
+"""A batch that runs out of memory, injected at a chosen update of a real small run: freed, logged, trained
+in halves and counted; too many in a row stop the run with one line that names max_tokens."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from prlmfuse.errors import UserError
+from prlmfuse.train_fused import PrLMUse, train_run
+from prlmfuse.train_fused import run_dir as rundir
+from prlmfuse.train_fused.out_of_memory import OOM_IN_A_ROW, split_batch
+from prlmfuse.train_fused.trainer import Trainer
+
+from helpers import small_runs
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("oom")
+    corpus = small_runs.small_bible(root)
+    ckpt = small_runs.tiny_prlm(root / "bert")
+    paths = small_runs.build_caches(ckpt, corpus, root / "cache", layers="-2")
+    use = PrLMUse(checkpoint=str(ckpt), layer=-2)
+    return corpus, use, [small_runs.caches_for(use, paths)]
+
+
+def _inject(monkeypatch, *, updates: set[int] | None, min_sentences: int = 2) -> list[int]:
+    """Make the forward pass run out of memory at these updates (every update if None) on any batch of at
+    least `min_sentences` sentences; returns the list of sizes that failed."""
+    real = Trainer._forward_sums
+    failed: list[int] = []
+
+    def forward_sums(self, batch):
+        if self.model.training and (updates is None or self.state.update + 1 in updates) \
+                and batch.nsentences >= min_sentences:
+            failed.append(batch.nsentences)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return real(self, batch)
+
+    monkeypatch.setattr(Trainer, "_forward_sums", forward_sums)
+    return failed
+
+
+def _records(run_dir):
+    return [r for r in rundir.read_metrics(run_dir) if "loss" in r]
+
+
+def test_an_out_of_memory_batch_is_trained_in_halves_and_counted(world, tmp_path, monkeypatch, caplog):
+    corpus, use, caches = world
+    run = small_runs.tiny_run("fused", prlms=[use], max_updates=8, log_every=1)
+    plain = train_run(run, corpus, caches, tmp_path / "plain", progress=False)
+
+    # At update 5 every batch of two sentences or more fails: halved until each sentence trains alone.
+    failed = _inject(monkeypatch, updates={5}, min_sentences=2)
+    with caplog.at_level(logging.WARNING, logger="prlmfuse"):
+        split = train_run(run, corpus, caches, tmp_path / "split", progress=False)
+    assert failed and all(n >= 2 for n in failed)
+    lines = [r.getMessage() for r in caplog.records if "ran out of memory" in r.getMessage()]
+    assert lines and all("at update 5 on " in line and "target tokens" in line and "padded (" in line for line in lines)
+
+    state = json.loads((split / "trainer_state.json").read_text())
+    assert state["oom_retries"] >= 1 and state["oom_in_a_row"] == 0 and state["update"] == 8
+    retries = {r["update"]: r["oom_retries"] for r in _records(split)}
+    assert retries[5] == state["oom_retries"] and all(v == 0 for u, v in retries.items() if u != 5)
+    # The same update: the halves' summed loss is the whole batch's, up to rounding.
+    before = {r["update"]: r["loss"] for r in _records(plain)}
+    after = {r["update"]: r["loss"] for r in _records(split)}
+    assert after[4] == before[4] and after[5] == pytest.approx(before[5], rel=1e-5)
+
+
+def test_too_many_updates_in_a_row_out_of_memory_stop_the_run_in_one_line(world, tmp_path, monkeypatch):
+    corpus, use, caches = world
+    _inject(monkeypatch, updates=None, min_sentences=2)  # every update fails until its sentences train alone
+    run = small_runs.tiny_run("fused", prlms=[use], max_updates=OOM_IN_A_ROW + 4)
+    with pytest.raises(UserError) as e:
+        train_run(run, corpus, caches, tmp_path / "run", progress=False)
+    message = str(e.value)
+    assert "\n" not in message and f"{OOM_IN_A_ROW + 1} updates in a row ran out of memory" in message
+    assert "lower max_tokens (now 300)" in message
+
+
+def test_an_update_that_never_fits_stops_the_run(world, tmp_path, monkeypatch):
+    corpus, use, caches = world
+    _inject(monkeypatch, updates={3}, min_sentences=1)  # even one sentence fails
+    with pytest.raises(UserError, match=r"out of memory at update 3 even with its batches split 6 times"):
+        train_run(small_runs.tiny_run("fused", prlms=[use], max_updates=6), corpus, caches, tmp_path / "run",
+                  progress=False)
+
+
+def test_split_batch_keeps_every_sentence_token_and_feature(world):
+    from prlmfuse.train_fused.data import PairDataset
+    from prlmfuse.train_fused.run_setup import open_run_branches
+
+    corpus, use, caches = world
+    (branch,) = open_run_branches(small_runs.tiny_run("x", prlms=[use]), corpus, caches)["train"]
+    src = [torch.randint(3, 50, (n,)).numpy() for n in (3, 9, 5, 1, 7)]
+    tgt = [torch.randint(3, 50, (n,)).numpy() for n in (4, 2, 8, 6, 3)]
+    batch = PairDataset(src, tgt, [branch]).__getitems__([0, 1, 2, 3, 4])
+    a, b = split_batch(batch)
+    assert a.nsentences + b.nsentences == 5 and a.ntokens + b.ntokens == batch.ntokens
+    assert a.src_tokens.shape == (2, 10) and b.src_tokens.shape == (3, 8)  # each half trimmed to its longest
+    assert torch.equal(a.tgt_out[0, :5], batch.tgt_out[0, :5]) and torch.equal(b.ids, batch.ids[2:])
+    for half, rows in ((a, slice(0, 2)), (b, slice(2, 5))):
+        (f,), (whole,) = half.prlm, batch.prlm
+        m = f.mask.shape[1]
+        assert torch.equal(f.mask, whole.mask[rows, :m]) and torch.equal(f.states, whole.states[rows, :, :m])
+        assert not whole.mask[rows, m:].any()
