@@ -47,6 +47,16 @@ def _say(msg: str) -> None:
 # ---------------------------------------------------------------------------- data
 
 
+def ensure_workdir(cfg: PipelineConfig) -> None:
+    """The pipeline's workdir exists, or one line says why it cannot, before any stage starts."""
+    try:
+        cfg.workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        reason = "a file is in the way" if isinstance(e, FileExistsError) else e.strerror or str(e)
+        raise UserError(f"{cfg.path}: workdir {cfg.workdir} cannot be created ({reason}); "
+                        "set workdir to a writable location") from None
+
+
 def corpus_dir(cfg: PipelineConfig) -> Path:
     d = cfg.data
     if d.kind == "hf":
@@ -311,6 +321,7 @@ def train_runs(
     if parallel > 1 and rank_world()[1] > 1:
         raise UserError("--jobs > 1 cannot be combined with torchrun; use one or the other")
     runtime = resolve_runtime(cfg.device, cfg.precision)  # a device this machine lacks fails before any work
+    ensure_workdir(cfg)
     corpus = ensure_data(cfg, build=False)
     if jobs is None:
         jobs = cache_jobs(cfg, corpus, names)
@@ -516,6 +527,7 @@ def run_pipeline(cfg: PipelineConfig, *, only: str | None = None, names: list[st
     from prlmfuse.precision import resolve_runtime
 
     resolve_runtime(cfg.device, cfg.precision)  # a device this machine lacks fails before any work
+    ensure_workdir(cfg)
     if only in (None, "data"):
         corpus = ensure_data(cfg)
     else:

@@ -522,3 +522,27 @@ def test_a_cache_path_that_does_not_exist_is_named_as_such(tmp_path, capsys, mon
     (tmp_path / "empty").mkdir()
     assert_one_line_error(run_cli(["cache", "verify", tmp_path / "empty"], capsys, monkeypatch),
                           f"cache manifest not found: {tmp_path / 'empty' / 'manifest.json'}")
+
+
+@pytest.mark.parametrize("args", [
+    ["report", "docs/results/table3/batch-1/results.json", "--out", "{bad}/merged"],
+    ["evaluate", "--runs", "{tmp}/no-run", "--out", "{bad}/results"],
+    ["cache", "build", "--checkpoint", "minilm-l6", "--corpus", "README.md", "--out", "{bad}/cache"],
+    ["data", "bible", "{bad}/corpus"],
+    ["bundle", "{bad}/bundle"],
+    ["train", "average", "{tmp}", "--out", "{bad}/average.safetensors"],
+    ["run", "{tmp}/pipeline.yaml"],
+    ["train", "-p", "{tmp}/pipeline.yaml"],
+])
+def test_an_output_path_that_cannot_be_created_is_one_line(tmp_path, capsys, monkeypatch, args):
+    """A path under a file (and under /proc, where nothing can be made) gets one line and exit 2, before any work."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory\n")
+    (tmp_path / "pipeline.yaml").write_text(f"workdir: {blocker}/work\ndata: {{kind: bible}}\n"
+                                            "train: {runs: {b: {max_updates: 2}}}\n")
+    repo = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(repo)
+    for bad in (blocker, Path("/proc/prlmfuse-test")):
+        filled = [a.format(bad=bad, tmp=tmp_path) for a in args]
+        assert_one_line_error(run_cli(filled, capsys, monkeypatch))
+    assert blocker.read_text() == "not a directory\n"

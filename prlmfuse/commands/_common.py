@@ -34,6 +34,33 @@ def _load_pipeline(path: str | None, device: str | None, precision: str | None):
     return _runtime_overrides(cfg, device, precision)
 
 
+def creatable_dir(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """A --out / OUT directory the command can write: made now (the command would make it anyway), or
+    one line naming why not, before any work starts. An fsspec URL (s3://...) is its backend's to check."""
+    if value is None or "://" in value:
+        return value
+    _make_dir(Path(value), param)
+    return value
+
+
+def creatable_parent(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """An output the command writes whole (a file, or a directory that appears once complete): its folder
+    made now, or one line naming why it cannot be."""
+    if value is not None and "://" not in value:
+        _make_dir(Path(value).absolute().parent, param)
+    return value
+
+
+def _make_dir(path: Path, param: click.Parameter) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except FileExistsError:
+        raise click.BadParameter(f"{path} is a file, not a directory; choose another path", param=param) from None
+    except OSError as e:
+        raise click.BadParameter(f"cannot create {path} ({e.strerror or e}); choose a writable location",
+                                 param=param) from None
+
+
 def _variadic(first: tuple[str, ...], rest: tuple[str, ...]) -> list[str]:
     # `--runs a b c` reads as --runs a plus the extra arguments b c: click has no variadic options.
     return [*first, *rest]

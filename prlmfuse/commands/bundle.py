@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import click
 
+from prlmfuse.commands._common import creatable_parent
+
 
 @click.command()
-@click.argument("out", type=click.Path())
+@click.argument("out", type=click.Path(), callback=creatable_parent)
 @click.option("--checkpoints", "checkpoints", default="", metavar="ALIAS[,ALIAS…]",
               help="Offline aliases to carry as float16 checkpoint directories (`prlmfuse checkpoints list`).")
 @click.option("--python", "python", default="3.12", show_default=True, metavar="X.Y", help="The node's Python.")

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from prlmfuse.commands._common import _device_option_alone
+from prlmfuse.commands._common import _device_option_alone, creatable_parent
 
 
 @click.group()
@@ -17,7 +17,7 @@ def cache() -> None:
 @cache.command("build")
 @click.option("--checkpoint", required=True, help="Alias (see `checkpoints list`), hub id or local directory.")
 @click.option("--corpus", required=True, type=click.Path(dir_okay=False), help="One sentence a line, UTF-8.")
-@click.option("--out", required=True, help="Cache directory (zarr also takes fsspec URLs such as s3://...).")
+@click.option("--out", required=True, callback=creatable_parent, help="Cache directory (zarr also takes fsspec URLs such as s3://...).")
 @click.option("--layers", default="-2", show_default=True, help="Comma-separated hidden-state indices, or 'all'.")
 @click.option("--backend", default="zarr", show_default=True, help="zarr or hdf5.")
 @click.option("--dtype", default="float16", show_default=True, help="float16, bfloat16, float32 or int8.")

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from prlmfuse import corpora
+from prlmfuse.commands._common import creatable_parent
 from prlmfuse.corpora.bible import BIBLE_LANGS
 
 
@@ -16,7 +17,7 @@ def data() -> None:
 
 
 @data.command("bible")
-@click.argument("out", type=click.Path(file_okay=False))
+@click.argument("out", type=click.Path(file_okay=False), callback=creatable_parent)
 @click.option("--src", default="en", show_default=True, type=click.Choice(BIBLE_LANGS), help="Source language.")
 @click.option("--tgt", default="ja", show_default=True, type=click.Choice(BIBLE_LANGS), help="Target language.")
 @click.option("--force", is_flag=True, help="Replace a different corpus already in OUT.")
@@ -29,7 +30,7 @@ def data_bible(out: str, src: str, tgt: str, force: bool) -> None:
 
 
 @data.command("debian-descriptions")
-@click.argument("out", type=click.Path(file_okay=False))
+@click.argument("out", type=click.Path(file_okay=False), callback=creatable_parent)
 @click.option("--lists-dir", type=click.Path(file_okay=False), help="Keep apt's Translation-en lists here (default: a private dir).")
 @click.option("--force", is_flag=True, help="Replace a different corpus already in OUT.")
 def data_debian(out: str, lists_dir: str | None, force: bool) -> None:
@@ -41,7 +42,7 @@ _TASK_HELP = "summarization adds ROUGE and blocks repeated trigrams when decodin
 
 
 @data.command("text")
-@click.argument("out", type=click.Path(file_okay=False))
+@click.argument("out", type=click.Path(file_okay=False), callback=creatable_parent)
 @click.option("--train-src", required=True, type=click.Path(dir_okay=False), help="Training source, one sentence a line.")
 @click.option("--train-tgt", required=True, type=click.Path(dir_okay=False),
               help="Training target, line i paired with line i of --train-src.")
@@ -77,7 +78,7 @@ def _split_option(value: str | None) -> str | float | None:
 
 
 @data.command("hf")
-@click.argument("out", type=click.Path(file_okay=False))
+@click.argument("out", type=click.Path(file_okay=False), callback=creatable_parent)
 @click.option("--dataset", required=True,
               help="Hub id, a directory written by save_to_disk, or parquet/json/jsonl/csv files (a file or a folder).")
 @click.option("--src-lang", required=True, help="Source language code, e.g. en (also the source key of translation dicts).")

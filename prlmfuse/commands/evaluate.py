@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import click
 
-from prlmfuse.commands._common import _decode_options, _device_option_alone, _print_summary, _variadic
+from prlmfuse.commands._common import (_decode_options, _device_option_alone, _print_summary, _variadic,
+                                       creatable_dir)
 
 
 @click.command()
 @click.option("--runs", "runs", multiple=True, required=True, help="Run directories (several may follow).")
 @click.argument("more_runs", nargs=-1)
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Where results.md/csv/json and plots go.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), callback=creatable_dir, help="Where results.md/csv/json and plots go.")
 @click.option("--baseline", help="Run name to compare against (deltas, bootstrap p-values).")
 @click.option("--split", "splits", multiple=True, type=click.Choice(["test", "dev"]),
               help="Which split to decode and score (repeat for both; default test). Choose settings on dev, "

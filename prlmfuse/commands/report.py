@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import click
 
+from prlmfuse.commands._common import creatable_dir
+
 
 @click.command()
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option("--out", required=True, type=click.Path(file_okay=False), help="Where the merged results.md/csv/json and scores.png go.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), callback=creatable_dir, help="Where the merged results.md/csv/json and scores.png go.")
 @click.option("--against", "against", multiple=True, metavar="RUN",
               help="Also compare every run with RUN (Δ and paired-bootstrap p), e.g. a table's default setting; where "
                    "several files hold their own RUN, the one of the row's file; repeatable.")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from prlmfuse.commands._common import (_device_option, _jobs_option, _load_pipeline, _precision_option,
-                                       _split_names)
+from prlmfuse.commands._common import (_device_option, _jobs_option, _load_pipeline, _precision_option, _split_names,
+                                       creatable_parent)
 
 
 @click.group(invoke_without_command=True)
@@ -40,7 +40,7 @@ def train(ctx, pipeline, runs, resume, parallel, device, precision) -> None:
 @click.option("--last", default=5, show_default=True, type=click.IntRange(min=1),
               help="How many of the newest checkpoints to average (fewer if fewer exist).")
 @click.option("--epochs", is_flag=True, help="Average the newest checkpoints saved at an epoch end instead.")
-@click.option("--out", type=click.Path(dir_okay=False),
+@click.option("--out", type=click.Path(dir_okay=False), callback=creatable_parent,
               help="Output file (default: RUN_DIR/average-lastK.safetensors, with --epochs average-epochsK.safetensors).")
 def train_average(run_dir: str, last: int, epochs: bool, out: str | None) -> None:
     """Average the last K checkpoints (or epoch-end checkpoints) of a run into one safetensors file."""
