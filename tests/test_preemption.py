@@ -162,3 +162,38 @@ def test_a_grid_forwards_the_signal_to_every_run_and_does_not_evaluate(world, tm
             rundir.state_to_resume(runs / name).update % 100 == 0
     assert not (tmp_path / "work" / "results").exists()
     assert _group_gone(proc.pid)
+
+
+# `prlmfuse` with small cache shards (a shard per few sentences), so a signal lands between shards.
+_SMALL_SHARDS = ("import sys; from prlmfuse.cache_features import builder; "
+                 "builder.build_cache.__kwdefaults__['shard_bytes'] = 3000; "
+                 "from prlmfuse.cli import main; sys.argv[0] = 'prlmfuse'; main()")
+
+
+def test_a_stopped_cache_build_keeps_its_finished_shards_and_the_rerun_completes_it(world, tmp_path):
+    from prlmfuse.cache_features import build_cache
+
+    from helpers import reliability, tiny_prlms
+
+    root, corpus, ckpt = world
+    lines = tiny_prlms.write_corpus(tmp_path / "train.src", reliability.distinct_sentences(600))
+    reference = build_cache(str(ckpt), lines, tmp_path / "reference", layers="-2,-1", max_tokens=256,
+                            precision="fp32", backend="hdf5", shard_bytes=3000, progress=False)
+    out = tmp_path / "stopped"
+    command = [sys.executable, "-c", _SMALL_SHARDS, "cache", "build", "--checkpoint", str(ckpt), "--corpus", str(lines),
+               "--out", str(out), "--layers", "-2,-1", "--max-tokens", "256", "--precision", "fp32", "--backend", "hdf5"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while len(list(out.glob("shards/*"))) < 3 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    output = proc.communicate(timeout=60)[0]
+    assert proc.returncode == signals.PREEMPTED_EXIT, output
+    assert "stopped by SIGTERM" in output and "Traceback" not in output
+    kept = list(out.glob("shards/*"))
+    assert kept and not (out / "manifest.json").exists()  # finished shards kept; the cache not yet trusted
+    assert not [p for p in out.rglob("*") if ".tmp" in p.name]  # the shard being written was discarded
+    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    reliability.assert_same_cache(out, Path(reference.path))
