@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -16,6 +17,9 @@ from torch import nn
 
 from prlmfuse.batching import token_budget_batches
 from prlmfuse.errors import UserError
+from prlmfuse.precision import free_memory, is_out_of_memory
+
+logger = logging.getLogger(__name__)
 
 # Where each family keeps its stack of transformer layers, relative to the AutoModel base model.
 _LAYER_LIST_PATHS = ("encoder.layer", "transformer.layer", "h", "layers", "decoder.layers", "encoder.layers")
@@ -299,7 +303,26 @@ class FeatureExtractor:
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns token_states float32 [n_token_layers, B, T, d] and pooled float32 [B, n_pooled, 2, d],
-        on the runtime's device (inputs may be on the host: they are moved there)."""
+        on the runtime's device (inputs may be on the host: they are moved there).
+
+        A batch that runs out of memory is run again in halves and the halves' features joined: right
+        padding with a mask makes each sentence's features independent of its batch, so they are the same.
+        """
+        try:
+            return self._forward(input_ids, attention_mask)
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not is_out_of_memory(e):
+                raise
+        free_memory(self.runtime.device)  # outside the except block: the failed pass's frames are gone
+        batch, width = input_ids.shape
+        if batch == 1:
+            raise UserError(f"out of memory running the PrLM over one sentence of {width} tokens; lower its "
+                            "max_length or run the cache stage on a device with more memory")
+        logger.warning("cache: out of memory on %d sentences of %d tokens; running them in halves", batch, width)
+        halves = [self(input_ids[rows], attention_mask[rows]) for rows in (slice(0, batch // 2), slice(batch // 2, batch))]
+        return torch.cat([h[0] for h in halves], dim=1), torch.cat([h[1] for h in halves], dim=0)
+
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         device = self.runtime.device
         if input_ids.device != device:
             non_blocking = input_ids.is_pinned()

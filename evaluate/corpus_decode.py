@@ -14,7 +14,8 @@ import torch
 from prlmfuse.batching import token_budget_batches
 from prlmfuse.evaluate.decode import beam_search
 from prlmfuse.evaluate.settings import BATCH_TOKENS, DecodeSettings
-from prlmfuse.precision import autocast
+from prlmfuse.errors import UserError
+from prlmfuse.precision import autocast, free_memory, is_out_of_memory
 from prlmfuse.train_fused.bpe import EOS_ID, PAD_ID
 from prlmfuse.train_fused.branches import PrLMBranch
 from prlmfuse.train_fused.data import batch_features
@@ -85,31 +86,25 @@ def decode_corpus(
         bar = tqdm(total=n, desc=desc, unit="sent", leave=False)
     start = time.perf_counter()
     device = next(model.parameters()).device
-    on_gpu = device.type == "cuda"
     with torch.inference_mode(), autocast(device, torch.bfloat16 if settings.bf16 else torch.float32):
-        for batch in batches:
-            width = int(lengths[batch[0]])
-            src_tokens = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
-            for row, i in enumerate(batch):
-                ids = torch.from_numpy(src_ids[i])
-                src_tokens[row, : len(ids)] = ids
-                src_tokens[row, len(ids)] = EOS_ID
-            # Same reading and padding as the trainer's batches.
-            prlm = [batch_features(b, batch) for b in branches]
-            if on_gpu:
-                src_tokens = src_tokens.pin_memory().to(device, non_blocking=True)
-                prlm = [_features_to(f, device) for f in prlm]
-            out_ids = beam_search(
-                model,
-                src_tokens,
-                prlm,
-                beam=settings.beam,
-                lenpen=settings.lenpen,
-                max_len_a=settings.max_len_a,
-                max_len_b=settings.max_len_b,
-                min_len=settings.min_len,
-                no_repeat_ngram_size=settings.no_repeat_ngram_size,
-            )
+        pending = list(reversed(batches))  # a stack: a batch split after running out of memory goes next
+        while pending:
+            batch = pending.pop()
+            try:
+                out_ids = _decode_batch(model, batch, src_ids, lengths, branches, settings, device)
+            except (torch.OutOfMemoryError, RuntimeError) as e:
+                if not is_out_of_memory(e):
+                    raise
+                out_ids = None
+            if out_ids is None:  # outside the except block, so the failed search's tensors are gone
+                free_memory(device)
+                if len(batch) == 1:
+                    raise UserError(f"out of memory decoding one sentence of {int(lengths[batch[0]])} tokens with beam "
+                                    f"{settings.beam}; lower --beam or --max-len-a/--max-len-b")
+                logger.warning("decode: out of memory on %d sentences of up to %d tokens; decoding them in halves",
+                               len(batch), int(lengths[batch[0]]))
+                pending += [batch[len(batch) // 2:], batch[: len(batch) // 2]]
+                continue
             for i, ids in zip(batch, out_ids):
                 ids = [int(t) for t in ids]
                 if EOS_ID in ids:
@@ -122,6 +117,32 @@ def decode_corpus(
     if bar is not None:
         bar.close()
     return DecodeOutput(hyps=hyps, hyp_tokens=hyp_tokens, seconds=seconds)
+
+
+def _decode_batch(model, batch: list[int], src_ids, lengths: np.ndarray, branches, settings, device: torch.device):
+    """Beam search over the sentences `batch` (longest first), their features read as training reads them."""
+    width = int(max(lengths[i] for i in batch))
+    src_tokens = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
+    for row, i in enumerate(batch):
+        ids = torch.from_numpy(src_ids[i])
+        src_tokens[row, : len(ids)] = ids
+        src_tokens[row, len(ids)] = EOS_ID
+    # Same reading and padding as the trainer's batches.
+    prlm = [batch_features(b, batch) for b in branches]
+    if device.type == "cuda":
+        src_tokens = src_tokens.pin_memory().to(device, non_blocking=True)
+        prlm = [_features_to(f, device) for f in prlm]
+    return beam_search(
+        model,
+        src_tokens,
+        prlm,
+        beam=settings.beam,
+        lenpen=settings.lenpen,
+        max_len_a=settings.max_len_a,
+        max_len_b=settings.max_len_b,
+        min_len=settings.min_len,
+        no_repeat_ngram_size=settings.no_repeat_ngram_size,
+    )
 
 
 def _features_to(features, device: torch.device):

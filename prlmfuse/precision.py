@@ -152,6 +152,22 @@ def prepare_device(device: torch.device | str) -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA's out-of-memory error, or the CPU allocator's: a batch too large for the device."""
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+
+
+def free_memory(device: torch.device) -> None:
+    """Give back what a failed forward or backward held (call it once the exception and its frames are gone)."""
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def grad_scaler(runtime: Runtime) -> "torch.amp.GradScaler":
     """Loss scaling for fp16 autocast (its gradients underflow without it); a no-op scaler otherwise."""
     return torch.amp.GradScaler(runtime.device.type, enabled=runtime.dtype == torch.float16)

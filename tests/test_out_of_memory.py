@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,3 +112,48 @@ def test_split_batch_keeps_every_sentence_token_and_feature(world):
         m = f.mask.shape[1]
         assert torch.equal(f.mask, whole.mask[rows, :m]) and torch.equal(f.states, whole.states[rows, :, :m])
         assert not whole.mask[rows, m:].any()
+
+
+def test_decoding_splits_a_batch_that_runs_out_of_memory_and_gives_the_same_hypotheses(world, tmp_path, monkeypatch):
+    from prlmfuse.evaluate import corpus_decode, evaluate_runs
+
+    corpus, use, caches = world
+    run_dir = train_run(small_runs.tiny_run("fused", prlms=[use], max_updates=6), corpus, caches, tmp_path / "run",
+                        progress=False)
+    whole = evaluate_runs([run_dir], out=tmp_path / "whole", beam=2, average_last=1, progress=False)
+    real, sizes = corpus_decode.beam_search, []
+
+    def beam_search(model, src_tokens, *args, **kwargs):
+        sizes.append(src_tokens.shape[0])
+        if src_tokens.shape[0] > 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(model, src_tokens, *args, **kwargs)
+
+    monkeypatch.setattr(corpus_decode, "beam_search", beam_search)
+    split = evaluate_runs([run_dir], out=tmp_path / "split", beam=2, average_last=1, progress=False)
+    assert max(sizes) > 3 and sizes[-1] <= 3
+    assert (tmp_path / "split" / "hyp.fused.test.txt").read_text() == (tmp_path / "whole" / "hyp.fused.test.txt").read_text()
+    assert split.row("fused").bleu == whole.row("fused").bleu
+
+
+def test_the_cache_build_runs_a_batch_that_runs_out_of_memory_in_halves(world, tmp_path, monkeypatch):
+    from prlmfuse.cache_features import build_cache
+    from prlmfuse.cache_features.extract import FeatureExtractor
+
+    from helpers import reliability
+
+    corpus, use, _ = world
+    source = corpus.src_path("dev")
+    reference = build_cache(use.checkpoint, source, tmp_path / "whole", layers="-2,-1", max_tokens=256, progress=False)
+    real, sizes = FeatureExtractor._forward, []
+
+    def forward(self, input_ids, attention_mask):
+        sizes.append(input_ids.shape[0])
+        if input_ids.shape[0] > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real(self, input_ids, attention_mask)
+
+    monkeypatch.setattr(FeatureExtractor, "_forward", forward)
+    split = build_cache(use.checkpoint, source, tmp_path / "split", layers="-2,-1", max_tokens=256, progress=False)
+    assert max(sizes) > 2
+    reliability.assert_same_cache(Path(split.path), Path(reference.path))

@@ -9,9 +9,6 @@ a resumed run goes on counting where the stopped one was.
 from __future__ import annotations
 
 import dataclasses
-import gc
-
-import torch
 
 from prlmfuse.train_fused.bpe import PAD_ID
 from prlmfuse.train_fused.data import Batch
@@ -21,20 +18,6 @@ from prlmfuse.train_fused.data import Batch
 OOM_IN_A_ROW = 8
 # Times one update's batches may be halved (64 pieces) before the run stops.
 MAX_SPLITS = 6
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """CUDA's out-of-memory error, or the CPU allocator's."""
-    if isinstance(error, torch.OutOfMemoryError):
-        return True
-    return isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
-
-
-def free_memory(device: torch.device) -> None:
-    """Give back what the failed forward or backward held (call it once the exception is gone)."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def split_batch(batch: Batch) -> list[Batch]:

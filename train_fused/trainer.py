@@ -34,7 +34,7 @@ from prlmfuse import signals
 from prlmfuse.distributed import DistContext, all_reduce_sum, barrier, reduce_gradients
 from prlmfuse.errors import UserError
 from prlmfuse.fileio import disk_full_error, is_disk_full
-from prlmfuse.precision import Runtime, grad_scaler, prepare_device, resolve_runtime
+from prlmfuse.precision import Runtime, free_memory, grad_scaler, is_out_of_memory, prepare_device, resolve_runtime
 from prlmfuse.train_fused import checkpointing, out_of_memory as oom, run_dir as rundir
 from prlmfuse.train_fused.bpe import PAD_ID
 from prlmfuse.train_fused.config import RunConfig
@@ -342,13 +342,13 @@ class Trainer:
                 stats[0] += loss_sum.detach().double()
                 stats[1] += nll_sum.double()
         except (torch.OutOfMemoryError, RuntimeError) as e:
-            if not oom.is_out_of_memory(e):
+            if not is_out_of_memory(e):
                 raise
             failed = True
         if failed:  # outside the except block: the error's frames, and the tensors they hold, are gone
             loss_sum = nll_sum = None
             self.optimizer.zero_grad(set_to_none=True)
-            oom.free_memory(self.device)
+            free_memory(self.device)
             stats.zero_()
             stats[4] = 1.0
         stats[2] = float(sum(b.ntokens for b in micro))
