@@ -197,3 +197,25 @@ def test_a_stopped_cache_build_keeps_its_finished_shards_and_the_rerun_completes
     again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr
     reliability.assert_same_cache(out, Path(reference.path))
+
+
+def test_the_readmes_slurm_script_passes_the_signal_on_and_requeues(world, tmp_path):
+    """README's job script, with `scontrol requeue` replaced by an echo: USR1 to the script (as SLURM sends
+    it with --signal=B:USR1) reaches prlmfuse, which saves and exits 75, and the script asks for a requeue."""
+    root, corpus, ckpt = world
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    block = readme[readme.index("  ```bash\n  #!/bin/bash"):]
+    script = textwrap.dedent(block[len("  ```bash\n"): block.index("  ```\n", 10)])
+    pipeline = _cached(tmp_path / "job", corpus, ckpt, 0)
+    script = script.replace("prlmfuse run pipeline.yaml", f"{sys.executable} -m prlmfuse.cli train -p {pipeline} --runs fused")
+    script = script.replace('scontrol requeue "$SLURM_JOB_ID"', "echo REQUEUE")
+    assert "echo REQUEUE" in script and "-m prlmfuse.cli train" in script
+    (tmp_path / "job.sh").write_text(script)
+    job = subprocess.Popen(["bash", str(tmp_path / "job.sh")], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    _wait_for_update(tmp_path / "job" / "work" / "runs" / "fused", 30, job)
+    job.send_signal(signal.SIGUSR1)
+    out = job.communicate(timeout=60)[0]
+    assert job.returncode == signals.PREEMPTED_EXIT, out
+    assert "stopped by SIGUSR1" in out and out.rstrip().endswith("REQUEUE")
+    assert rundir.state_to_resume(tmp_path / "job" / "work" / "runs" / "fused").update >= 30
