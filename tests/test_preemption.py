@@ -134,7 +134,10 @@ def test_a_stopped_run_saves_a_resume_point_and_resumes_as_if_never_stopped(worl
         assert point["update"] == resumed_at and resumed_at not in rundir.complete_checkpoints(run_dir)
 
     again = _cli("train", "-p", stopped, "--runs", "fused")
-    assert again.wait(300) == 0, again.stdout.read()
+    out = again.communicate(timeout=300)[0]
+    assert again.returncode == 0, out
+    source = "last checkpoint" if resumed_at == saves[-1] else "a stop signal's resume point"
+    assert f"train: fused resumes at update {resumed_at} from {'its ' if resumed_at == saves[-1] else ''}{source}" in out
     assert not (run_dir / rundir.RESUME_DIR).exists()  # the next scheduled save made it stale
     reference = tmp_path / "straight" / "work" / "runs" / "fused"
     a, b = _final_weights(reference), _final_weights(run_dir)
@@ -219,3 +222,32 @@ def test_the_readmes_slurm_script_passes_the_signal_on_and_requeues(world, tmp_p
     assert job.returncode == signals.PREEMPTED_EXIT, out
     assert "stopped by SIGUSR1" in out and out.rstrip().endswith("REQUEUE")
     assert rundir.state_to_resume(tmp_path / "job" / "work" / "runs" / "fused").update >= 30
+
+
+def test_a_grid_names_a_killed_run_and_the_same_command_resumes_only_what_did_not_finish(world, tmp_path):
+    root, corpus, ckpt = world
+    pipeline = _cached(tmp_path / "grid", corpus, ckpt, 0)
+    text = pipeline.read_text().replace("jobs: 1", "jobs: 2").replace("baseline: {}", "baseline: {max_updates: 40}")
+    pipeline.write_text(text)
+    runs = tmp_path / "grid" / "work" / "runs"
+    proc = _cli("run", pipeline, "--only", "train")
+    _wait_for_update(runs / "fused", 120, proc, timeout=300)
+    children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    (child,) = [int(pid) for pid in children
+                if b"\0--runs\0fused\0" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    os.kill(child, signal.SIGKILL)
+    out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 2 and "1 of 2 runs failed: fused (killed by SIGKILL" in out, out
+    assert "train: baseline finished" in out
+    finished = (runs / "baseline" / "trainer_state.json").stat().st_mtime_ns
+    killed_at = rundir.state_to_resume(runs / "fused").update
+
+    again = _cli("run", pipeline, "--only", "train")
+    out = again.communicate(timeout=300)[0]
+    assert again.returncode == 0, out
+    assert (runs / "baseline" / "trainer_state.json").stat().st_mtime_ns == finished  # not started again
+    log = (runs / "fused" / "train.log").read_text()
+    assert f"train: fused resumes at update {killed_at} from its last checkpoint" in log
+    assert rundir.state_to_resume(runs / "fused").update == UPDATES
+    dev = [r["update"] for r in rundir.read_metrics(runs / "fused") if "dev_loss" in r]
+    assert dev == sorted(set(dev))  # no update logged twice after the resume

@@ -188,6 +188,9 @@ def _train_locked(run: RunConfig, corpus, branches: dict[str, list[PrLMBranch]],
 
     if existing is not None:
         trainer.restore(existing)
+        if ctx.is_main and rundir.stop_reason(run, existing) is None:
+            source = "a stop signal's resume point" if existing.checkpoint.startswith(rundir.RESUME_DIR) else "its last checkpoint"
+            logger.info("train: %s resumes at update %d from %s", run.name, existing.update, source)
     if ctx.is_main:
         rundir.truncate_metrics(run_dir, existing.update if existing is not None else 0)
     barrier(ctx)
