@@ -157,3 +157,4 @@ def test_the_cache_build_runs_a_batch_that_runs_out_of_memory_in_halves(world, t
     split = build_cache(use.checkpoint, source, tmp_path / "split", layers="-2,-1", max_tokens=256, progress=False)
     assert max(sizes) > 2
     reliability.assert_same_cache(Path(split.path), Path(reference.path))
+
