@@ -79,6 +79,7 @@ def handled() -> Iterator[None]:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+        _received = None  # the command is over: nothing of its signal outlives it in this process
 
 
 def received() -> int | None:

@@ -15,14 +15,10 @@ order and the RNG, so an interrupted run ends with the weights an uninterrupted 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import logging
 import math
-import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -33,7 +29,6 @@ import torch.nn.functional as F
 from prlmfuse import signals
 from prlmfuse.distributed import DistContext, all_reduce_sum, barrier, reduce_gradients
 from prlmfuse.errors import UserError
-from prlmfuse.fileio import disk_full_error, is_disk_full
 from prlmfuse.precision import Runtime, free_memory, grad_scaler, is_out_of_memory, prepare_device, resolve_runtime
 from prlmfuse.train_fused import checkpointing, out_of_memory as oom, run_dir as rundir
 from prlmfuse.train_fused.bpe import PAD_ID
@@ -41,6 +36,7 @@ from prlmfuse.train_fused.config import RunConfig
 from prlmfuse.train_fused.data import (
     Batch, PairDataset, StorageWindowBatchSampler, TokenBudgetBatchSampler, make_loader,
 )
+from prlmfuse.train_fused.metrics_log import MetricsLog
 from prlmfuse.train_fused.modeling import FusedTransformer
 from prlmfuse.train_fused.out_of_memory import split_batch
 
@@ -81,66 +77,6 @@ def label_smoothed_sums(logits: torch.Tensor, target: torch.Tensor, smoothing: f
 
 
 # ------------------------------------------------------------------------------------ the loop
-
-
-class _MetricsLog:
-    """metrics.jsonl (rank 0), optional TensorBoard, tqdm."""
-
-    def __init__(self, run_dir: Path, run: RunConfig, ctx: DistContext, progress: bool, total: int | None, initial: int):
-        self.enabled = ctx.is_main
-        self.path = run_dir / rundir.METRICS
-        self.tb = None
-        self.bar = None
-        if not self.enabled:
-            return
-        if run.tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(run_dir / rundir.TENSORBOARD_DIR))
-            except ImportError:
-                logger.warning("run.tensorboard is set but the tensorboard package is not installed; logging to metrics.jsonl only")
-        if progress:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(total=total, initial=initial, desc=run.name, unit="upd", dynamic_ncols=True, file=sys.stderr)
-        # Unbuffered bytes: a record either reaches the file whole or is cut back off it.
-        self.file = open(self.path, "ab", buffering=0)
-
-    def log(self, record: dict) -> None:
-        if not self.enabled:
-            return
-        data = (json.dumps(record, sort_keys=True) + "\n").encode("utf-8")
-        size = os.fstat(self.file.fileno()).st_size
-        try:
-            written = 0
-            while written < len(data):
-                written += self.file.write(data[written:])
-        except OSError as e:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self.file.fileno(), size)
-            if is_disk_full(e):
-                raise disk_full_error(rundir.METRICS, self.path.parent) from None
-            raise
-        if self.tb is not None:
-            for k, v in record.items():
-                if k != "update" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(k, v, record["update"])
-
-    def tick(self, postfix: dict | None = None) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
-            if postfix:
-                self.bar.set_postfix(postfix, refresh=False)
-
-    def close(self) -> None:
-        if not self.enabled:
-            return
-        self.file.close()
-        if self.bar is not None:
-            self.bar.close()
-        if self.tb is not None:
-            self.tb.close()
 
 
 class Trainer:
@@ -375,7 +311,7 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------
 
-    def evaluate_and_save(self, metrics: _MetricsLog) -> None:
+    def evaluate_and_save(self, metrics: MetricsLog) -> None:
         dev_loss, dev_nll = self.dev_loss()
         state = self.state
         is_best = state.best_dev_loss is None or dev_loss < state.best_dev_loss
@@ -433,7 +369,7 @@ class Trainer:
         batches_per_epoch = len(self.train_sampler.batches)
         updates_per_epoch = -(-batches_per_epoch // run.update_freq)
         total = run.max_updates if run.max_updates is not None else updates_per_epoch * (run.max_epochs or 1)
-        metrics = _MetricsLog(self.run_dir, run, self.ctx, self.progress, total, state.update)
+        metrics = MetricsLog(self.run_dir, run, self.ctx, self.progress, total, state.update)
         last_saved = state.update if state.update > 0 else -1
         window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "updates": 0, "step_time": 0.0, "wait_time": 0.0,
                   "oom_retries": 0}
@@ -444,7 +380,7 @@ class Trainer:
             metrics.close()
         return reason
 
-    def _loop(self, metrics: _MetricsLog, window: dict, batches_per_epoch: int, last_saved: int) -> str:
+    def _loop(self, metrics: MetricsLog, window: dict, batches_per_epoch: int, last_saved: int) -> str:
         run, state = self.run, self.state
         while (reason := self.stop_reason()) is None:
             self.train_sampler.set_epoch(state.epoch, state.batch_in_epoch)
