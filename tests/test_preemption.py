@@ -251,3 +251,31 @@ def test_a_grid_names_a_killed_run_and_the_same_command_resumes_only_what_did_no
     assert rundir.state_to_resume(runs / "fused").update == UPDATES
     dev = [r["update"] for r in rundir.read_metrics(runs / "fused") if "dev_loss" in r]
     assert dev == sorted(set(dev))  # no update logged twice after the resume
+
+
+def test_torchrun_a_rank_killed_ends_the_group_and_torchrun_again_resumes_without_gaps(world, tmp_path):
+    root, corpus, ckpt = world
+    pipeline = _cached(tmp_path / "ddp", corpus, ckpt, 0)
+    run_dir = tmp_path / "ddp" / "work" / "runs" / "fused"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "prlmfuse.cli", "train", "-p", str(pipeline), "--runs", "fused"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    _wait_for_update(run_dir, 120, proc, timeout=300)
+    workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    (rank_1,) = [int(pid) for pid in workers if b"\0RANK=1\0" in b"\0" + Path(f"/proc/{pid}/environ").read_bytes()]
+    killed = time.monotonic()
+    os.kill(rank_1, signal.SIGKILL)
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0 and time.monotonic() - killed < 90  # the group ends; rank 0 is not left waiting
+    assert _group_gone(proc.pid)
+
+    again = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    state = rundir.state_to_resume(run_dir)
+    assert state.update == UPDATES and state.world_size == 2
+    logged = [r["update"] for r in rundir.read_metrics(run_dir) if "loss" in r]
+    assert logged == list(range(2, UPDATES + 1, 2))  # every log point once: no gap, no duplicate
+    dev = [r["update"] for r in rundir.read_metrics(run_dir) if "dev_loss" in r]
+    assert dev == sorted(set(dev)) and dev[-1] == UPDATES
