@@ -97,12 +97,14 @@ def _report_child(proc, run: RunConfig, log: Path, started: float, failed: list[
     if code == 0:
         _say(f"train: {run.name} finished in {minutes:.1f} min")
         return
+    state = rundir.state_to_resume(log.parent)
+    at = f" at update {state.update}" if state is not None else ""
     if code == signals.PREEMPTED_EXIT:
-        cause = "stopped by a signal after saving a resume point"
+        cause = f"stopped by a signal, saved{at}"
     elif code == signals.INTERRUPTED_EXIT:
-        cause = "interrupted after saving a resume point"
+        cause = f"interrupted, saved{at}"
     elif code < 0:
-        cause = f"killed by {signal.Signals(-code).name}; it resumes from its last checkpoint"
+        cause = f"killed by {signal.Signals(-code).name}; it resumes from its last checkpoint{at}"
     else:
         cause = f"exit {code}: {_last_line(log)}"
     failed.append(f"{run.name} ({cause}; log {log})")
