@@ -36,6 +36,17 @@ def world(tmp_path_factory):
     return corpus, ckpt, paths
 
 
+def refusal(tmp_path: Path, text: str) -> str:
+    """The one-line error pipeline.yaml `text` is refused with (it names the file, line and column)."""
+    p = tmp_path / "p.yaml"
+    p.write_text(textwrap.dedent(text))
+    with pytest.raises(UserError) as e:
+        load_pipeline(p)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{p}:")
+    return message
+
+
 # ----------------------------------------------------------------------------- shuffled features
 
 
@@ -107,17 +118,13 @@ def test_a_shuffled_run_reads_another_sentences_features_the_same_way_everywhere
 
 
 def test_the_control_is_checked_where_it_is_written(tmp_path):
-    p = tmp_path / "p.yaml"
-    p.write_text(textwrap.dedent("""
+    assert refusal(tmp_path, """
         cache: {checkpoints: [{name: minilm-l6}]}
         train:
           defaults: {max_updates: 5}
           runs:
             fused: {prlms: [{checkpoint: minilm-l6, control: shufled}]}
-    """))
-    with pytest.raises(UserError) as e:
-        load_pipeline(p)
-    assert str(e.value) == (f"{p}:6:54: train.runs.fused.prlms.0.control: 'shufled' is not one of shuffled")
+    """) == f"{tmp_path / 'p.yaml'}:6:54: train.runs.fused.prlms.0.control: 'shufled' is not one of shuffled"
 
 
 # ----------------------------------------------------------------------------- matched parameters
@@ -156,17 +163,12 @@ def test_matching_a_run_with_prlms_is_refused():
     ("m: {match_params: fused, ffn: 512}", "train.runs.m.match_params: chooses this run's ffn"),
 ])
 def test_match_params_refusals_point_at_the_setting(tmp_path, extra, message):
-    p = tmp_path / "p.yaml"
-    p.write_text(textwrap.dedent("""
+    assert message in refusal(tmp_path, """
         cache: {checkpoints: [{name: minilm-l6}]}
         train:
           defaults: {max_updates: 5}
           runs: {base: {}, fused: {prlms: [{checkpoint: minilm-l6}]}, %s}
-    """) % extra)
-    with pytest.raises(UserError) as e:
-        load_pipeline(p)
-    text = str(e.value)
-    assert "\n" not in text and text.startswith(f"{p}:") and message in text
+    """ % extra)
 
 
 def _pipeline(tmp_path: Path, ckpt: Path, corpus, runs: str, entries: str = "") -> Path:
@@ -262,17 +264,13 @@ def test_an_untrained_prlm_is_its_own_checkpoint_with_its_own_cache_key(world, t
     ("{name: minilm-l6, checkpoint: e5-small-multilingual}", "cache.checkpoints.1.name: 'minilm-l6' names another checkpoint"),
 ])
 def test_checkpoint_entry_refusals(tmp_path, entry, message):
-    p = tmp_path / "p.yaml"
-    p.write_text(textwrap.dedent(f"""
+    assert message in refusal(tmp_path, f"""
         cache:
           checkpoints:
             - {{name: minilm-l6}}
             - {entry}
         train: {{defaults: {{max_updates: 5}}, runs: {{base: {{}}}}}}
-    """))
-    with pytest.raises(UserError) as e:
-        load_pipeline(p)
-    assert message in str(e.value) and "\n" not in str(e.value) and str(e.value).startswith(f"{p}:")
+    """)
 
 
 def test_trainable_parameters_count_only_what_trains():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from prlmfuse.errors import UserError
-from prlmfuse.train_fused import PrLMUse, train_run
+from prlmfuse.train_fused import train_run
 from prlmfuse.train_fused import run_dir as rundir
 from prlmfuse.train_fused.out_of_memory import OOM_IN_A_ROW, split_batch
 from prlmfuse.train_fused.trainer import Trainer
@@ -23,12 +23,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("oom")
-    corpus = small_runs.small_bible(root)
-    ckpt = small_runs.tiny_prlm(root / "bert")
-    paths = small_runs.build_caches(ckpt, corpus, root / "cache", layers="-2")
-    use = PrLMUse(checkpoint=str(ckpt), layer=-2)
-    return corpus, use, [small_runs.caches_for(use, paths)]
+    return small_runs.fused_world(tmp_path_factory.mktemp("oom"))
 
 
 def _inject(monkeypatch, *, updates: set[int] | None, min_sentences: int = 2) -> list[int]:

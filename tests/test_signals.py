@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from prlmfuse.train_fused import PrLMUse, train_run
+from prlmfuse.train_fused import train_run
 from prlmfuse.train_fused import run_dir as rundir
 
 from helpers import small_runs
@@ -19,12 +19,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("resume-point")
-    corpus = small_runs.small_bible(root)
-    ckpt = small_runs.tiny_prlm(root / "bert")
-    paths = small_runs.build_caches(ckpt, corpus, root / "cache", layers="-2")
-    use = PrLMUse(checkpoint=str(ckpt), layer=-2)
-    return corpus, use, [small_runs.caches_for(use, paths)]
+    return small_runs.fused_world(tmp_path_factory.mktemp("resume-point"))
 
 
 def test_a_resume_point_cut_short_falls_back_to_the_last_complete_state(world, tmp_path):

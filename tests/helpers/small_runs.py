@@ -52,3 +52,12 @@ def tiny_run(name: str = "tiny", **overrides) -> RunConfig:
     )
     values.update(overrides)
     return RunConfig(**values)
+
+
+def fused_world(root: Path, *, layers: str = "-2"):
+    """(corpus, PrLMUse, [its caches]): the small Bible, a tiny PrLM's caches of its splits, one branch over them."""
+    corpus = small_bible(root)
+    checkpoint = tiny_prlm(root / "bert")
+    paths = build_caches(checkpoint, corpus, root / "cache", layers=layers)
+    use = PrLMUse(checkpoint=str(checkpoint), layer=-2)
+    return corpus, use, [caches_for(use, paths)]
