@@ -28,7 +28,8 @@ def main() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(args.threads)
     spec = modeling.PrLMSpec(name="prlm", width=384, num_layers=1, num_pooled=0)
-    model = modeling.FusedTransformer(modeling.ModelConfig.from_preset("small", vocab_size=8000, prlms=[spec])).train()
+    model = modeling.FusedTransformer(modeling.ModelConfig.from_preset("small", vocab_size=8000, prlms=[spec],
+                                                                       side="source", position="ffn")).train()
     optimizer = torch.optim.Adam(model.parameters())
     batch, src_len, tgt_len, prlm_len = 100, 35, 30, 40
     src = torch.randint(3, 8000, (batch, src_len))

@@ -153,7 +153,7 @@ def synthetic_systems(args):
                for _ in range(args.sentences)]
     torch.manual_seed(0)
     base_cfg = ModelConfig.from_preset(args.preset, vocab_size=vocab)
-    fused_cfg = ModelConfig.from_preset(args.preset, vocab_size=vocab)
+    fused_cfg = ModelConfig.from_preset(args.preset, vocab_size=vocab, side="source", position="ffn")  # the paper's
     fused_cfg.prlms = [PrLMSpec(name="synthetic", width=args.prlm_width, num_layers=1, num_pooled=args.prlm_layers + 1)]
     baseline = FusedTransformer(base_cfg).eval()
     fused = FusedTransformer(fused_cfg).eval()

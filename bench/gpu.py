@@ -660,8 +660,10 @@ def train_section(report: Report, sizes: Sizes, device: torch.device, scratch: P
     run_dir.mkdir(exist_ok=True)
 
     def trainer_for(specs, dataset, workers: int, compile: bool = False):
+        # The paper's fused setting (encoder side, after the FFN), which results.md's GPU figures measure.
         run = RunConfig(name="bench", preset=sizes.preset, prlms=[PrLMUse(info.path, PRLM_LAYER)] if specs else [],
-                        max_tokens=sizes.max_tokens, max_updates=10**6, num_workers=workers, compile=compile)
+                        side="source", position="ffn", max_tokens=sizes.max_tokens, max_updates=10**6,
+                        num_workers=workers, compile=compile)
         torch.manual_seed(1)
         model = FusedTransformer(run.model_config(bpe.vocab_size, specs))
         return Trainer(run, run_dir, model, dataset, dataset, DistContext(), progress=False, runtime=runtime)

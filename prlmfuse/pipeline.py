@@ -157,7 +157,10 @@ def entry_checkpoint(cfg: PipelineConfig, entry: CheckpointEntry, *, prepare: bo
 
     directory = cfg.workdir / "checkpoints" / f"{_safe(entry.name)}"
     if prepare:
-        return str(prepare_random_init(entry.source, directory, int(entry.seed), trust_remote_code=entry.trust_remote_code))
+        if is_main_process():  # one rank writes it; the others read it once it is there
+            prepare_random_init(entry.source, directory, int(entry.seed), trust_remote_code=entry.trust_remote_code)
+        barrier()
+        return str(directory)
     return str(directory) if directory.is_dir() else entry.source
 
 
@@ -353,9 +356,13 @@ def train_runs(
 
 
 def _stop_if_signalled(what: str) -> None:
-    """A stop signal that came while a stage was finishing its last step: start nothing more."""
-    if signals.received() is not None:
-        raise signals.Stopped(signals.received(), f"{what}; rerun the same command to go on")
+    """A stop signal that came while a stage was finishing its last step: start nothing more. Under torchrun
+    the ranks decide together (the largest signal number any rank got), so none goes on alone."""
+    from prlmfuse.distributed import all_reduce_max, init_distributed
+
+    signum = all_reduce_max(init_distributed(), signals.received() or 0)
+    if signum:
+        raise signals.Stopped(signum, f"{what}; rerun the same command to go on")
 
 
 def _corpus_hashes(corpus) -> dict:

@@ -13,12 +13,10 @@ copy once, so no process counts it twice. A later signal is ignored: the first o
 from __future__ import annotations
 
 import contextlib
-import logging
 import signal
 import threading
 from typing import Iterator
 
-logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 # The exit status of a command stopped by SIGTERM or SIGUSR1 after saving what it had: "try again"
@@ -47,21 +45,19 @@ class Stopped(BaseException):
 
 _received: int | None = None
 _deferring = 0
-_lock = threading.Lock()
 
 
 def _handler(signum, frame) -> None:
+    # Python runs handlers in the main thread, between bytecodes, possibly inside another handler or a
+    # write to stderr: so no lock and no I/O here, only the first signal recorded.
     global _received
-    with _lock:
-        if _received is not None:
-            logger.debug("ignored %s: already stopping for %s", signal.Signals(signum).name, signal.Signals(_received).name)
-            return
-        _received = signum
+    if _received is not None:
+        return
+    _received = signum
     if not _deferring:
         if signum == signal.SIGINT:
             raise KeyboardInterrupt  # Ctrl-C as Python has it, for whatever handles that already
         raise Stopped(signum)
-    logger.info("%s received: finishing the current update, then saving a resume point", signal.Signals(signum).name)
 
 
 @contextlib.contextmanager

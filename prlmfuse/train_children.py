@@ -48,33 +48,36 @@ def train_in_children(cfg: PipelineConfig, runs: list[RunConfig], parallel: int,
     failed: list[str] = []
     stopped_by: int | None = None
     try:
-        while pending or active:
-            while pending and len(active) < parallel:
-                run = pending.pop(0)
-                out = run_path(cfg, run.name)
-                out.mkdir(parents=True, exist_ok=True)
-                log = out / rundir.TRAIN_LOG
-                cmd = [sys.executable, "-m", "prlmfuse.cli", "train", "--pipeline", str(cfg.path), "--runs", run.name,
-                       "--device", cfg.device, "--precision", cfg.precision]
-                if not resume:
-                    cmd.append("--fresh")
-                with open(log, "ab") as fh:
-                    proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-                active[proc] = (run, log, time.monotonic())
-                _say(f"train: {run.name} -> {out} (own process, {threads} thread(s); log {log})")
-            time.sleep(0.5)
-            for proc in [p for p in active if p.poll() is not None]:
-                _report_child(proc, *active.pop(proc), failed)
-    except (signals.Stopped, KeyboardInterrupt) as e:
-        # Each child gets the signal (again, if the group's reached it too: a child handles one), finishes
-        # its update, saves a resume point and exits; no new run starts.
-        stopped_by = e.signum if isinstance(e, signals.Stopped) else signal.SIGINT
-        for proc in active:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(stopped_by)
-        for proc in list(active):
-            proc.wait()
-            _report_child(proc, *active.pop(proc), failed)
+        # Deferred: a stop signal is recorded, never raised between a child's start and its bookkeeping.
+        with signals.deferred():
+            while (pending or active) and signals.received() is None:
+                while pending and len(active) < parallel:
+                    run = pending.pop(0)
+                    out = run_path(cfg, run.name)
+                    out.mkdir(parents=True, exist_ok=True)
+                    log = out / rundir.TRAIN_LOG
+                    cmd = [sys.executable, "-m", "prlmfuse.cli", "train", "--pipeline", str(cfg.path), "--runs",
+                           run.name, "--device", cfg.device, "--precision", cfg.precision]
+                    if not resume:
+                        cmd.append("--fresh")
+                    with open(log, "ab") as fh:
+                        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                                env=env)
+                    active[proc] = (run, log, time.monotonic())
+                    _say(f"train: {run.name} -> {out} (own process, {threads} thread(s); log {log})")
+                time.sleep(0.5)
+                for proc in [p for p in active if p.poll() is not None]:
+                    _report_child(proc, *active.pop(proc), failed)
+            stopped_by = signals.received()
+            if stopped_by is not None:
+                # Each child gets the signal (again, if the group's reached it too: a child handles one),
+                # finishes its update, saves a resume point and exits; no new run starts.
+                for proc in active:
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.send_signal(stopped_by)
+                for proc in list(active):
+                    _wait_or_kill(proc)
+                    _report_child(proc, *active.pop(proc), failed)
     finally:
         for proc in active:  # an error of this process's own: the children resume from their last save next time
             proc.terminate()
@@ -86,6 +89,20 @@ def train_in_children(cfg: PipelineConfig, runs: list[RunConfig], parallel: int,
     if failed:
         raise UserError(f"{len(failed)} of {len(runs)} runs failed: " + "; ".join(failed))
     return [run_path(cfg, r.name) for r in runs]
+
+
+# A stopped child finishes one update and writes its resume point; one that takes longer than this is hung.
+STOP_WAIT_SECONDS = 600
+
+
+def _wait_or_kill(proc) -> None:
+    import subprocess
+
+    try:
+        proc.wait(timeout=STOP_WAIT_SECONDS)
+    except subprocess.TimeoutExpired:
+        proc.kill()  # it resumes from its last checkpoint
+        proc.wait()
 
 
 def _report_child(proc, run: RunConfig, log: Path, started: float, failed: list[str]) -> None:

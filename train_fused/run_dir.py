@@ -175,8 +175,13 @@ def check_same_run(run_dir: Path, before: dict, now: dict) -> None:
     """Refuse to resume a run directory with a configuration that defines a different run."""
     a, b = _defining(before), _defining(now)
     if a != b:
+        difference = _first_difference(a, b)
+        if difference.split(" (")[0].rsplit(".", 1)[-1] in ("side", "position", "layer"):
+            # The fusion defaults changed; a run that relied on the earlier ones resumes once it names them.
+            difference += ("; a run trained with the earlier defaults resumes once its settings name them "
+                           "(side: source, position: ffn, layer: -2)")
         raise UserError(
-            f"{run_dir} was trained with a different configuration ({_first_difference(a, b)}); start it over with "
+            f"{run_dir} was trained with a different configuration ({difference}); start it over with "
             f"`prlmfuse train -p PIPELINE --fresh --runs {run_dir.name}` (the old run is kept until the new one saves a checkpoint), "
             "or give the changed run a new name"
         )
@@ -339,6 +344,15 @@ def state_to_resume(run_dir: str | os.PathLike) -> TrainingState | None:
     return scheduled
 
 
+def _has_resume_point(run_dir: Path) -> bool:
+    """A complete resume point: the fresh run it belongs to has saved, as a checkpoint would say."""
+    try:
+        state = state_to_resume(run_dir)
+    except UserError:
+        return False
+    return state is not None and state.checkpoint.startswith(f"{RESUME_DIR}/")
+
+
 def _checked_state(state: dict, path: Path, named: dict = _NAMED_FILE_RE) -> TrainingState:
     """A trainer state file's object as a TrainingState: it has an integer update, and the files it
     names are inside the run's checkpoints/ folder (a resume point's: inside resume/)."""
@@ -432,7 +446,7 @@ def settle_previous_run(run_dir: str | os.PathLike, *, resume: bool) -> None:
     previous = run_dir / PREVIOUS_RUN
     if not previous.is_dir():
         return
-    if (run_dir / TRAINER_STATE).is_file() or complete_checkpoints(run_dir):
+    if (run_dir / TRAINER_STATE).is_file() or complete_checkpoints(run_dir) or _has_resume_point(run_dir):
         shutil.rmtree(previous)
         return
     _remove(_run_files(run_dir))

@@ -130,6 +130,7 @@ class Trainer:
         self.dev_loader = make_loader(dev_set, self.dev_sampler, num_workers=0, pin_memory=on_gpu)
         self.stop_signalled = False  # set by train_step when a stop signal reached any rank
         self.last_oom_retries = 0  # times train_step's last update was split after running out of memory
+        self.restored_resume_point = False  # restore() read a stop signal's resume point
         self.state = rundir.TrainingState(
             seed=run.seed, batches_per_epoch=len(self.train_sampler.batches), world_size=ctx.world_size
         )
@@ -147,6 +148,7 @@ class Trainer:
 
     def restore(self, state: rundir.TrainingState) -> None:
         checkpointing.load_checkpoint(self.run_dir, state, self.model, self.optimizer)
+        self.restored_resume_point = state.checkpoint.startswith(f"{rundir.RESUME_DIR}/")
         # The checkpoint's progress; a field it lacks keeps this run's value, and the next save writes its own
         # CHECKPOINT_FIELDS (learning rate, RNG, file names).
         for field in dataclasses.fields(state):
@@ -357,7 +359,8 @@ class Trainer:
         signum = signals.received() or signal.SIGTERM  # a rank the signal did not reach stops with the others
         logger.info("train: %s stopped by %s at update %d; rerun the same command to resume from there",
                     self.run.name, signal.Signals(signum).name, update)
-        raise signals.Stopped(signum, f"run {self.run.name} saved at update {update}; rerun the same command to resume")
+        raise signals.Stopped(signum, f"run {self.run.name} saved at update {update}; rerun the command (without "
+                                      "--fresh) to resume")
 
     def stop_reason(self) -> str | None:
         return rundir.stop_reason(self.run, self.state)
@@ -370,7 +373,8 @@ class Trainer:
         updates_per_epoch = -(-batches_per_epoch // run.update_freq)
         total = run.max_updates if run.max_updates is not None else updates_per_epoch * (run.max_epochs or 1)
         metrics = MetricsLog(self.run_dir, run, self.ctx, self.progress, total, state.update)
-        last_saved = state.update if state.update > 0 else -1
+        # A resume point is no scheduled save: the update it restored is saved again if training ends there.
+        last_saved = state.update if state.update > 0 and not self.restored_resume_point else -1
         window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "updates": 0, "step_time": 0.0, "wait_time": 0.0,
                   "oom_retries": 0}
         try:
