@@ -153,3 +153,75 @@ def test_the_cache_build_runs_a_batch_that_runs_out_of_memory_in_halves(world, t
     assert max(sizes) > 2
     reliability.assert_same_cache(Path(split.path), Path(reference.path))
 
+
+
+_DDP_DRIVER = """
+import json, os, sys
+import torch
+
+def main():
+    torch.set_num_threads(1)
+    sys.path.insert(0, {tests!r})
+    from helpers import small_runs as s
+    from prlmfuse.corpora import load_corpus
+    from prlmfuse.precision import resolve_runtime
+    from prlmfuse.train_fused import PrLMUse, train_run
+    from prlmfuse.train_fused.trainer import Trainer
+    args = json.loads(sys.argv[1])
+    if os.environ.get("RANK") == "1":  # this rank alone runs out of memory at update 5, once per batch size
+        real, failed = Trainer._forward_sums, set()
+        def forward_sums(self, batch):
+            if self.model.training and self.state.update + 1 == 5 and batch.nsentences > 1 and batch.nsentences not in failed:
+                failed.add(batch.nsentences)
+                raise torch.OutOfMemoryError("CUDA out of memory (injected on rank 1)")
+            return real(self, batch)
+        Trainer._forward_sums = forward_sums
+    corpus = load_corpus(args["corpus"])
+    use = PrLMUse(checkpoint=args["ckpt"], layer=-2)
+    run = s.tiny_run("ddp", prlms=[use], max_updates=8, save_every=4, log_every=1)
+    train_run(run, corpus, args["caches"], args["out"], progress=False, runtime=resolve_runtime("cpu", "fp32"))
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+@pytest.mark.slow
+def test_under_torchrun_one_rank_out_of_memory_makes_every_rank_redo_the_update(world, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    corpus, use, caches = world
+    driver = tmp_path / "driver.py"
+    driver.write_text(_DDP_DRIVER.format(tests=str(Path(__file__).parent)))
+    args = {"corpus": str(corpus.root), "ckpt": use.checkpoint, "caches": caches, "out": str(tmp_path / "ddp")}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           str(driver), json.dumps(args)], env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    state = json.loads((tmp_path / "ddp" / "trainer_state.json").read_text())
+    assert state["update"] == 8 and state["oom_retries"] >= 1  # rank 0, which never ran out, counted the redo too
+    retries = {r["update"]: r["oom_retries"] for r in _records(tmp_path / "ddp")}
+    assert retries[5] >= 1 and all(v == 0 for u, v in retries.items() if u != 5)
+
+
+@pytest.mark.cuda
+def test_a_real_cuda_out_of_memory_batch_is_trained_in_halves(world, tmp_path):
+    """On a GPU held to a small share of its memory, a batch too large for it runs out for real and
+    the run goes on in halves."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from prlmfuse.precision import resolve_runtime
+
+    corpus, use, caches = world
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, (1 << 30) / total))  # 1 GiB for this process
+    try:
+        run = small_runs.tiny_run("fused", prlms=[use], preset="base", max_tokens=20000, max_updates=3, save_every=3)
+        run_dir = train_run(run, corpus, caches, tmp_path / "run", progress=False,
+                            runtime=resolve_runtime("cuda", "fp32"))
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    state = json.loads((run_dir / "trainer_state.json").read_text())
+    assert state["update"] == 3 and state["oom_retries"] >= 1
