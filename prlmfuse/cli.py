@@ -133,7 +133,8 @@ def _main() -> None:
     except signals.Stopped as e:
         # SIGTERM / SIGUSR1: what was finished is saved; the status says "rerun me" to a job script.
         what = "interrupted" if e.exit_code == signals.INTERRUPTED_EXIT else f"stopped by {e.name}"
-        click.echo(f"{what}{': ' + e.detail if e.detail else ''}", err=True)
+        detail = e.detail or "what was finished is kept; rerun the same command to go on"
+        click.echo(f"{what}: {detail}", err=True)
         sys.exit(e.exit_code)
     except OSError as e:
         message = _os_error_line(e)
