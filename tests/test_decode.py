@@ -86,10 +86,11 @@ def test_large_beam_equals_exhaustive_search(seed, lenpen):
     [hyp] = beam_search(model, src, feats, beam=128, lenpen=lenpen, max_len_a=0.0, max_len_b=3, min_len=1)
     assert 1 <= len(hyp) <= 3
     best = exhaustive_best(model, src, feats, max_len=3, min_len=1, lenpen=lenpen)
-    assert hypothesis_score(model, src, feats, hyp, lenpen=lenpen) == pytest.approx(best, abs=1e-5)
+    # The two score the same hypothesis by different paths (incremental against full prefix): float32 noise.
+    assert hypothesis_score(model, src, feats, hyp, lenpen=lenpen) == pytest.approx(best, abs=1e-4)
     # A normal-sized beam can only do as well or worse.
     [small] = beam_search(model, src, feats, beam=2, lenpen=lenpen, max_len_a=0.0, max_len_b=3, min_len=1)
-    assert hypothesis_score(model, src, feats, small, lenpen=lenpen) <= best + 1e-5
+    assert hypothesis_score(model, src, feats, small, lenpen=lenpen) <= best + 1e-4
 
 
 def has_repeated_ngram(tokens: list[int], n: int) -> bool:

@@ -275,7 +275,7 @@ def test_evaluate_command_ends_with_a_summary_a_person_reads(world, capsys, monk
     assert lines[0] == f"results: {out / 'results.md'}"
     assert lines[1] == "BLEU on test (10 sentences):"
     assert lines[2].lstrip().startswith("baseline: no PrLM") and lines[2].endswith("(baseline)")
-    assert lines[3].lstrip().startswith("fused: tiny-bert L-2, sum/ffn/source") and " Δ " in lines[3] and " p=" in lines[3]
+    assert lines[3].lstrip().startswith("fused: tiny-bert L-2, sum/add_norm1/both") and " Δ " in lines[3] and " p=" in lines[3]
     sources = read_lines(world["corpus"].src_path("test"))
     refs = read_lines(world["corpus"].tgt_path("test"))
     hyps = read_lines(out / "hyp.fused.test.txt")

@@ -68,7 +68,8 @@ def test_trainer_state_file_round_trips_key_for_key():
     saved = {
         "update": 12, "epoch": 2, "batch_in_epoch": 0, "best_dev_loss": 5.5, "best_epoch_dev_loss": 5.5,
         "bad_epochs": 0, "last_dev_loss": 5.75, "tokens_seen": 4096, "wall_time": 3.25, "seed": 1,
-        "batches_per_epoch": 6, "world_size": 1, "lr": 0.0004, "torch_rng_state": [1, 2, 3],
+        "batches_per_epoch": 6, "world_size": 1, "oom_retries": 1, "oom_in_a_row": 0, "lr": 0.0004,
+        "torch_rng_state": [1, 2, 3],
         "checkpoint": "checkpoints/update-00000012.safetensors", "optimizer": "checkpoints/optimizer-00000012.safetensors",
     }
     state = rd.TrainingState.from_dict(saved)

@@ -35,30 +35,45 @@ def _load_pipeline(path: str | None, device: str | None, precision: str | None):
 
 
 def creatable_dir(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
-    """A --out / OUT directory the command can write: made now (the command would make it anyway), or
-    one line naming why not, before any work starts. An fsspec URL (s3://...) is its backend's to check."""
-    if value is None or "://" in value:
-        return value
-    _make_dir(Path(value), param)
+    """A --out / OUT directory the command can make: one line naming why not, before any work starts.
+    An fsspec URL (s3://...) is its backend's to check."""
+    if value is not None and "://" not in value:
+        check_creatable(Path(value))
     return value
 
 
 def creatable_parent(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
     """An output the command writes whole (a file, or a directory that appears once complete): its folder
-    made now, or one line naming why it cannot be."""
+    can be made, or one line names why not."""
     if value is not None and "://" not in value:
-        _make_dir(Path(value).absolute().parent, param)
+        check_creatable(Path(value).absolute().parent)
     return value
 
 
-def _make_dir(path: Path, param: click.Parameter) -> None:
+def check_creatable(path: Path) -> None:
+    """UserError unless `path` is a directory or can be made one. Nothing is left behind: the first
+    missing folder is made and removed again, as the surest test of whether the command could."""
+    import errno
+    import os
+
+    from prlmfuse.errors import UserError
+
+    path = path.absolute()
+    existing, missing = path, None
+    while not existing.exists():
+        existing, missing = existing.parent, existing
+    if not existing.is_dir():
+        raise UserError(f"{existing} is a file where a directory is expected; choose another path or move the file")
+    if missing is None:
+        return
     try:
-        path.mkdir(parents=True, exist_ok=True)
-    except FileExistsError:
-        raise click.BadParameter(f"{path} is a file, not a directory; choose another path", param=param) from None
+        os.mkdir(missing)
+        os.rmdir(missing)
     except OSError as e:
-        raise click.BadParameter(f"cannot create {path} ({e.strerror or e}); choose a writable location",
-                                 param=param) from None
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise UserError(f"cannot write {path} ({e.strerror}); choose a writable location or fix the permissions "
+                            "of the directory") from None
+        raise UserError(f"cannot create {path} ({e.strerror or e}); choose a writable location") from None
 
 
 def _variadic(first: tuple[str, ...], rest: tuple[str, ...]) -> list[str]:
