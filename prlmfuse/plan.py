@@ -10,6 +10,7 @@ from prlmfuse.pipeline import (_edited_input, _is_stale, _selected_runs, cache_j
                                planned_specs, resolve_run, run_path)
 from prlmfuse.train_fused import run_dir as rundir
 from prlmfuse.train_fused.config import RunConfig
+from prlmfuse.train_fused.matching import trainable_parameters
 
 
 def _measured_speed(cfg: PipelineConfig) -> float | None:
@@ -89,7 +90,7 @@ def _effective_settings(cfg: PipelineConfig, run: RunConfig) -> str:
         branches = ", ".join(f"{u.checkpoint} layer {u.layer}" + (f" ({u.control})" if u.control else "")
                              for u in run.prlms)
         fusion = f"; {branches}; merge {model.merge}, position {model.position}, side {model.side}"
-    count = planned_parameters(cfg, run)
+    count = trainable_parameters(model)
     matched = ""
     if run.match_params is not None:
         matched = f", matched to {run.match_params}'s {planned_parameters(cfg, cfg.run(run.match_params)):,}"

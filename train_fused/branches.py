@@ -36,10 +36,12 @@ class PrLMBranch:
     rows: np.ndarray | None = None
 
 
-def branch_spec(use: PrLMUse, hidden_size: int, layers: list[int], pooled: list[int], mode: str) -> PrLMSpec:
-    """The model's view of a branch that reads these hidden_states indices (`compat.choose_layers`)."""
+def branch_spec(use: PrLMUse, hidden_size: int, layers: list[int], pooled: list[int], mode: str,
+                name: str | None = None) -> PrLMSpec:
+    """The model's view of a branch that reads these hidden_states indices (`compat.choose_layers`);
+    `name` is the checkpoint as its cache records it (default: as the run names it)."""
     return PrLMSpec(
-        name=use.checkpoint,
+        name=name or use.checkpoint,
         width=int(hidden_size),
         num_layers=len(layers),
         num_pooled=len(pooled),
@@ -118,8 +120,7 @@ def open_branch(
         record = trained
         layers, pooled, mode = list(trained["layers"]), list(trained["pooled_layers"]), trained["layer_mode"]
     rows, pooled_rows = layer_rows(reader, layers, pooled, where=path)
-    spec = branch_spec(use, int(fields["hidden_size"]), layers, pooled, mode)
-    spec.name = str(fields["checkpoint"])
+    spec = branch_spec(use, int(fields["hidden_size"]), layers, pooled, mode, name=str(fields["checkpoint"]))
     sentence_rows = None
     if use.control == "shuffled":
         sentence_rows = shuffled_rows(read_lines(source), seed, where=source_name)
