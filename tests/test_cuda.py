@@ -277,7 +277,8 @@ def test_a_training_update_on_the_device_matches_the_cpu_at_fp32(world, tmp_path
     loss_cpu, nll_cpu, tokens_cpu = cpu.train_step(micro)
     loss_dev, nll_dev, tokens_dev = other.train_step(micro)
     assert tokens_dev == tokens_cpu == sum(b.ntokens for b in micro)
-    assert loss_dev == pytest.approx(loss_cpu, rel=1e-5) and nll_dev == pytest.approx(nll_cpu, rel=1e-5)
+    assert float(loss_dev) == pytest.approx(float(loss_cpu), rel=1e-5)
+    assert float(nll_dev) == pytest.approx(float(nll_cpu), rel=1e-5)
     differing = []
     for (name, a), b in zip(cpu.model.named_parameters(), other.model.parameters()):
         assert a.grad is not None and b.grad is not None, name
@@ -287,6 +288,53 @@ def test_a_training_update_on_the_device_matches_the_cpu_at_fp32(world, tmp_path
             differing.append(f"{name}: {str(e).splitlines()[-2:]}")
     assert not differing, differing
     assert any("prlm" in name for name, _ in other.model.named_parameters())
+
+
+# Trains a small model on the device in a loop until killed: a neighbour of the run under test, as another
+# run of a grid (train.jobs) is, each in its own process on the same device.
+NEIGHBOUR = """
+import sys, torch
+from prlmfuse.train_fused.config import RunConfig
+from prlmfuse.train_fused.modeling import FusedTransformer
+device = torch.device(sys.argv[1])
+run = RunConfig(name="neighbour", preset="tiny")
+model = FusedTransformer(run.model_config(500, [])).to(device)
+opt = torch.optim.Adam(model.parameters())
+src = torch.randint(4, 500, (32, 40), device=device)
+print("busy", flush=True)
+while True:
+    model(src, src, None).float().square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+@pytest.mark.parametrize("device", [CUDA, CPU])
+def test_a_run_trained_beside_others_on_the_device_gets_the_gradients_it_gets_alone(world, tmp_path, device,
+                                                                                    strict_fp32):
+    # One update of the fused model, static shapes and all, alone and then with three other training processes
+    # on the same device: the gradients it used are the same within fp32 rounding (compared as the
+    # device-against-CPU test compares them; the weights after Adam would amplify a zero gradient's noise).
+    run = small_runs.tiny_run("grid", prlms=[world.use], static_shapes=True)
+    runtime = resolve_runtime(device, "fp32")
+    alone, pairs = _fused_trainer(world, run, tmp_path / "alone", runtime)
+    batch = [pairs.__getitems__(alone.train_sampler.batches[0])]
+    alone.train_step(batch)
+    neighbours = [subprocess.Popen([sys.executable, "-c", NEIGHBOUR, device], stdout=subprocess.PIPE, text=True)
+                  for _ in range(3)]
+    try:
+        assert all(n.stdout.readline().strip() == "busy" for n in neighbours)
+        beside, _ = _fused_trainer(world, run, tmp_path / "beside", runtime)
+        beside.train_step(batch)
+        assert all(n.poll() is None for n in neighbours)  # still training when the update was made
+    finally:
+        for n in neighbours:
+            n.kill()
+            n.wait()
+    for (name, a), b in zip(alone.model.named_parameters(), beside.model.parameters()):
+        assert (a.grad is None) == (b.grad is None), name
+        if a.grad is not None:
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{name}: {m}")
 
 
 @pytest.fixture

@@ -304,3 +304,20 @@ def test_an_epoch_streamed_by_workers_delivers_each_sentence_once_with_its_store
             assert torch.equal(features.pooled[row], stored.pooled(i)[[1]]), i
         seen += batch.ids.tolist()
     assert sorted(seen) == list(range(len(stored)))
+
+
+def test_auto_loader_workers_are_two_on_a_cpu_and_half_the_run_s_threads_on_a_gpu(monkeypatch):
+    from prlmfuse.errors import SettingError
+    from prlmfuse.train_fused.trainer import loader_workers
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)  # only the device's type is read
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 16)
+    assert (loader_workers("auto", cpu), loader_workers("auto", gpu), loader_workers(3, gpu)) == (2, 8, 3)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # one of eight runs sharing 16 cores (train.jobs)
+    assert loader_workers("auto", gpu) == 2
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 64)
+    assert loader_workers("auto", gpu) == 8
+    for wrong in ("many", -1, True):
+        with pytest.raises(SettingError, match="num_workers"):
+            small_runs.tiny_run("w", num_workers=wrong).check()
+    small_runs.tiny_run("w", num_workers="auto").check()

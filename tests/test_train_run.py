@@ -475,7 +475,7 @@ def test_update_freq_n_batches_give_the_gradient_of_one_batch_of_all(world, tmp_
     stats_micro = accumulated.train_step(micro)
     stats_whole = whole.train_step(data.__getitems__([i for p in parts for i in p]))
     assert stats_micro[2] == stats_whole[2] == sum(b.ntokens for b in micro)
-    assert stats_micro[0] == pytest.approx(stats_whole[0], rel=1e-5)
+    assert float(stats_micro[0]) == pytest.approx(float(stats_whole[0]), rel=1e-5)
     # The gradients the update used (left in .grad: zeroed at the start of the next update), not the
     # weights: Adam turns the float noise of a zero gradient (a key bias's) into a full-size step.
     for (name, a), b in zip(accumulated.model.named_parameters(), whole.model.parameters()):

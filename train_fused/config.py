@@ -326,8 +326,11 @@ class RunConfig:
     tensorboard: bool = False
     # Runtime.
     seed: int = 1
-    compile: bool = False  # torch.compile the model (pays on GPUs; first steps are slow while it compiles)
-    num_workers: int = 2
+    compile: bool = False  # torch.compile the step's forward and loss (on CUDA captured as CUDA graphs)
+    # Batches of a few fixed shapes (train_fused.buckets), so a compiled step is captured once per shape.
+    static_shapes: bool = False
+    # DataLoader workers reading the features; "auto": loader_workers() (more on a GPU, 2 on a CPU).
+    num_workers: int | str = "auto"
     in_memory_features: bool = False
 
     def model_config(self, vocab_size: int, prlms: list[PrLMSpec]) -> ModelConfig:
@@ -354,6 +357,13 @@ class RunConfig:
         if self.min_epochs is not None and self.max_epochs is not None and self.min_epochs > self.max_epochs:
             raise SettingError("min_epochs", f"min_epochs {self.min_epochs} exceeds max_epochs {self.max_epochs}; "
                                "lower it or raise max_epochs")
+        if self.num_workers != "auto" and (not isinstance(self.num_workers, int) or isinstance(self.num_workers, bool)
+                                           or self.num_workers < 0):
+            raise SettingError("num_workers", f"expected a number of worker processes (0 or more) or auto, "
+                               f"got {self.num_workers!r}")
+        if self.static_shapes and self.read_window:
+            raise SettingError("static_shapes", "static_shapes batches the whole split by length class; it cannot be "
+                               "combined with read_window (set read_window: 0)")
         for i, use in enumerate(self.prlms):
             try:
                 use.check()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -23,6 +24,9 @@ from prlmfuse.signals import ignore_in_worker, start_multiprocessing_helpers
 from prlmfuse.train_fused.bpe import BOS_ID, EOS_ID, PAD_ID
 from prlmfuse.train_fused.branches import PrLMBranch
 from prlmfuse.train_fused.modeling import PrLMFeatures
+
+if TYPE_CHECKING:
+    from prlmfuse.train_fused.buckets import BatchShapes
 
 
 @dataclass
@@ -66,6 +70,9 @@ class PairDataset(Dataset):
         self.src_ids = src_ids
         self.tgt_ids = tgt_ids
         self.branches = list(branches)  # each over this split's cache
+        # None: a batch is padded to its longest sentence. Else (static_shapes) to the shape of its class,
+        # rows past its sentences being empty ones that score nothing.
+        self.shapes: BatchShapes | None = None
         # +1: </s> on the source, <s> / </s> on the shifted target sides.
         self.src_lens = np.fromiter((len(s) + 1 for s in src_ids), dtype=np.int64, count=len(src_ids))
         self.tgt_lens = np.fromiter((len(t) + 1 for t in tgt_ids), dtype=np.int64, count=len(tgt_ids))
@@ -82,7 +89,7 @@ class PairDataset(Dataset):
         if indices and not np.isscalar(indices[0]):
             return self.window(indices)
         indices = [int(i) for i in indices]
-        return self.batch(indices, [batch_features(branch, indices) for branch in self.branches])
+        return self.padded(indices, [read_features(branch, indices) for branch in self.branches])
 
     def window(self, batches: list[list[int]]) -> list[Batch]:
         batches = [[int(i) for i in b] for b in batches]
@@ -91,19 +98,32 @@ class PairDataset(Dataset):
         out, first = [], 0
         for b in batches:
             last = first + len(b)
-            prlm = [
-                pad_features(branch, per_sentence[first:last], None if pooled is None else pooled[first:last])
-                for branch, (per_sentence, pooled) in zip(self.branches, read)
-            ]
-            out.append(self.batch(b, prlm))
+            out.append(self.padded(b, [(per_sentence[first:last], None if pooled is None else pooled[first:last])
+                                       for per_sentence, pooled in read]))
             first = last
         return out
 
-    def batch(self, indices: list[int], prlm: list[PrLMFeatures]) -> Batch:
-        """The token tensors of these sentence pairs, beside their PrLM features."""
-        bsz = len(indices)
-        src_len = max((int(self.src_lens[i]) for i in indices), default=1)
-        tgt_len = max((int(self.tgt_lens[i]) for i in indices), default=1)
+    def padded(self, indices: list[int], read: list[tuple[list[torch.Tensor], torch.Tensor | None]]) -> Batch:
+        """The batch of these pairs and their features as read (per branch), padded to its longest sentence or
+        under static shapes to its class's shape."""
+        rows = src_len = tgt_len = prlm_len = None
+        if self.shapes is not None and indices:
+            longest_prlm = max((f.shape[1] for per_sentence, _ in read for f in per_sentence), default=0)
+            rows, src_len, tgt_len, prlm_len = self.shapes.shape(
+                int(self.src_lens[indices].max()), int(self.tgt_lens[indices].max()), longest_prlm)
+            if rows < len(indices):
+                raise ValueError(f"{len(indices)} pairs for a batch of {rows} rows; batch them with BucketBatchSampler")
+        prlm = [pad_features(branch, per_sentence, pooled, length=prlm_len, rows=rows)
+                for branch, (per_sentence, pooled) in zip(self.branches, read)]
+        return self.batch(indices, prlm, rows=rows, src_len=src_len, tgt_len=tgt_len)
+
+    def batch(self, indices: list[int], prlm: list[PrLMFeatures], *, rows: int | None = None,
+              src_len: int | None = None, tgt_len: int | None = None) -> Batch:
+        """The token tensors of these sentence pairs, beside their PrLM features; padded to their longest
+        sentences, or to `rows` rows and the lengths given."""
+        bsz = len(indices) if rows is None else rows
+        src_len = src_len or max((int(self.src_lens[i]) for i in indices), default=1)
+        tgt_len = tgt_len or max((int(self.tgt_lens[i]) for i in indices), default=1)
         # Filled in numpy: a DataLoader worker's time comes out of the training step's cores, and a
         # torch slice assignment costs microseconds of dispatch per row where numpy's costs nanoseconds.
         src_tokens = np.full((bsz, src_len), PAD_ID, dtype=np.int64)
@@ -151,17 +171,21 @@ def read_features(branch: PrLMBranch, indices: list[int]) -> tuple[list[torch.Te
     return per_sentence, pooled
 
 
-def pad_features(branch: PrLMBranch, per_sentence: list[torch.Tensor], pooled: torch.Tensor | None) -> PrLMFeatures:
-    """A batch's features, right-padded to its longest sentence, with the mask of real tokens."""
+def pad_features(branch: PrLMBranch, per_sentence: list[torch.Tensor], pooled: torch.Tensor | None, *,
+                 length: int | None = None, rows: int | None = None) -> PrLMFeatures:
+    """A batch's features, right-padded to its longest sentence (or to `length`, and to `rows` rows past the
+    sentences), with the mask of real tokens."""
     reader = branch.reader
-    max_len = max((f.shape[1] for f in per_sentence), default=1)
-    states = torch.zeros(len(per_sentence), len(branch.layer_rows), max_len, int(reader.hidden_size),
-                         dtype=reader.transfer_dtype)
-    mask = torch.zeros(len(per_sentence), max_len, dtype=torch.bool)
+    max_len = length or max((f.shape[1] for f in per_sentence), default=1)
+    rows = len(per_sentence) if rows is None else rows
+    states = torch.zeros(rows, len(branch.layer_rows), max_len, int(reader.hidden_size), dtype=reader.transfer_dtype)
+    mask = torch.zeros(rows, max_len, dtype=torch.bool)
     for b, f in enumerate(per_sentence):
         n = f.shape[1]
         states[b, :, :n] = f
         mask[b, :n] = True
+    if pooled is not None and rows > pooled.shape[0]:
+        pooled = torch.cat([pooled, pooled.new_zeros(rows - pooled.shape[0], *pooled.shape[1:])])
     return PrLMFeatures(states=states, mask=mask, pooled=pooled)
 
 

@@ -32,6 +32,7 @@ from prlmfuse.errors import UserError
 from prlmfuse.precision import Runtime, free_memory, grad_scaler, is_out_of_memory, prepare_device, resolve_runtime
 from prlmfuse.train_fused import checkpointing, out_of_memory as oom, run_dir as rundir
 from prlmfuse.train_fused.bpe import PAD_ID
+from prlmfuse.train_fused.buckets import BatchShapes, BucketBatchSampler, prlm_lengths
 from prlmfuse.train_fused.config import RunConfig
 from prlmfuse.train_fused.data import (
     Batch, PairDataset, StorageWindowBatchSampler, TokenBudgetBatchSampler, make_loader,
@@ -76,6 +77,18 @@ def label_smoothed_sums(logits: torch.Tensor, target: torch.Tensor, smoothing: f
     return loss, nll
 
 
+def loader_workers(num_workers: int | str, device: torch.device) -> int:
+    """DataLoader workers for `num_workers` ("auto" or a count). auto: on a GPU half the CPU threads this run
+    has (train.jobs shares the cores out), between 2 and 8, since the GPU step outpaces two workers reading a
+    disk cache (`python bench/gpu.py --only train`: fused_disk against fused_disk_more_workers); on a CPU 2,
+    which leave the step its cores."""
+    if num_workers != "auto":
+        return int(num_workers)
+    if device.type != "cuda":
+        return 2
+    return max(2, min(8, torch.get_num_threads() // 2))
+
+
 # ------------------------------------------------------------------------------------ the loop
 
 
@@ -98,8 +111,9 @@ class Trainer:
         self.device = self.runtime.device
         prepare_device(self.device)  # a runtime resolved in another process did not set this one up
         self.model = model.to(self.device)
-        # torch.compile wraps the module; checkpoints keep saving and loading the plain one.
-        self.forward_model = torch.compile(self.model) if run.compile else self.model
+        # compile: the forward and the loss as one graph (its backward another), checkpoints keep the plain module.
+        # On CUDA in reduce-overhead mode, so each batch shape is captured once and replayed as a CUDA graph.
+        self.padded_sums = self._compiled_sums() if run.compile else None
         self.ctx = ctx
         self.progress = progress
         self.scaler = grad_scaler(self.runtime)
@@ -108,9 +122,19 @@ class Trainer:
         self.optimizer = torch.optim.Adam(
             self.params, lr=run.lr, betas=tuple(run.adam_betas), eps=1e-8, weight_decay=run.weight_decay, fused=True
         )
-        workers = 0 if run.in_memory_features else run.num_workers
+        workers = 0 if run.in_memory_features else loader_workers(run.num_workers, self.device)
         on_gpu = self.device.type == "cuda"
-        if run.read_window and train_set.branches:
+        shapes = None
+        if run.static_shapes:
+            usable, prlm_lens = self._usable(train_set, model), prlm_lengths(train_set)
+            shapes = BatchShapes.fit(train_set.src_lens[usable], train_set.tgt_lens[usable],
+                                     None if prlm_lens is None else prlm_lens[usable], run.max_tokens, ctx.world_size)
+            train_set.shapes = dev_set.shapes = shapes
+            self.train_sampler = BucketBatchSampler(
+                train_set.src_lens, train_set.tgt_lens, shapes, prlm_lens=prlm_lens, indices=usable, seed=run.seed,
+                rank=ctx.rank, world_size=ctx.world_size,
+            )
+        elif run.read_window and train_set.branches:
             self.train_sampler = StorageWindowBatchSampler(
                 train_set.src_lens, train_set.tgt_lens, run.max_tokens, train_set.branches[0].reader.stored_order(),
                 window=run.read_window, indices=self._usable(train_set, model), seed=run.seed, rank=ctx.rank,
@@ -122,15 +146,22 @@ class Trainer:
                 indices=self._usable(train_set, model), seed=run.seed, rank=ctx.rank, world_size=ctx.world_size,
             )
         self.train_loader = make_loader(train_set, self.train_sampler, num_workers=workers, pin_memory=on_gpu)
-        self.dev_sampler = TokenBudgetBatchSampler(
-            dev_set.src_lens, dev_set.tgt_lens, run.max_tokens,
-            indices=self._usable(dev_set, model), shuffle=False, seed=run.seed, rank=ctx.rank, world_size=ctx.world_size,
-        )
+        if shapes is not None:
+            self.dev_sampler = BucketBatchSampler(
+                dev_set.src_lens, dev_set.tgt_lens, shapes, prlm_lens=prlm_lengths(dev_set),
+                indices=self._usable(dev_set, model), shuffle=False, seed=run.seed, rank=ctx.rank, world_size=ctx.world_size,
+            )
+        else:
+            self.dev_sampler = TokenBudgetBatchSampler(
+                dev_set.src_lens, dev_set.tgt_lens, run.max_tokens,
+                indices=self._usable(dev_set, model), shuffle=False, seed=run.seed, rank=ctx.rank, world_size=ctx.world_size,
+            )
         # Dev is read in-process: it is small, and the loop waits for it anyway.
         self.dev_loader = make_loader(dev_set, self.dev_sampler, num_workers=0, pin_memory=on_gpu)
         self.stop_signalled = False  # set by train_step when a stop signal reached any rank
         self.last_oom_retries = 0  # times train_step's last update was split after running out of memory
         self.restored_resume_point = False  # restore() read a stop signal's resume point
+        self.last_logged_loss: float | None = None  # the progress bar's loss
         self.state = rundir.TrainingState(
             seed=run.seed, batches_per_epoch=len(self.train_sampler.batches), world_size=ctx.world_size
         )
@@ -204,13 +235,31 @@ class Trainer:
     def _forward_sums(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         if batch.src_tokens.device != self.device:
             batch = batch.to(self.device)
+        if self.padded_sums is not None:
+            if self.device.type == "cuda":
+                # Each forward starts a new step of the CUDA graphs: the previous outputs are consumed by now.
+                torch.compiler.cudagraph_mark_step_begin()
+            return self.padded_sums(batch.src_tokens, batch.tgt_in, batch.tgt_out, batch.prlm)
+        # Eager: only the scored positions reach the output projection and the loss (a data-dependent shape).
         scored = batch.tgt_out != PAD_ID
         with self.runtime.autocast():
-            logits = self.forward_model(batch.src_tokens, batch.tgt_in, batch.prlm, scored=scored)
+            logits = self.model(batch.src_tokens, batch.tgt_in, batch.prlm, scored=scored)
         return label_smoothed_sums(logits, batch.tgt_out[scored], self.run.label_smoothing)
 
-    def train_step(self, batch: Batch | list[Batch]) -> tuple[float, float, int]:
-        """One optimizer update on (this rank's slice of) `update_freq` global batches; returns global sums.
+    def _padded_sums(self, src_tokens, tgt_in, tgt_out, prlm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The loss sums over every position of the padded batch, padding masked out by its target id:
+        no shape depends on the data, so the whole of it compiles into one graph."""
+        with self.runtime.autocast():
+            logits = self.model(src_tokens, tgt_in, prlm)
+        return label_smoothed_sums(logits, tgt_out, self.run.label_smoothing)
+
+    def _compiled_sums(self):
+        mode = "reduce-overhead" if self.device.type == "cuda" else None
+        return torch.compile(self._padded_sums, mode=mode)
+
+    def train_step(self, batch: Batch | list[Batch]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """One optimizer update on (this rank's slice of) `update_freq` global batches; returns the global sums of
+        the loss and the NLL (0-d float64 tensors, on the device) and the global target token count.
 
         As fairseq: the summed losses of every micro-batch are back-propagated one after the other,
         gradients are reduced over ranks once (after the last), then divided by the global token
@@ -261,10 +310,11 @@ class Trainer:
         self.state.tokens_seen += int(ntokens)
         return totals[0], totals[1], int(ntokens)
 
-    def _accumulate(self, micro: list[Batch]) -> tuple[list[float], bool]:
+    def _accumulate(self, micro: list[Batch]) -> tuple[list, bool]:
         """Forward and backward every micro-batch, then sum gradients and stats over ranks.
 
-        Returns the global (loss, nll, tokens, stop signal) sums and whether any rank ran out of memory,
+        Returns the global (loss, nll, tokens, stop signal) sums (the first two as 0-d tensors) and whether any
+        rank ran out of memory,
         in which case the gradients are meaningless and the caller does the update again in smaller batches.
         """
         self.optimizer.zero_grad(set_to_none=True)
@@ -289,12 +339,18 @@ class Trainer:
             free_memory(self.device)
             stats.zero_()
             stats[4] = 1.0
-        stats[2] = float(sum(b.ntokens for b in micro))
+        ntokens = float(sum(b.ntokens for b in micro))
+        stopped = float(signals.received() is not None)
+        if not self.ctx.enabled:
+            # One process: the tokens, a stop signal and a failure are known here, and the loss sums stay on the
+            # device until they are logged, so on a GPU the host never waits for the device inside an update.
+            return [stats[0], stats[1], ntokens, stopped, float(failed)], failed
+        stats[2] = ntokens
         # A stop signal on any rank, summed with the gradients: every rank stops after this same update.
-        stats[3] = float(signals.received() is not None)
+        stats[3] = stopped
         stats = reduce_gradients(self.ctx, self.params, stats)
-        totals = stats.tolist()
-        return totals, totals[4] > 0
+        flags = stats[2:].tolist()
+        return [stats[0], stats[1], *flags], flags[2] > 0
 
     @torch.no_grad()
     def dev_loss(self) -> tuple[float, float]:
@@ -427,22 +483,21 @@ class Trainer:
         return reason
 
     def _postfix(self, window: dict) -> dict:
+        # The loss shown is the last one logged: reading the window's would wait for the device every update.
         elapsed = window["step_time"] + window["wait_time"]
         if elapsed <= 0:
             return {}
-        return {
-            "loss": f"{window['loss'] / max(window['tokens'], 1):.3f}",
-            "upd/s": f"{window['updates'] / elapsed:.2f}",
-            "tok/s": f"{window['tokens'] / elapsed:.0f}",
-        }
+        shown = {} if self.last_logged_loss is None else {"loss": f"{self.last_logged_loss:.3f}"}
+        return shown | {"upd/s": f"{window['updates'] / elapsed:.2f}", "tok/s": f"{window['tokens'] / elapsed:.0f}"}
 
     def _train_record(self, window: dict) -> dict:
         elapsed = max(window["step_time"] + window["wait_time"], 1e-9)
+        self.last_logged_loss = float(window["loss"]) / max(window["tokens"], 1)
         return {
             "update": self.state.update,
             "epoch": self.state.epoch,
-            "loss": window["loss"] / max(window["tokens"], 1),
-            "nll_loss": window["nll"] / max(window["tokens"], 1),
+            "loss": self.last_logged_loss,
+            "nll_loss": float(window["nll"]) / max(window["tokens"], 1),
             "lr": inverse_sqrt_lr(self.state.update, self.run.lr, self.run.warmup),
             "tokens_per_s": window["tokens"] / elapsed,
             "updates_per_s": window["updates"] / elapsed,
