@@ -17,7 +17,7 @@ from .builder import CacheResult, build_cache
 from .compat import cache_status, check_key_fields, choose_layers, layer_rows, open_cache
 from .extract import parse_layers
 from .manifest import cache_key, check_cache, inspect_cache, verify_cache
-from .reader import CacheReader, feature_scale
+from .reader import CacheReader, feature_scale, in_memory_bytes
 from .codecs import STORAGE_DTYPES
 from .shards import BACKENDS
 
@@ -33,6 +33,7 @@ __all__ = [
     "check_key_fields",
     "choose_layers",
     "feature_scale",
+    "in_memory_bytes",
     "inspect_cache",
     "layer_rows",
     "open_cache",

@@ -26,6 +26,16 @@ READ_GAP_TOKENS = 64
 READ_GAP_ROWS = 16
 
 
+def in_memory_bytes(path_or_url) -> int:
+    """The bytes a CacheReader(in_memory=True) of this cache holds: every array of every shard, as stored."""
+    _, manifest = load_manifest(Location(path_or_url))
+    total = 0
+    for shard in manifest["shards"]:
+        for shape, dtype in expected_arrays(manifest, shard).values():
+            total += int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    return total
+
+
 class CacheReader:
     def __init__(self, path_or_url, *, in_memory: bool = False):
         self.location, self.manifest = load_manifest(Location(path_or_url))

@@ -337,6 +337,9 @@ def train_runs(
             if state != BUILT:
                 raise UserError(f"cache {out} is not built; run `prlmfuse run {cfg.path} --only cache` first")
     runs = _selected_runs(cfg, names)
+    left = [r for r in runs if not rundir.training_progress(r, rundir.state_to_resume(run_path(cfg, r.name)))[0]
+            .startswith("done")]
+    features_in_memory(cfg, left, jobs, parallel if parallel > 1 else 1)
     if is_main_process():
         for run in runs:
             _set_aside_if_stale(run_path(cfg, run.name), corpus)
@@ -353,6 +356,51 @@ def train_runs(
         train_run(resolve_run(cfg, run), corpus, caches_for_run(run, jobs, cfg), out, resume=resume, runtime=runtime)
         dirs.append(out)
     return dirs
+
+
+def _available_memory() -> int | None:
+    """Bytes this machine can still give (MemAvailable), None where /proc/meminfo does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def features_in_memory(cfg: PipelineConfig, runs: list[RunConfig], jobs: list[CacheJob], parallel: int) -> str | None:
+    """What the runs that hold their features in memory (in_memory_features) take, `parallel` of them at once, each
+    process its own copy of its train and dev caches: a line for the plan, or None where no run holds any. Refuses,
+    naming the runs, what this machine's available memory cannot hold."""
+    held = {}
+    for run in runs:
+        if not run.in_memory_features or not run.prlms:
+            continue
+        caches = [c[split] for c in caches_for_run(run, jobs, cfg) for split in ("train", "dev") if split in c]
+        if any(cache_status(out)[0] != BUILT for out in caches):
+            held[run.name] = None  # known once its caches are built
+            continue
+        from prlmfuse.cache_features import in_memory_bytes
+
+        held[run.name] = sum(in_memory_bytes(out) for out in caches)
+    if not held:
+        return None
+    known = sorted(((n, b) for n, b in held.items() if b is not None), key=lambda x: -x[1])
+    at_once = known[: max(1, min(parallel, len(held)))]
+    need = sum(b for _, b in at_once)
+    gib = lambda b: f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"  # noqa: E731
+    available = _available_memory()
+    each = ", ".join(f"{n} {gib(b)}" if b is not None else f"{n} (caches not built yet)" for n, b in held.items())
+    line = (f"memory: features held in memory: {each}; {len(at_once)} at once hold up to {gib(need)}"
+            + (f" of the {gib(available)} available" if available is not None else ""))
+    if available is not None and need > available:
+        raise UserError(
+            f"{', '.join(n for n, _ in at_once)} at once hold {gib(need)} of cached features in memory "
+            f"(in_memory_features: true, one copy per run), more than the {gib(available)} this machine has "
+            f"available; train fewer at once (--jobs / train.jobs) or set in_memory_features: false"
+        )
+    return line
 
 
 def _stop_if_signalled(what: str) -> None:

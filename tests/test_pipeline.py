@@ -310,3 +310,40 @@ def test_a_stage_run_before_the_one_it_needs_names_the_command_and_trains_nothin
     assert str(e.value) == (f"not trained yet: baseline, fused (no checkpoint under {tmp_path / 'work' / 'runs'}); "
                             f"run `prlmfuse run {path} --only train` first")
     assert not (tmp_path / "work" / "results").exists()
+
+
+def test_features_held_in_memory_are_counted_per_run_at_once_and_refused_past_what_is_available(
+        tiny_pipeline, tmp_path, monkeypatch):
+    """in_memory_features: each run's process holds its own copy of its train and dev caches; the plan says
+    how much the runs trained at once hold, and a plan or a training that would not fit is refused first."""
+    root, path, _ = tiny_pipeline
+    from prlmfuse import pipeline
+    from prlmfuse.cache_features import CacheReader, in_memory_bytes
+    from prlmfuse.config import load_pipeline
+    from prlmfuse.plan import plan_lines
+
+    text = path.read_text(encoding="utf-8").replace("num_workers: 0,", "num_workers: 0, in_memory_features: true,")
+    text = text.replace("    fused: {", "    fused2: {prlms: [{checkpoint: PRLM, layer: -2}], seed: 2}\n    fused: {")
+    prlm = str(small_runs.tiny_prlm(tmp_path / "prlm", layers=3, width=32))
+    other = tmp_path / "pipeline.yaml"
+    other.write_text(text.replace("PRLM", prlm).replace("workdir: work", f"workdir: {tmp_path / 'work'}")
+                     .replace(str(root / "prlm"), prlm), encoding="utf-8")
+    cfg = load_pipeline(other)
+    corpus = pipeline.ensure_data(cfg)
+    jobs = pipeline.build_caches(cfg, corpus)
+    caches = pipeline.caches_for_run(cfg.run("fused"), jobs, cfg)[0]
+    one_run = sum(in_memory_bytes(caches[split]) for split in ("train", "dev"))
+    reader = CacheReader(caches["train"], in_memory=True)  # what the reader really holds, train split
+    held = sum(a.nbytes for arrays in reader._memory.values() for a in arrays.values())
+    assert held == in_memory_bytes(caches["train"]) > 0
+
+    lines = plan_lines(cfg, None, parallel=2)
+    memory = next(line for line in lines if line.startswith("memory:"))
+    assert "fused2" in memory and f"2 at once hold up to {2 * one_run / 2**20:.1f} MiB" in memory
+    monkeypatch.setattr(pipeline, "_available_memory", lambda: int(1.5 * one_run))
+    with pytest.raises(UserError, match=r"fused2?, fused2? at once hold .*one copy per run.*--jobs"):
+        plan_lines(cfg, None, parallel=2)
+    assert any(line.startswith("memory:") for line in plan_lines(cfg, None, parallel=1))  # one at a time fits
+    with pytest.raises(UserError, match="in_memory_features: false"):
+        pipeline.train_runs(cfg, None, jobs=jobs, parallel=2)
+    assert not (tmp_path / "work" / "runs").exists()  # refused before any run was set up
