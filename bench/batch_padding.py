@@ -10,13 +10,18 @@ number of batches and the padded over real token counts of the source and of the
 with the padded source; decoder layers with the padded target. No timing: the counts are exact.
 
     python bench/batch_padding.py [--corpus DIR] [--max-tokens 1200 3500] [--bpe-vocab 4000]
-                                  [--storage-windows CHECKPOINT]
+                                  [--storage-windows CHECKPOINT] [--prlm CHECKPOINT]
+
+The batches of `static_shapes: true` ("static_shapes_4", and "static_shapes_8" over a ladder twice as
+fine) are counted too, each padded to its class's rounded lengths and rows: with the number of distinct
+shapes a compiled step captures, and every position computed (source, target and PrLM features together)
+over those of prlmfuse's token-budget batches.
 
 --storage-windows: also the batches of `train.read_window` K ("storage_window_K", K = 1, 2, 4, 8, 32)
 over a cache of CHECKPOINT, which stores the training sources sorted by their token length, ties by
 line: windows of K batches' worth of neighbouring stored sentences, each sorted by the longer side's
-length, then target, then source length, and cut under the budget. With it, every order also counts the padding of the PrLM
-features (the cache's token lengths), which the PrLM attention reads.
+length, then target, then source length, and cut under the budget. With it (or with --prlm), every order also
+counts the padding of the PrLM features (the checkpoint's token lengths), which the PrLM attention reads.
 
 Default corpus: the Bible English->Japanese corpus under $PRLMFUSE_HOME (built if missing). The
 last line is `RESULT {json}`.
@@ -32,10 +37,12 @@ from pathlib import Path
 import numpy as np
 
 
-def padding(batches: list[list[int]], lens: np.ndarray) -> float:
-    """Padded over real tokens of one side (the batches hold every pair once), each batch padded to its longest."""
-    padded = sum(len(b) * int(lens[b].max()) for b in batches)
-    return padded / float(lens.sum())
+def padding(batches: list[list[int]], lens: np.ndarray, *, rows: list[int] | None = None, length=None) -> float:
+    """Padded over real tokens of one side (the batches hold every pair once): each batch padded to its longest,
+    or to `length(longest)` and `rows[k]` rows (static_shapes: the class's rounded length and rows)."""
+    rows = rows or [len(b) for b in batches]
+    length = length or int
+    return sum(r * length(int(lens[b].max())) for b, r in zip(batches, rows)) / float(lens.sum())
 
 
 def target_first_batches(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, seed: int) -> list[list[int]]:
@@ -64,12 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--storage-windows", metavar="CHECKPOINT",
                         help="also batches drawn from windows of sentences neighbouring in a cache of CHECKPOINT")
+    parser.add_argument("--prlm", metavar="CHECKPOINT",
+                        help="count the padding of CHECKPOINT's features too (static_shapes sorts its classes by them)")
     args = parser.parse_args(argv)
 
     from prlmfuse.corpora import build_bible, load_corpus
     from prlmfuse.fileio import prlmfuse_home
     from prlmfuse.errors import UserError
     from prlmfuse.train_fused.bpe import train_bpe
+    from prlmfuse.train_fused.buckets import STEPS_PER_OCTAVE, BatchShapes, bucket_batches
     from prlmfuse.train_fused.data import TokenBudgetBatchSampler
 
     try:
@@ -89,14 +99,15 @@ def main(argv: list[str] | None = None) -> int:
           f"source {int(src_lens.sum())} tokens ({src_lens.mean() - 1:.1f} pieces a sentence, {chars[0]} distinct "
           f"characters), target {int(tgt_lens.sum())} ({tgt_lens.mean() - 1:.1f}, {chars[1]})", file=sys.stderr)
 
-    storage = None
-    if args.storage_windows:
+    storage = prlm_lens = None
+    if args.storage_windows or args.prlm:
         from prlmfuse.cache_features.extract import encode_corpus
         from prlmfuse.prlms import load_prlm, resolve_checkpoint
 
-        _model, tokenizer = load_prlm(resolve_checkpoint(args.storage_windows))
+        _model, tokenizer = load_prlm(resolve_checkpoint(args.storage_windows or args.prlm))
         prlm_lens = encode_corpus(tokenizer, src, max_length=512).lengths
-        storage = np.argsort(prlm_lens, kind="stable")
+        if args.storage_windows:
+            storage = np.argsort(prlm_lens, kind="stable")
 
     result: dict = {"corpus": str(corpus.root), "bpe_vocab": args.bpe_vocab}
     for max_tokens in args.max_tokens:
@@ -107,19 +118,42 @@ def main(argv: list[str] | None = None) -> int:
         for window in (1, 2, 4, 8, 32) if storage is not None else ():
             orders[f"storage_window_{window}"] = storage_window_batches(storage, src_lens, tgt_lens, max_tokens,
                                                                         window, args.seed)
+        static = {}
+        for steps in (4, 8):  # the ladder static_shapes uses (STEPS_PER_OCTAVE) and a finer one
+            shapes = BatchShapes(max_tokens, steps_per_octave=steps)
+            name = f"static_shapes_{steps}" + ("" if steps == STEPS_PER_OCTAVE else " (finer ladder)")
+            orders[name] = bucket_batches(src_lens, tgt_lens, shapes, prlm_lens=prlm_lens, seed=args.seed)
+            static[name] = shapes
+        sides = {"src": src_lens, "tgt": tgt_lens} | ({"prlm": prlm_lens} if prlm_lens is not None else {})
         row = {}
         for name, batches in orders.items():
-            row[name] = {
-                "batches": len(batches),
-                "src_padded_over_real": round(padding(batches, src_lens), 3),
-                "tgt_padded_over_real": round(padding(batches, tgt_lens), 3),
+            shapes = static.get(name)
+            rows = length = None
+            if shapes is not None:
+                rows = [shapes.rows(shapes.length(int(src_lens[b].max())), shapes.length(int(tgt_lens[b].max())))
+                        for b in batches]
+                length = shapes.length
+            row[name] = {"batches": len(batches)} | {
+                f"{side}_padded_over_real": round(padding(batches, lens, rows=rows, length=length), 3)
+                for side, lens in sides.items()
             }
-            if storage is not None:  # the PrLM features, which the PrLM attention reads and a worker pads
-                row[name]["prlm_padded_over_real"] = round(padding(batches, prlm_lens), 3)
+            # every position a step computes (source, target and PrLM features), against today's batches
+            positions = sum(row[name][f"{side}_padded_over_real"] * float(lens.sum()) for side, lens in sides.items())
+            row[name]["positions"] = int(positions)
+            if shapes is not None:
+                row[name]["distinct_shapes"] = len({
+                    (r, *(length(int(lens[b].max())) for lens in sides.values())) for b, r in zip(batches, rows)
+                })
             label = {"target_first": "target first", "source_first": "prlmfuse (source first)"}.get(name, name)
-            prlm = f", PrLM {row[name]['prlm_padded_over_real']:.3f}" if storage is not None else ""
-            print(f"max_tokens {max_tokens:5d}  {label:24s} {row[name]['batches']:6d} batches  padded/real: "
-                  f"source {row[name]['src_padded_over_real']:.3f}, target {row[name]['tgt_padded_over_real']:.3f}{prlm}")
+            prlm = f", PrLM {row[name]['prlm_padded_over_real']:.3f}" if prlm_lens is not None else ""
+            distinct = f"; {row[name]['distinct_shapes']} shapes" if shapes is not None else ""
+            print(f"max_tokens {max_tokens:5d}  {label:30s} {row[name]['batches']:6d} batches  padded/real: "
+                  f"source {row[name]['src_padded_over_real']:.3f}, target {row[name]['tgt_padded_over_real']:.3f}{prlm}"
+                  f"{distinct}")
+        for name in static:
+            row[name]["positions_over_source_first"] = round(row[name]["positions"] / row["source_first"]["positions"], 3)
+            print(f"max_tokens {max_tokens:5d}  {name}: {row[name]['positions_over_source_first']:.3f}x the positions "
+                  "of prlmfuse's batches (source, target and PrLM together)")
         result[f"max_tokens_{max_tokens}"] = row
     print("RESULT " + json.dumps(result))
     return 0

@@ -32,7 +32,7 @@ case "$seconds" in '' | *[!0-9]*) echo "gpu_node.sh: SECONDS must be a whole num
 seconds=$((10#$seconds))
 probe_updates="${PROBE_UPDATES:-400}"
 case "$probe_updates" in '' | *[!0-9]*) echo "gpu_node.sh: PROBE_UPDATES must be a whole number, got '$probe_updates'" >&2; exit 2 ;; esac
-sections="tests,cache,train,shapes,decode,torchrun,compile"  # bench/gpu.py's --only
+sections="grid,step,shapes,train,cache,decode,torchrun,compile,tests"  # bench/gpu.py's --only
 for step in "$@"; do
     case "$step" in
     bench | probe | demo | tests) ;;

@@ -42,7 +42,8 @@ def test_gpu_bench_runs_every_section_on_the_cpu(tmp_path):
     assert report["errors"] == [] and summary["errors"] == []
 
     sections = report["sections"]
-    assert set(sections) == {"env", "tests", "inputs", "cache", "train", "shapes", "decode", "torchrun", "compile"}
+    assert set(sections) == {"env", "tests", "inputs", "grid", "step", "shapes", "train", "cache", "decode", "torchrun",
+                             "compile"}
     assert all(_number(s["seconds"]) for s in sections.values())
     env = sections["env"]
     assert env["torch"] and env["cache_backend"] in ("zarr", "hdf5") and env["device"] == "cpu"
@@ -81,11 +82,29 @@ def test_gpu_bench_runs_every_section_on_the_cpu(tmp_path):
     assert torchrun["ok"] and torchrun["child"]["backend"] == "gloo" and torchrun["child"]["updates"] == 2
     assert _number(sections["compile"]["compile_true"]["step_ms_median"]) and _number(sections["compile"]["off_over_on"])
 
+    # The GPU path: every step system of every size timed and profiled, no graph compiled after the first pass.
+    step = sections["step"]["configs"]
+    assert list(step) == ["tiny_800", "tiny_400"]
+    for config in step.values():
+        for name in ("eager", "static_eager", "static_compiled"):
+            system = config["systems"][name]
+            assert _number(system["step_ms_median"]) and _number(system["mfu"]) and system["profiled"]["aten_ops"] > 0
+            assert system["graphs_compiled_while_timed"] == 0, name
+        assert config["systems"]["static_eager"]["shapes"] <= config["systems"]["eager"]["shapes"]
+        assert _number(config["compiled_over_eager"])
+    assert summary["ops_per_step"]["tiny_400"]["eager"] == step["tiny_400"]["systems"]["eager"]["profiled"]["aten_ops"]
+    grid = sections["grid"]
+    assert set(grid["runs"]) == {"1", "2"} and _number(grid["eager_one_updates_per_s"])
+    for k, run in grid["runs"].items():
+        assert len(run["children"]) == int(k) and _number(run["updates_per_s_sum"]) and run["overlap"] > 0
+
     targets = report["targets"]
-    assert len(targets) == 11
+    assert len(targets) == 11 + 1 + 3 + 2
     for target in targets:
-        assert isinstance(target["met"], bool) and _number(target["value"]), target
+        # the one GPU-only measure: the GPU kernels' own time, which a CPU has not
+        assert isinstance(target["met"], bool) and (_number(target["value"]) or "GPU kernel" in target["target"]), target
         assert summary["targets"][target["target"]] == {"value": target["value"], "met": target["met"]}
+    assert report["gpu_plan_s"]["grid"] > 0 and set(report["gpu_plan_s"]) == set(sections)
 
 
 NODE_SCRIPT = BENCH.parent / "gpu_node.sh"
