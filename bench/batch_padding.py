@@ -37,12 +37,11 @@ from pathlib import Path
 import numpy as np
 
 
-def padding(batches: list[list[int]], lens: np.ndarray, *, rows: list[int] | None = None, length=None) -> float:
+def padding(batches: list[list[int]], lens: np.ndarray, *, padded: list[tuple[int, int]] | None = None) -> float:
     """Padded over real tokens of one side (the batches hold every pair once): each batch padded to its longest,
-    or to `length(longest)` and `rows[k]` rows (static_shapes: the class's rounded length and rows)."""
-    rows = rows or [len(b) for b in batches]
-    length = length or int
-    return sum(r * length(int(lens[b].max())) for b, r in zip(batches, rows)) / float(lens.sum())
+    or to the (rows, length) of `padded` (static_shapes: its class's)."""
+    padded = padded or [(len(b), int(lens[b].max())) for b in batches]
+    return sum(rows * length for rows, length in padded) / float(lens.sum())
 
 
 def target_first_batches(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int, seed: int) -> list[list[int]]:
@@ -79,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from prlmfuse.fileio import prlmfuse_home
     from prlmfuse.errors import UserError
     from prlmfuse.train_fused.bpe import train_bpe
-    from prlmfuse.train_fused.buckets import STEPS_PER_OCTAVE, BatchShapes, bucket_batches
+    from prlmfuse.train_fused.buckets import STEPS_PER_OCTAVE, BatchShapes
     from prlmfuse.train_fused.data import TokenBudgetBatchSampler
 
     try:
@@ -120,30 +119,27 @@ def main(argv: list[str] | None = None) -> int:
                                                                         window, args.seed)
         static = {}
         for steps in (4, 8):  # the ladder static_shapes uses (STEPS_PER_OCTAVE) and a finer one
-            shapes = BatchShapes(max_tokens, steps_per_octave=steps)
+            shapes = BatchShapes.fit(src_lens, tgt_lens, prlm_lens, max_tokens, steps_per_octave=steps)
             name = f"static_shapes_{steps}" + ("" if steps == STEPS_PER_OCTAVE else " (finer ladder)")
-            orders[name] = bucket_batches(src_lens, tgt_lens, shapes, prlm_lens=prlm_lens, seed=args.seed)
+            order = np.random.RandomState(args.seed).permutation(len(src_lens))
+            orders[name] = shapes.batches(src_lens, tgt_lens, prlm_lens, order)
             static[name] = shapes
         sides = {"src": src_lens, "tgt": tgt_lens} | ({"prlm": prlm_lens} if prlm_lens is not None else {})
         row = {}
         for name, batches in orders.items():
             shapes = static.get(name)
-            rows = length = None
+            padded = {side: None for side in sides}
             if shapes is not None:
-                rows = [shapes.rows(shapes.length(int(src_lens[b].max())), shapes.length(int(tgt_lens[b].max())))
-                        for b in batches]
-                length = shapes.length
-            row[name] = {"batches": len(batches)} | {
-                f"{side}_padded_over_real": round(padding(batches, lens, rows=rows, length=length), 3)
-                for side, lens in sides.items()
-            }
+                classes = [shapes.shape(int(src_lens[b].max()), int(tgt_lens[b].max()),
+                                        int(prlm_lens[b].max()) if prlm_lens is not None else 0) for b in batches]
+                padded = {side: [(c[0], c[k]) for c in classes] for k, side in enumerate(sides, start=1)}
+            over = {side: padding(batches, lens, padded=padded[side]) for side, lens in sides.items()}
+            row[name] = {"batches": len(batches)} | {f"{side}_padded_over_real": round(v, 3) for side, v in over.items()}
             # every position a step computes (source, target and PrLM features), against today's batches
-            positions = sum(row[name][f"{side}_padded_over_real"] * float(lens.sum()) for side, lens in sides.items())
-            row[name]["positions"] = int(positions)
+            row[name]["positions"] = int(round(sum(over[side] * float(lens.sum()) for side, lens in sides.items())))
             if shapes is not None:
-                row[name]["distinct_shapes"] = len({
-                    (r, *(length(int(lens[b].max())) for lens in sides.values())) for b, r in zip(batches, rows)
-                })
+                row[name]["distinct_shapes"] = len(set(classes))
+                row[name]["ratios"] = {"target": round(shapes.target_ratio, 3), "prlm": round(shapes.prlm_ratio, 3)}
             label = {"target_first": "target first", "source_first": "prlmfuse (source first)"}.get(name, name)
             prlm = f", PrLM {row[name]['prlm_padded_over_real']:.3f}" if prlm_lens is not None else ""
             distinct = f"; {row[name]['distinct_shapes']} shapes" if shapes is not None else ""
