@@ -105,13 +105,13 @@ def test_fused_run_layout_run_json_and_load_run(world, tmp_path):
     assert Path(avg_info["weights"]) == run_dir / "average-last2.safetensors"
 
 
-@pytest.mark.parametrize("layer, read_window", [("dwatt", 0), ("dyn_cls", 2)])
-def test_resume_continues_the_same_schedule(world, tmp_path, layer, read_window):
+@pytest.mark.parametrize("layer, read_window, static_shapes", [("dwatt", 0, False), ("dyn_cls", 2, False), (-2, 0, True)])
+def test_resume_continues_the_same_schedule(world, tmp_path, layer, read_window, static_shapes):
     """2N updates straight == N updates, stop, resume N more (mid-epoch): same weights, same loss curve."""
     corpus, ckpt, paths = world
     use = PrLMUse(checkpoint=str(ckpt), layer=layer)
     caches = [small_runs.caches_for(use, paths)]
-    settings = dict(prlms=[use], dropout=0.1, save_every=3, read_window=read_window)
+    settings = dict(prlms=[use], dropout=0.1, save_every=3, read_window=read_window, static_shapes=static_shapes)
     straight = train_run(small_runs.tiny_run("r", max_updates=12, **settings), corpus, caches,
                          tmp_path / "straight", progress=False)
     split = tmp_path / "split"
