@@ -337,9 +337,9 @@ def train_runs(
             if state != BUILT:
                 raise UserError(f"cache {out} is not built; run `prlmfuse run {cfg.path} --only cache` first")
     runs = _selected_runs(cfg, names)
-    left = [r for r in runs if not rundir.training_progress(r, rundir.state_to_resume(run_path(cfg, r.name)))[0]
-            .startswith("done")]
-    features_in_memory(cfg, left, jobs, parallel if parallel > 1 else 1)
+    # Each process holds its own copy: the runs trained at once, or under torchrun every rank of this node.
+    features_in_memory(cfg, [r for r in runs if not resume or _left_to_train(cfg, r, corpus)], jobs,
+                       parallel if parallel > 1 else int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if is_main_process():
         for run in runs:
             _set_aside_if_stale(run_path(cfg, run.name), corpus)
@@ -369,6 +369,19 @@ def _available_memory() -> int | None:
     return None
 
 
+def _left_to_train(cfg: PipelineConfig, run: RunConfig, corpus) -> bool:
+    """Whether training `run` has work left: not done, or done on a corpus that has changed since. A run
+    directory too damaged to tell counts as left (`--fresh` starts it over)."""
+    if not run.in_memory_features or not run.prlms:
+        return False  # holds no features in memory: nothing to count, and its directory is not read
+    out = run_path(cfg, run.name)
+    try:
+        state = rundir.training_progress(run, rundir.state_to_resume(out))[0]
+    except UserError:
+        return True
+    return not state.startswith("done") or (corpus is not None and _is_stale(out, corpus))
+
+
 def features_in_memory(cfg: PipelineConfig, runs: list[RunConfig], jobs: list[CacheJob], parallel: int) -> str | None:
     """What the runs that hold their features in memory (in_memory_features) take, `parallel` of them at once, each
     process its own copy of its train and dev caches: a line for the plan, or None where no run holds any. Refuses,
@@ -392,8 +405,10 @@ def features_in_memory(cfg: PipelineConfig, runs: list[RunConfig], jobs: list[Ca
     gib = lambda b: f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"  # noqa: E731
     available = _available_memory()
     each = ", ".join(f"{n} {gib(b)}" if b is not None else f"{n} (caches not built yet)" for n, b in held.items())
-    line = (f"memory: features held in memory: {each}; {len(at_once)} at once hold up to {gib(need)}"
-            + (f" of the {gib(available)} available" if available is not None else ""))
+    line = f"memory: features held in memory: {each}"
+    if at_once:
+        line += (f"; {len(at_once)} at once hold up to {gib(need)}"
+                 + (f" of the {gib(available)} available" if available is not None else ""))
     if available is not None and need > available:
         raise UserError(
             f"{', '.join(n for n, _ in at_once)} at once hold {gib(need)} of cached features in memory "

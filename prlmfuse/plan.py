@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from prlmfuse.cache_features.compat import BUILT, cache_status
 from prlmfuse.config import PipelineConfig
-from prlmfuse.pipeline import (_edited_input, _is_stale, _selected_runs, cache_jobs, corpus_dir, features_in_memory,
-                               planned_parameters, planned_specs, resolve_run, run_path)
+from prlmfuse.pipeline import (_edited_input, _is_stale, _left_to_train, _selected_runs, cache_jobs, corpus_dir,
+                               features_in_memory, planned_parameters, planned_specs, resolve_run, run_path)
 from prlmfuse.train_fused import run_dir as rundir
 from prlmfuse.train_fused.config import RunConfig
 from prlmfuse.train_fused.matching import trainable_parameters
@@ -66,9 +66,8 @@ def plan_lines(cfg: PipelineConfig, names: list[str] | None, parallel: int = 1) 
             total_tokens += max(0, run.max_updates - done) * run.max_tokens * run.update_freq
             runs_left += 1
     if jobs is not None:
-        to_train = [r for r in _selected_runs(cfg, names)
-                    if not rundir.training_progress(r, rundir.state_to_resume(run_path(cfg, r.name)))[0].startswith("done")]
-        memory = features_in_memory(cfg, to_train, jobs, parallel)
+        memory = features_in_memory(cfg, [r for r in _selected_runs(cfg, names) if _left_to_train(cfg, r, corpus)],
+                                    jobs, parallel)
         if memory is not None:
             lines.append(memory)
     if total_updates:

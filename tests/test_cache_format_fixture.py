@@ -29,3 +29,35 @@ def test_a_cache_of_the_committed_layout_reads_back_what_it_held(tmp_path, backe
         assert digests(reader) == {k: expected[k] for k in ("features", "pooled", "lengths")}
     verify_cache(cache)
     assert inspect_cache(cache)  # `cache inspect` still describes it
+
+
+@pytest.mark.parametrize("backend, dtype", CACHES)
+def test_verify_finds_a_flipped_byte_in_every_array_of_every_layout(tmp_path, backend, dtype):
+    """One bit flipped anywhere in an array's stored bytes (each array of the shard in turn: token layers, their
+    int8 scales, pooled vectors, offsets, ids) is found by `cache verify`, which names the shard."""
+    from prlmfuse.cache_features import verify_cache
+    from prlmfuse.errors import UserError
+
+    name = f"{backend}-{dtype}"
+    shard = next((FIXTURES / name / "shards").iterdir()).name
+    if backend == "hdf5":
+        import h5py
+
+        with h5py.File(FIXTURES / name / "shards" / shard, "r") as f:
+            # (file, first byte, bytes) of each array's contiguous data
+            places = {k: (shard, f[k].id.get_offset(), f[k].id.get_storage_size()) for k in f}
+    else:
+        root = FIXTURES / name / "shards"
+        places = {chunk.relative_to(root / shard).parts[0]: (str(chunk.relative_to(root)), 0, chunk.stat().st_size)
+                  for chunk in (root / shard).glob("*/c/**/*") if chunk.is_file()}  # one chunk an array here
+    assert {"offsets", "pooled", "sentence_ids"} <= set(places) and sum(k.startswith("layer_") for k in places) == 2
+    for array, (file, first, size) in places.items():
+        for where in (first, first + size // 2, first + size - 1):
+            cache = tmp_path / f"{array}-{where}"
+            shutil.copytree(FIXTURES / name, cache)
+            target = cache / "shards" / file
+            data = bytearray(target.read_bytes())
+            data[where] ^= 0x10
+            target.write_bytes(bytes(data))
+            with pytest.raises(UserError, match=shard):
+                verify_cache(cache)

@@ -347,3 +347,11 @@ def test_features_held_in_memory_are_counted_per_run_at_once_and_refused_past_wh
     with pytest.raises(UserError, match="in_memory_features: false"):
         pipeline.train_runs(cfg, None, jobs=jobs, parallel=2)
     assert not (tmp_path / "work" / "runs").exists()  # refused before any run was set up
+    # A run directory too damaged to resume counts as left to train, and is not read past that: --fresh starts
+    # it over (train_run's own rule), so the memory check must not refuse it first.
+    damaged = tmp_path / "work" / "runs" / "fused"
+    damaged.mkdir(parents=True)
+    (damaged / "trainer_state.json").write_text("{trunc", encoding="utf-8")
+    assert pipeline._left_to_train(cfg, cfg.run("fused"), corpus)
+    monkeypatch.setattr(pipeline, "_available_memory", lambda: 10 * one_run)
+    assert pipeline.features_in_memory(cfg, [cfg.run("fused")], jobs, 1).startswith("memory: features held")

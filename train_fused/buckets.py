@@ -34,6 +34,8 @@ STEPS_PER_OCTAVE = 4
 # The target and feature ratios tried when fitting: 1/8 to 8 in steps of 2^(1/4) (a summary's target is
 # short beside its source, a translation's near it; a PrLM's subwords near the model's BPE).
 RATIOS = tuple(2.0 ** (i / 4) for i in range(-12, 13))
+# Pairs the ratios are fitted to: a sample this large gives a corpus's length mix, and fitting costs a second.
+FIT_PAIRS = 20_000
 
 
 def bucket_length(n: int, steps_per_octave: int = STEPS_PER_OCTAVE) -> int:
@@ -61,7 +63,12 @@ class BatchShapes:
     @classmethod
     def fit(cls, src_lens: np.ndarray, tgt_lens: np.ndarray, prlm_lens: np.ndarray | None, max_tokens: int,
             world_size: int = 1, steps_per_octave: int = STEPS_PER_OCTAVE) -> "BatchShapes":
-        """The classes whose ratios compute the fewest positions over these pairs (ties: the first tried)."""
+        """The classes whose ratios compute the fewest positions over these pairs (ties: the first tried), fitted
+        to at most FIT_PAIRS of them (a seeded sample: the same classes on every rank and after a resume)."""
+        if len(src_lens) > FIT_PAIRS:
+            sample = np.sort(np.random.RandomState(0).choice(len(src_lens), FIT_PAIRS, replace=False))
+            src_lens, tgt_lens = np.asarray(src_lens)[sample], np.asarray(tgt_lens)[sample]
+            prlm_lens = None if prlm_lens is None else np.asarray(prlm_lens)[sample]
         best = None
         for target_ratio in RATIOS:
             for prlm_ratio in RATIOS if prlm_lens is not None else (1.0,):

@@ -411,7 +411,12 @@ def defining_settings(settings: dict, has_prlms: bool) -> dict:
     return settings if has_prlms else {k: v for k, v in settings.items() if k not in FUSION_SETTINGS}
 
 
+# Settings of how a run is fed, compiled and logged, never of what it trains.
+FEEDING_FIELDS = frozenset({"num_workers", "in_memory_features", "compile", "tensorboard", "log_every"})
+
+
 def recipe_without_seed(train: dict) -> dict:
-    """A run's settings (RunConfig.to_dict(), as run.json stores them) minus name and seed:
-    equal for the runs of one `grid: {seed: [...]}`."""
-    return {k: v for k, v in defining_settings(train, bool(train.get("prlms"))).items() if k not in ("name", "seed")}
+    """A run's settings (RunConfig.to_dict(), as run.json stores them) minus name, seed and how it is fed:
+    equal for the runs of one `grid: {seed: [...]}`, whichever loader or logging each had."""
+    return {k: v for k, v in defining_settings(train, bool(train.get("prlms"))).items()
+            if k not in ("name", "seed") and k not in FEEDING_FIELDS}

@@ -33,7 +33,7 @@ import prlmfuse
 from prlmfuse.errors import UserError
 from prlmfuse.evaluate.settings import AVERAGE_CHOICES
 from prlmfuse.fileio import atomic_write_json, atomic_write_text, fsync_dir, pid_lock, read_json
-from prlmfuse.train_fused.config import defining_settings
+from prlmfuse.train_fused.config import FEEDING_FIELDS, defining_settings
 
 logger = logging.getLogger(__name__)
 
@@ -75,10 +75,9 @@ _STALE_TEMP_RE = re.compile(r"^\.(update-\d{8}\.(safetensors|json)|optimizer-\d{
                             r"|^\.tmp[A-Za-z0-9]{6}$")
 # RunConfig fields that only steer when to stop, how often to log, or how to feed data: a resumed
 # run may change them. Every other field defines the run and must match the run directory.
-RESUMABLE_FIELDS = frozenset({
-    "max_updates", "max_epochs", "patience", "min_epochs", "save_every", "keep_last", "keep_last_epochs", "log_every",
-    "tensorboard", "num_workers", "in_memory_features", "compile",
-})
+RESUMABLE_FIELDS = FEEDING_FIELDS | {
+    "max_updates", "max_epochs", "patience", "min_epochs", "save_every", "keep_last", "keep_last_epochs",
+}
 
 
 # ------------------------------------------------------------------------------------ file names

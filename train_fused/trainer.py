@@ -114,6 +114,9 @@ class Trainer:
         # compile: the forward and the loss as one graph (its backward another), checkpoints keep the plain module.
         # On CUDA in reduce-overhead mode, so each batch shape is captured once and replayed as a CUDA graph.
         self.padded_sums = self._compiled_sums() if run.compile else None
+        if run.compile and not run.static_shapes and self.device.type == "cuda":
+            logger.warning("train: %s compiles without static_shapes: each new batch shape is compiled and captured "
+                           "again; set static_shapes: true", run.name)
         self.ctx = ctx
         self.progress = progress
         self.scaler = grad_scaler(self.runtime)
