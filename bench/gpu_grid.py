@@ -55,6 +55,7 @@ def child(argv: list[str]) -> None:
 
     import torch
 
+    from gpu_train import compile_with
     from prlmfuse.cache_features import CacheReader
     from prlmfuse.distributed import DistContext
     from prlmfuse.precision import resolve_runtime
@@ -80,8 +81,8 @@ def child(argv: list[str]) -> None:
     model = FusedTransformer(run.model_config(int(saved["vocab_size"]), [spec]))
     with tempfile.TemporaryDirectory(prefix="gpu-grid-") as run_dir:
         trainer = Trainer(run, Path(run_dir), model, dataset, dataset, DistContext(), progress=False, runtime=runtime)
-        if static and args.compile_backend:
-            trainer.padded_sums = torch.compile(trainer._padded_sums, backend=args.compile_backend)
+        if static:
+            compile_with(trainer, args.compile_backend)
         sampler = trainer.train_sampler
         order = [sampler.batches[b] for b in sampler.epoch_order(0)]
         batches = [dataset.__getitems__(b).to(runtime.device) for b in order[: args.updates]]

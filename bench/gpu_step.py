@@ -83,7 +83,7 @@ def step_section(report, sizes, device: torch.device, shared: dict) -> dict:
     if "step_inputs" not in shared:
         raise RuntimeError("the training section did not get far enough to build the fused inputs")
     from gpu_report import free_memory
-    from gpu_train import step_flops
+    from gpu_train import compile_with, step_flops
     from prlmfuse.distributed import DistContext
     from prlmfuse.train_fused.bpe import PAD_ID
     from prlmfuse.train_fused.buckets import BatchShapes, BucketBatchSampler, prlm_lengths
@@ -125,8 +125,8 @@ def step_section(report, sizes, device: torch.device, shared: dict) -> dict:
                 torch.manual_seed(1)
                 model = FusedTransformer(run.model_config(vocab, [spec]))
                 trainer = Trainer(run, run_dir, model, dataset, dataset, DistContext(), progress=False, runtime=runtime)
-                if compiled and sizes.compile_backend is not None:
-                    trainer.padded_sums = torch.compile(trainer._padded_sums, backend=sizes.compile_backend)
+                if compiled:
+                    compile_with(trainer, sizes.compile_backend)
                 flops = [step_flops(trainer.model, int((b.src_tokens != PAD_ID).sum()), b.ntokens) for b in timed]
                 start = time.perf_counter()
                 measured = time_one(trainer, warm, timed, flops, device, peak)

@@ -290,12 +290,18 @@ def shapes_section(report: Report, sizes: Sizes, device: torch.device, shared: d
     return result
 
 
+def compile_with(trainer, backend: str | None) -> None:
+    """The trainer's compiled forward and loss under another torch.compile backend (None: its own, inductor);
+    --tiny traces with `eager`, since inductor's C++ builds take minutes on a CPU."""
+    if backend is not None:
+        trainer.padded_sums = torch.compile(trainer._padded_sums, backend=backend)
+
+
 def compile_section(report: Report, sizes: Sizes, device: torch.device, shared: dict, train: dict) -> dict:
     if "compile_system" not in shared:
         raise RuntimeError("the training section did not get far enough to build the fused system")
     trainer, batches, tokens = shared["compile_system"]()
-    if sizes.compile_backend is not None:
-        trainer.padded_sums = torch.compile(trainer._padded_sums, backend=sizes.compile_backend)
+    compile_with(trainer, sizes.compile_backend)
     flops = [step_flops(trainer.model, s, t) for s, t in tokens]
     start = time.perf_counter()
     measured = time_system(trainer, batches, None, shared["src"], flops, sizes, shared["peak_flops"],

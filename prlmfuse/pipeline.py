@@ -386,6 +386,8 @@ def features_in_memory(cfg: PipelineConfig, runs: list[RunConfig], jobs: list[Ca
     """What the runs that hold their features in memory (in_memory_features) take, `parallel` of them at once, each
     process its own copy of its train and dev caches: a line for the plan, or None where no run holds any. Refuses,
     naming the runs, what this machine's available memory cannot hold."""
+    from prlmfuse.cache_features import in_memory_bytes
+
     held = {}
     for run in runs:
         if not run.in_memory_features or not run.prlms:
@@ -394,8 +396,6 @@ def features_in_memory(cfg: PipelineConfig, runs: list[RunConfig], jobs: list[Ca
         if any(cache_status(out)[0] != BUILT for out in caches):
             held[run.name] = None  # known once its caches are built
             continue
-        from prlmfuse.cache_features import in_memory_bytes
-
         held[run.name] = sum(in_memory_bytes(out) for out in caches)
     if not held:
         return None

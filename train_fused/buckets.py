@@ -97,19 +97,23 @@ class BatchShapes:
 
     def classes(self, src_lens, tgt_lens, prlm_lens=None) -> np.ndarray:
         """Each pair's class: the least that holds its source, target and PrLM lengths."""
+        return self._classes_and_table(src_lens, tgt_lens, prlm_lens)[0]
+
+    def _classes_and_table(self, src_lens, tgt_lens, prlm_lens=None):
+        """Each pair's class, and the table (source, target, PrLM lengths, rows) of the classes up to the largest."""
         src_lens, tgt_lens = np.asarray(src_lens), np.asarray(tgt_lens)
         longest = max(int(src_lens.max(initial=1)), int(tgt_lens.max(initial=1)),
                       int(np.max(prlm_lens, initial=1)) if prlm_lens is not None else 1)
-        source, target, prlm, _ = self._table(longest)
+        table = source, target, prlm, _ = self._table(longest)
         k = np.maximum(np.searchsorted(source, src_lens), np.searchsorted(target, tgt_lens))
         if prlm_lens is not None:
             k = np.maximum(k, np.searchsorted(prlm, np.asarray(prlm_lens)))
-        return k
+        return k, table
 
     def shape(self, src_len: int, tgt_len: int, prlm_len: int = 0) -> tuple[int, int, int, int]:
         """(rows per rank, source, target, PrLM length) of a batch whose longest lengths are these."""
-        k = int(self.classes([src_len], [tgt_len], [prlm_len])[0])
-        source, target, prlm, rows = self._table(max(src_len, tgt_len, prlm_len))
+        k, (source, target, prlm, rows) = self._classes_and_table([src_len], [tgt_len], [prlm_len])
+        k = int(k[0])
         return int(rows[k]) // self.world_size, int(source[k]), int(target[k]), int(prlm[k])
 
     def batches(self, src_lens, tgt_lens, prlm_lens, order: np.ndarray) -> list[list[int]]:
@@ -118,9 +122,8 @@ class BatchShapes:
         order = np.asarray(order, dtype=np.int64)
         if len(order) == 0:
             return []
-        k = self.classes(src_lens[order], tgt_lens[order], None if prlm_lens is None else prlm_lens[order])
-        _, _, _, rows = self._table(max(int(src_lens[order].max()), int(tgt_lens[order].max()),
-                                        int(prlm_lens[order].max()) if prlm_lens is not None else 1))
+        k, (_, _, _, rows) = self._classes_and_table(src_lens[order], tgt_lens[order],
+                                                     None if prlm_lens is None else prlm_lens[order])
         by_class = order[np.argsort(k, kind="stable")]
         starts = np.searchsorted(np.sort(k), np.arange(len(rows) + 1))
         batches, carried = [], []
@@ -136,9 +139,7 @@ class BatchShapes:
     def positions(self, src_lens, tgt_lens, prlm_lens=None) -> int:
         """The positions the batches of these pairs compute (source, target and PrLM features, padding included),
         in whatever order each class's pairs are taken: what `fit` minimises."""
-        k = self.classes(src_lens, tgt_lens, prlm_lens)
-        longest = max(int(np.max(src_lens)), int(np.max(tgt_lens)), int(np.max(prlm_lens)) if prlm_lens is not None else 1)
-        source, target, prlm, rows = self._table(longest)
+        k, (source, target, prlm, rows) = self._classes_and_table(src_lens, tgt_lens, prlm_lens)
         cost = rows * (source + target + (prlm if prlm_lens is not None else 0))  # a batch of the class's shape
         counts = np.bincount(k, minlength=len(rows))
         total, carried = 0, np.zeros(0, dtype=np.int64)  # the classes of the pairs carried up, in their order

@@ -149,16 +149,12 @@ class Trainer:
                 indices=self._usable(train_set, model), seed=run.seed, rank=ctx.rank, world_size=ctx.world_size,
             )
         self.train_loader = make_loader(train_set, self.train_sampler, num_workers=workers, pin_memory=on_gpu)
-        if shapes is not None:
-            self.dev_sampler = BucketBatchSampler(
-                dev_set.src_lens, dev_set.tgt_lens, shapes, prlm_lens=prlm_lengths(dev_set),
-                indices=self._usable(dev_set, model), shuffle=False, seed=run.seed, rank=ctx.rank, world_size=ctx.world_size,
-            )
-        else:
-            self.dev_sampler = TokenBudgetBatchSampler(
-                dev_set.src_lens, dev_set.tgt_lens, run.max_tokens,
-                indices=self._usable(dev_set, model), shuffle=False, seed=run.seed, rank=ctx.rank, world_size=ctx.world_size,
-            )
+        dev_order = dict(indices=self._usable(dev_set, model), shuffle=False, seed=run.seed, rank=ctx.rank,
+                         world_size=ctx.world_size)
+        self.dev_sampler = (
+            BucketBatchSampler(dev_set.src_lens, dev_set.tgt_lens, shapes, prlm_lens=prlm_lengths(dev_set), **dev_order)
+            if shapes is not None else TokenBudgetBatchSampler(dev_set.src_lens, dev_set.tgt_lens, run.max_tokens, **dev_order)
+        )
         # Dev is read in-process: it is small, and the loop waits for it anyway.
         self.dev_loader = make_loader(dev_set, self.dev_sampler, num_workers=0, pin_memory=on_gpu)
         self.stop_signalled = False  # set by train_step when a stop signal reached any rank
