@@ -7,7 +7,7 @@
    vocabulary of BERT-base), tiled in a seeded order up to the cache size. Features are random float32
    of BERT-base's width (768), one layer (-2 of 12), as a GPU forward would hand them over.
 2. Writer: raw disk write rate (8 MiB writes, fsync) beside the cache's own storage path
-   (cache_features.builder.write_shards: encode, checksum, write in the background writer, fsync,
+   (cache_features.builder.write_shards: encode, checksum, write in the background writer's threads, fsync,
    rename, manifest), for both backends and for float16 and int8, --writer-gb each; then each stage
    of that path alone (encode, sha256, the shard writer) over up to 1 GB; then the same path writes
    the big cache of --size-gb (default twice the machine's memory) in --backend.
@@ -197,11 +197,12 @@ def write_cache(out: Path, corpus, backend: str, dtype: str) -> dict:
 
 def writer_stages(directory: Path, backend: str, dtype: str, lengths: np.ndarray, nbytes: int) -> dict:
     """Each stage of the storage path alone over one plan's batches, in GB/s of stored bytes: the
-    model thread's encode (float32 -> stored dtype, padding dropped), the shard's sha256, and the
+    encoder's work (float32 -> stored dtype, padding dropped), the shard's sha256, and the
     shard writer's appends and commit (fsync, rename) less that sha256."""
     import hashlib
 
-    from prlmfuse.cache_features.builder import DEFAULT_MAX_TOKENS, encode_batch
+    from prlmfuse.cache_features.background_writer import HostBatch, encode_batch
+    from prlmfuse.cache_features.builder import DEFAULT_MAX_TOKENS
     from prlmfuse.cache_features.extract import plan_batches
     from prlmfuse.cache_features.location import Location
     from prlmfuse.cache_features.shards import ArraySpec, create_shard, shard_suffix
@@ -216,7 +217,8 @@ def writer_stages(directory: Path, backend: str, dtype: str, lengths: np.ndarray
         states = pool[: len(batch) * width * WIDTH].view(1, len(batch), width, WIDTH)
         pooled = pool[: 2 * len(batch) * WIDTH].view(len(batch), 1, 2, WIDTH)
         t = time.perf_counter()
-        encoded.append(encode_batch(states, pooled, mask, (NUM_LAYERS - 1,), dtype))
+        batch_on_host = HostBatch(states, pooled, mask.reshape(-1).nonzero().squeeze(1))
+        encoded.append(encode_batch(batch_on_host, (NUM_LAYERS - 1,), dtype))
         encode_seconds += time.perf_counter() - t
     stored = sum(a.nbytes for rows in encoded for a in rows.values())
     t = time.perf_counter()

@@ -6,9 +6,10 @@
 (b) bare forward over our plan (length-sorted token-budget batches, our autocast), nothing stored
 (c) build_cache (defaults: zarr, float16, layer -2), timed end to end including model load
     (8,000 verses by default: a corpus big enough that the one-time load is not most of the gap)
-(b) and (c) alternate for --rounds rounds and each keeps its best, (b) on a freshly loaded model
-each round as (c) loads its own: a model object that has run other work, or a noisy neighbour
-during one phase, otherwise decides the ratio.
+(c8) the same build with dtype int8 (quantized on the encoder threads)
+(b), (c) and (c8) run in turn for --rounds rounds, (b) on a freshly loaded model each round as (c) loads
+its own; c_over_b and c8_over_b are the medians of each round's ratio (a noisy neighbour during one
+round then moves one ratio, not the result); the rates printed are medians too.
 (d) training read: every sentence of (c)'s cache read once in shuffled order, 64 at a time through
 CacheReader.features_many(ids, widen=False), as a training DataLoader worker reads a batch (best of --rounds).
 Then bytes per token of each stored dtype (small caches), and peak RSS of cache builds of 2,000 and
@@ -24,6 +25,7 @@ import json
 import os
 import re
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -130,7 +132,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", default="minilm-l6")
     parser.add_argument("--sentences", type=int, default=8000)
-    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of (b) and (c)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of (b), (c) and (c8) in turn")
     parser.add_argument("--dtype-sentences", type=int, default=1000, help="verses per small cache for bytes/token")
     parser.add_argument("--rss-sizes", default="2000,8000")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
@@ -142,7 +144,7 @@ def main() -> None:
         return
 
     from prlmfuse.cache_features import build_cache, inspect_cache
-    from prlmfuse.precision import precision_name, resolve_runtime
+    from prlmfuse.precision import machine_line, precision_name, resolve_runtime
     from prlmfuse.prlms import load_prlm, resolve_checkpoint
 
     lines = bible_sentences(args.sentences)
@@ -159,25 +161,35 @@ def main() -> None:
         (tmp / "naive").mkdir()
         seconds_a, tokens_a = naive_loop(model, tokenizer, lines, tmp / "naive", args.device)
         del model
-        seconds_b = seconds_c = float("inf")
+        rates: dict[str, list[float]] = {"b": [], "c": [], "c8": []}
         for r in range(args.rounds):
             fresh, fresh_tokenizer = load_prlm(info)
             with torch.inference_mode():
                 fresh(**fresh_tokenizer(lines[:8], padding=True, return_tensors="pt"))
             seconds, tokens_b = bare_forward(fresh, fresh_tokenizer, info, lines, args.device)
-            seconds_b = min(seconds_b, seconds)
+            rates["b"].append(tokens_b / seconds)
             del fresh
-            start = time.perf_counter()
-            result = build_cache(args.checkpoint, corpus, tmp / f"cache-{r}", progress=False, device=args.device)
-            elapsed = time.perf_counter() - start
-            seconds_c = min(seconds_c, elapsed)
-            print(f"round {r + 1}: (b) {tokens_b / seconds:,.0f} tokens/s, (c) {tokens_b / elapsed:,.0f} tokens/s", file=sys.stderr)
-        stats = inspect_cache(result.path)
-        tokens_c = stats["num_tokens"]
-        rate_a, rate_b, rate_c = tokens_a / seconds_a, tokens_b / seconds_b, tokens_c / seconds_c
+            for lane, dtype in (("c", "float16"), ("c8", "int8")):
+                start = time.perf_counter()
+                built = build_cache(args.checkpoint, corpus, tmp / f"cache-{lane}-{r}", dtype=dtype, progress=False,
+                                    device=args.device)
+                rates[lane].append(int(built.manifest["num_tokens"]) / (time.perf_counter() - start))
+                if lane == "c":
+                    result = built
+                else:
+                    shutil.rmtree(built.path)
+            print(f"round {r + 1}: " + ", ".join(f"({k}) {v[-1]:,.0f}" for k, v in rates.items()) + " tokens/s",
+                  file=sys.stderr)
+        median = lambda values: float(np.median(values))  # noqa: E731
+        rate_a, rate_b, rate_c, rate_c8 = tokens_a / seconds_a, median(rates["b"]), median(rates["c"]), median(rates["c8"])
+        c_over_b = median([c / b for c, b in zip(rates["c"], rates["b"])])
+        c8_over_b = median([c / b for c, b in zip(rates["c8"], rates["b"])])
         print(f"(a) naive loop      {rate_a:10,.0f} tokens/s  ({tokens_a} tokens, {seconds_a:.1f} s)")
-        print(f"(b) bare forward    {rate_b:10,.0f} tokens/s  ({tokens_b} tokens, {seconds_b:.1f} s)")
-        print(f"(c) build_cache     {rate_c:10,.0f} tokens/s  ({tokens_c} tokens, {seconds_c:.1f} s, incl. load)")
+        print(f"(b) bare forward    {rate_b:10,.0f} tokens/s  ({tokens_b} tokens; median of {args.rounds} rounds)")
+        print(f"(c) build_cache     {rate_c:10,.0f} tokens/s  (float16, incl. load; c/b {c_over_b:.3f}, "
+              f"per round {', '.join(f'{c / b:.3f}' for c, b in zip(rates['c'], rates['b']))})")
+        print(f"(c8) build_cache    {rate_c8:10,.0f} tokens/s  (int8, incl. load; c8/b {c8_over_b:.3f}, "
+              f"per round {', '.join(f'{c / b:.3f}' for c, b in zip(rates['c8'], rates['b']))})")
         seconds_d = min(read_all(result.path, seed)[0] for seed in range(args.rounds))
         rate_d = len(lines) / seconds_d
         print(f"(d) training read   {rate_d:10,.0f} sentences/s  ({len(lines)} sentences, {seconds_d:.2f} s)")
@@ -203,8 +215,11 @@ def main() -> None:
         "tokens_per_s_a": round(rate_a),
         "tokens_per_s_b": round(rate_b),
         "tokens_per_s_c": round(rate_c),
+        "tokens_per_s_c8": round(rate_c8),
         "c_over_a": round(rate_c / rate_a, 3),
-        "c_over_b": round(rate_c / rate_b, 3),
+        "c_over_b": round(c_over_b, 3),
+        "c8_over_b": round(c8_over_b, 3),
+        "rounds": args.rounds,
         "read_sentences_per_s_d": round(rate_d),
         "bytes_per_token_fp16": round(per_dtype["float16"]["bytes_per_token"], 1),
         "bytes_per_token_bf16": round(per_dtype["bfloat16"]["bytes_per_token"], 1),
@@ -215,6 +230,7 @@ def main() -> None:
         "rss_ratio": round(rss[sizes[-1]] / rss[sizes[0]], 3),
         "precision": precision_name(resolve_runtime(args.device).dtype),
         "cpu_count": os.cpu_count(),
+        "machine": machine_line(args.device),
     }
     print("RESULT " + json.dumps(result_line))
 

@@ -2,11 +2,12 @@
 
     python bench/profile_cache_build.py CHECKPOINT CORPUS [--backend zarr|hdf5] [--device cuda] [--top 25]
 
-The model thread tokenizes, collates, runs the forward pass, copies features to the host and encodes
-them; the background writer thread stores them. From Python 3.12 cProfile records every thread (it is
-built on sys.monitoring): call counts and own times then cover the writer's calls too, but cumulative
-times of functions that span threads overlap and are not wall time. On 3.11 it records the model thread
-only, where time blocked handing batches to the writer (`BackgroundWriter._put`) is the writer's share.
+The model thread tokenizes, collates, runs the forward pass and starts the copy of features to the host;
+the background writer's encoder and writer threads encode and store them. From Python 3.12 cProfile
+records every thread (it is built on sys.monitoring): call counts and own times then cover those threads'
+calls too, but cumulative times of functions that span threads overlap and are not wall time. On 3.11 it
+records the model thread only, where time blocked handing batches over (`BackgroundWriter.append`) is
+the storage side's share.
 The profiler slows Python-heavy code most, so compare the printed rate with an unprofiled build.
 Prints the build's tokens/s, then the top functions by own time and by cumulative time.
 """

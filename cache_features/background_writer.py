@@ -1,82 +1,163 @@
-"""The writer thread of a cache build: it owns the open shard while the model thread keeps computing."""
+"""The storage side of a cache build: encoders and shard writers running beside the model's thread.
+
+The model thread hands over each batch as host tensors (`HostBatch`; on a GPU a copy that may still be
+in flight) and goes on to the next forward. A pool of encoder threads packs, checks and quantizes the
+batches (torch's ops release the GIL); a pool of writer threads each owns one open shard at a time, so
+one shard's commit (flush, fsync, rename, progress record) runs while the next shard is written. A
+shard's rows reach its writer in batch order. At most IN_FLIGHT batches are held between the model and
+the disk, whatever the number of threads.
+"""
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
+import torch
 
 from prlmfuse.fileio import disk_full_error, is_disk_full
 
+from .codecs import check_fits, encode, pooled_storage_dtype
 from .location import Location
 from .manifest import PROGRESS_DIR, SHARD_DIR, write_json_at
 from .shards import ArraySpec, create_shard
 
-_QUEUE_BATCHES = 4  # bounded: at most this many encoded batches wait for the disk
+IN_FLIGHT = 4  # batches handed over and not yet written: what bounds the build's memory beside the model
+WRITERS = 2  # shards open at once: one commits while the next is written
+
+
+def default_encoders() -> int:
+    """Encoder threads: one per four cores, 1 to 4 (on a 2-core CPU the model's own threads need the cores)."""
+    return max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+@dataclass
+class HostBatch:
+    """One batch's features on the host, as the model thread hands them over.
+
+    token_states [n_layers, B, T, d] with real_rows the flat indices of real tokens in B*T, or
+    [n_layers, n_real_tokens, d] already packed (real_rows None); pooled [B, n_pooled, 2, d].
+    ready() returns once the tensors may be read (a device-to-host copy has landed).
+    """
+
+    token_states: torch.Tensor
+    pooled: torch.Tensor
+    real_rows: torch.Tensor | None = None
+    ready: Callable[[], None] | None = None
+
+
+def encode_batch(batch: HostBatch, layers: tuple[int, ...], dtype: str) -> dict[str, np.ndarray]:
+    """A batch's features -> the rows each shard array receives (padding dropped, sentence-major)."""
+    if batch.ready is not None:
+        batch.ready()
+    rows: dict[str, np.ndarray] = {}
+    for i, layer in enumerate(layers):
+        states = batch.token_states[i]
+        if batch.real_rows is not None:
+            states = states.flatten(0, 1).index_select(0, batch.real_rows)
+        check_fits(states, dtype, f"hidden_states[{layer}]")
+        values, side = encode(states, dtype)  # [n_real_tokens, d]
+        rows[f"layer_{layer:03d}"] = values
+        for name, array in side.items():
+            rows[f"{name}_{layer:03d}"] = array
+    check_fits(batch.pooled, pooled_storage_dtype(dtype), "the pooled (first-token and mean) vectors")
+    rows["pooled"] = encode(batch.pooled, pooled_storage_dtype(dtype))[0]
+    return rows
 
 
 class BackgroundWriter:
-    """Owns the open shard; the model thread only enqueues encoded rows (bounded queue).
+    """Encodes and writes the shards of a build while the model thread computes.
 
-    After a shard is renamed into place, its progress record is written: only then does the
-    shard count as complete (the rule that also makes fsspec URLs, which cannot rename, safe).
+    After a shard is renamed into place, its progress record is written: only then does the shard
+    count as complete (the rule that also makes fsspec URLs, which cannot rename, safe). The first
+    error of any thread is raised in the model thread at its next call.
     """
 
-    def __init__(self, location: Location, backend: str, key: str):
+    def __init__(self, location: Location, backend: str, key: str, layers: tuple[int, ...], dtype: str, *,
+                 writers: int = WRITERS, encoders: int | None = None):
         self.location, self.backend, self.key = location, backend, key
-        self.queue: queue.Queue = queue.Queue(maxsize=_QUEUE_BATCHES)
+        self.layers, self.dtype = layers, dtype
         self.error: BaseException | None = None
         self.records: list[dict] = []
-        self.thread = threading.Thread(target=self._run, name="prlmfuse-cache-writer", daemon=True)
-        self.thread.start()
+        self.slots = threading.BoundedSemaphore(IN_FLIGHT)
+        self.encoders = ThreadPoolExecutor(encoders or default_encoders(), thread_name_prefix="prlmfuse-cache-encode")
+        self.queues: list[queue.Queue] = [queue.Queue() for _ in range(writers)]
+        self.threads = [threading.Thread(target=self._run, args=(q,), name=f"prlmfuse-cache-writer-{i}", daemon=True)
+                        for i, q in enumerate(self.queues)]
+        for thread in self.threads:
+            thread.start()
+        self.opened = 0  # shards opened so far: shard n goes to writer n % writers
+        self.current: queue.Queue | None = None
 
-    def _put(self, item) -> None:
-        while True:
-            if self.error is not None:
-                raise self.error
-            try:
-                self.queue.put(item, timeout=0.5)
-                return
-            except queue.Full:
-                continue
-
-    def open(self, name: str, specs: dict[str, ArraySpec], first_rows: dict[str, np.ndarray], meta: dict) -> None:
-        self._put(("open", name, specs, first_rows, meta))
-
-    def append(self, rows: dict[str, np.ndarray]) -> None:
-        self._put(("rows", rows))
-
-    def commit(self) -> None:
-        self._put(("commit",))
-
-    def close(self) -> list[dict]:
-        # The sentinel goes in even after an error: the thread keeps draining, so this never
-        # blocks, and the thread ends instead of waiting forever on an abandoned queue.
-        self.queue.put(None)
-        self.thread.join()
+    def _check(self) -> None:
         if self.error is not None:
             raise self.error
+
+    def open(self, name: str, specs: dict[str, ArraySpec], first_rows: dict[str, np.ndarray], meta: dict) -> None:
+        self._check()
+        self.current = self.queues[self.opened % len(self.queues)]
+        self.opened += 1
+        self.current.put(("open", name, specs, first_rows, meta))
+
+    def append(self, batch: HostBatch) -> None:
+        """Queue one batch for encoding and writing; blocks while IN_FLIGHT batches wait for the disk."""
+        while not self.slots.acquire(timeout=0.5):
+            self._check()
+        try:
+            self._check()
+            future = self.encoders.submit(encode_batch, batch, self.layers, self.dtype)
+        except BaseException:
+            self.slots.release()
+            raise
+        self.current.put(("rows", future))
+
+    def commit(self) -> None:
+        self._check()
+        self.current.put(("commit",))
+
+    def close(self) -> list[dict]:
+        # The sentinels go in even after an error: the threads keep draining, so this never blocks,
+        # and they end instead of waiting forever on an abandoned queue.
+        for q in self.queues:
+            q.put(None)
+        for thread in self.threads:
+            thread.join()
+        self.encoders.shutdown(wait=True)
+        self._check()
         return self.records
 
-    def _run(self) -> None:
+    def _fail(self, error: BaseException, name: str | None) -> None:
+        if self.error is None:  # the first error is the one to report
+            self.error = disk_full_error(f"shard {name}", self.location) if is_disk_full(error) else error
+
+    def _run(self, items: queue.Queue) -> None:
         writer = None
         name = meta = None
         while True:
-            item = self.queue.get()
+            item = items.get()
             if item is None:
                 break
-            if self.error is not None:
-                continue  # drain so the model thread never blocks on a dead writer
             try:
-                if item[0] == "open":
+                if item[0] == "rows":
+                    try:
+                        rows = item[1].result()
+                        if self.error is None:
+                            for array, values in rows.items():
+                                writer.append(array, values)
+                    finally:
+                        self.slots.release()
+                elif self.error is not None:
+                    pass  # drain: the model thread never blocks on a dead writer
+                elif item[0] == "open":
                     _, name, specs, first_rows, meta = item
                     writer = create_shard(self.location, self.backend, f"{SHARD_DIR}/{name}", specs)
-                    for array, rows in first_rows.items():
-                        writer.append(array, rows)
-                elif item[0] == "rows":
-                    for array, rows in item[1].items():
-                        writer.append(array, rows)
+                    for array, values in first_rows.items():
+                        writer.append(array, values)
                 else:
                     checksum = writer.commit()
                     writer = None
@@ -84,9 +165,9 @@ class BackgroundWriter:
                     write_json_at(self.location, f"{PROGRESS_DIR}/{name}.json", record)
                     self.records.append(record)
             except BaseException as e:  # noqa: BLE001 - re-raised in the model thread
-                self.error = disk_full_error(f"shard {name}", self.location) if is_disk_full(e) else e
-                if writer is not None:
-                    writer.abort()
-                    writer = None
+                self._fail(e, name)
+            if self.error is not None and writer is not None:
+                writer.abort()
+                writer = None
         if writer is not None:
             writer.abort()

@@ -4,9 +4,10 @@ Life of a build (directory layout in manifest.py):
   1. check inputs, hash corpus and checkpoint -> key; a complete cache with this key is reused as is
   2. lock the directory, record build.json (key + plan parameters)
   3. tokenize, middle-cut, plan batches by token budget, group batches into shards
-  4. for every shard not yet recorded complete (this rank's share under torchrun): forward each batch,
-     hand the rows to a background writer thread that appends them to the shard under a temp name,
-     renames it on completion and then records progress/<shard>.json with its checksum
+  4. for every shard not yet recorded complete (this rank's share under torchrun): forward each batch
+     and hand its features to the background writer (background_writer.py), whose encoder threads
+     encode them and whose writer threads append the rows to the shard under a temp name, rename it on
+     completion and then record progress/<shard>.json with its checksum
   5. once every shard has a progress record, write manifest.json (rank 0, after a barrier)
 A killed build resumes at step 4 with the shards it had finished, so the result is byte-identical
 to an uninterrupted run: shard bounds are a function of the plan only.
@@ -45,9 +46,9 @@ from .extract import (
     plan_batches,
     plan_shards,
 )
-from .background_writer import BackgroundWriter
+from .background_writer import BackgroundWriter, HostBatch
 from .build_directory import LOCK_WAIT_TIMEOUT, completed_records, directory_lock, prepare_directory
-from .codecs import check_dtype, check_fits, encode, pooled_storage_dtype, side_arrays, token_bytes_per_row, token_numpy_dtype
+from .codecs import check_dtype, pooled_storage_dtype, side_arrays, token_bytes_per_row, token_numpy_dtype
 from .location import Location
 from .compat import precision_of, stored_fields
 from .manifest import MANIFEST, cache_key, check_shard_name, key_hash, read_json_at, write_json_at
@@ -101,41 +102,31 @@ class BuildSpec:
 
 
 class _HostCopies:
-    """Device-to-host copies of each batch's features, overlapped with the next forward pass.
+    """Each batch's features as a HostBatch for the writer, taken without waiting for the device.
 
-    On CUDA a batch's real-token rows are copied into pinned host memory without blocking, and handed
-    to the writer only after the NEXT batch's forward has been queued: storage never idles the GPU.
-    On the CPU the rows go straight to the writer.
+    On the CPU the model's output goes as it is, with the indices of its real tokens (computed from the
+    host's mask). On CUDA the real-token rows are packed on the GPU by those indices (no boolean mask, so
+    no device sync) and copied into pinned host memory without blocking; the encoder waits on the copy's
+    event. torch's caching host allocator reuses the pinned blocks once their copies have completed.
     """
 
-    def __init__(self, writer: BackgroundWriter, layers: tuple[int, ...], dtype: str, device: torch.device):
-        self.writer, self.layers, self.dtype = writer, layers, dtype
+    def __init__(self, device: torch.device):
+        self.device = device
         self.cuda = device.type == "cuda"
-        self.pending = None
 
-    def push(self, token_states: torch.Tensor, pooled: torch.Tensor, attention_mask: torch.Tensor) -> None:
+    def __call__(self, token_states: torch.Tensor, pooled: torch.Tensor, attention_mask: torch.Tensor) -> HostBatch:
+        real_rows = attention_mask.reshape(-1).cpu().nonzero().squeeze(1)
         if not self.cuda:
-            self.writer.append(encode_batch(token_states, pooled, attention_mask, self.layers, self.dtype))
-            return
-        real = attention_mask.to(token_states.device).bool()
-        packed = token_states[:, real]  # [n_layers, n_real_tokens, d], sentence-major
+            return HostBatch(token_states, pooled, real_rows)
+        index = real_rows.to(self.device, non_blocking=True)
+        packed = token_states.flatten(1, 2).index_select(1, index)  # [n_layers, n_real_tokens, d], sentence-major
         host_states = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
         host_pooled = torch.empty(pooled.shape, dtype=pooled.dtype, pin_memory=True)
         host_states.copy_(packed, non_blocking=True)
         host_pooled.copy_(pooled, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
-        self.flush()
-        self.pending = (done, host_states, host_pooled)
-
-    def flush(self) -> None:
-        """Hand the batch still in flight to the writer (at a shard's end, before commit)."""
-        if self.pending is None:
-            return
-        done, host_states, host_pooled = self.pending
-        self.pending = None
-        done.synchronize()  # the copy has landed: the host buffers are safe to read
-        self.writer.append(encode_batch(host_states, host_pooled, None, self.layers, self.dtype))
+        return HostBatch(host_states, host_pooled, ready=done.synchronize)
 
 
 # ----------------------------------------------------------------------------- build
@@ -160,25 +151,6 @@ def _shard_specs(plan: ShardPlan, corpus: EncodedCorpus, layers: tuple[int, ...]
     first_rows = {"sentence_ids": sentence_ids.astype(np.int64), "offsets": offsets}
     meta = {"num_sentences": len(sentence_ids), "num_tokens": n_tokens}
     return specs, first_rows, meta
-
-
-def encode_batch(token_states: torch.Tensor, pooled: torch.Tensor, attention_mask: torch.Tensor | None,
-                 layers: tuple[int, ...], dtype: str) -> dict[str, np.ndarray]:
-    """Model output of one batch -> the rows each shard array receives (padding dropped).
-
-    attention_mask None: token_states are already packed, [n_layers, n_real_tokens, d].
-    """
-    rows: dict[str, np.ndarray] = {}
-    for i, layer in enumerate(layers):
-        states = token_states[i] if attention_mask is None else token_states[i][attention_mask.bool()]
-        check_fits(states, dtype, f"hidden_states[{layer}]")
-        values, side = encode(states, dtype)  # [n_real_tokens, d], sentence-major
-        rows[f"layer_{layer:03d}"] = values
-        for name, array in side.items():
-            rows[f"{name}_{layer:03d}"] = array
-    check_fits(pooled, pooled_storage_dtype(dtype), "the pooled (first-token and mean) vectors")
-    rows["pooled"] = encode(pooled, pooled_storage_dtype(dtype))[0]
-    return rows
 
 
 def build_cache(
@@ -373,23 +345,22 @@ def write_shards(spec: BuildSpec, corpus: EncodedCorpus, todo: list[ShardPlan], 
     """The storage path of a build: every shard of `todo` from its batches' features, committed in turn.
 
     forward(sentence_ids) -> (token_states [n_layers, B, T, d], pooled, attention_mask [B, T]) of one
-    batch of the plan. Encoding, checksums and writes run on the background writer's thread while
+    batch of the plan. Encoding, checksums and writes run on the background writer's threads while
     `forward` computes the next batch; on_batch(sentence_ids, real_tokens) follows each batch.
     """
     layers = spec.selection.token_layers
     n_pooled = len(spec.selection.pooled_layers)
-    writer = BackgroundWriter(spec.location, spec.backend, spec.key)
-    copies = _HostCopies(writer, layers, spec.dtype, spec.runtime.device)
+    writer = BackgroundWriter(spec.location, spec.backend, spec.key, layers, spec.dtype)
+    to_host = _HostCopies(spec.runtime.device)
     try:
         for plan in todo:
             specs, first_rows, meta = _shard_specs(plan, corpus, layers, n_pooled, spec.info.hidden_size, spec.dtype)
             writer.open(names[plan.index], specs, first_rows, meta)
             for batch in plan.batches:
                 token_states, pooled, attention_mask = forward(batch)
-                copies.push(token_states, pooled, attention_mask)
+                writer.append(to_host(token_states, pooled, attention_mask))
                 if on_batch is not None:
                     on_batch(batch, int(attention_mask.sum()))
-            copies.flush()
             writer.commit()
     except BaseException:
         with contextlib.suppress(BaseException):  # the first error is the one to report

@@ -196,6 +196,8 @@ class ZarrShardWriter(ShardWriter):
                 self.arrays[array] = group.create_array(
                     array, shape=spec.shape, dtype=spec.dtype, chunks=(_chunk_rows(spec),) + spec.shape[1:],
                     compressors=None, fill_value=0,
+                    # every chunk holds features: comparing each with the fill value before writing is wasted work
+                    config={"write_empty_chunks": True},
                 )
                 self.pending[array] = []
                 self.flushed[array] = 0

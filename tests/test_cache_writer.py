@@ -1,0 +1,144 @@
+"""The storage side of a cache build (cache_features/background_writer.py): encoding runs on encoder threads,
+not the model's; one shard commits while the next is written; the batches held between the model and the disk
+stay bounded; an encoder's error reaches the caller and leaves no shard counted complete."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from prlmfuse.cache_features import CacheReader, build_cache, verify_cache
+from prlmfuse.cache_features import background_writer, shards
+from prlmfuse.cache_features.location import Location
+from prlmfuse.errors import UserError
+
+from helpers import reliability, tiny_prlms
+
+torch.set_num_threads(1)
+BUILD_ARGS = dict(layers="-2,-1", dtype="float16", max_tokens=256, shard_bytes=3000, precision="fp32", progress=False)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cache-writer")
+    checkpoint = tiny_prlms.build_tiny("bert", root / "bert")
+    corpus = tiny_prlms.write_corpus(root / "train.src", reliability.distinct_sentences(200))
+    return root, str(checkpoint), corpus
+
+
+@pytest.mark.parametrize("backend", ["zarr", "hdf5"])
+def test_batches_are_encoded_on_encoder_threads(world, tmp_path, monkeypatch, backend):
+    """Packing, float16's range check and quantization run beside the model, never on its thread (what they
+    store is checked against the PrLM's forward by tests/test_cache.py's round trip)."""
+    _, checkpoint, corpus = world
+    threads = []
+    encode = background_writer.encode
+
+    def recording_encode(x, dtype):
+        threads.append(threading.current_thread().name)
+        return encode(x, dtype)
+
+    monkeypatch.setattr(background_writer, "encode", recording_encode)
+    for dtype in ("float16", "int8"):
+        result = build_cache(checkpoint, corpus, tmp_path / dtype, backend=backend, **{**BUILD_ARGS, "dtype": dtype})
+        verify_cache(result.path)
+    assert threads and all(name.startswith("prlmfuse-cache-encode") for name in threads), set(threads)
+
+
+def test_one_shard_commits_while_the_next_is_written(world, tmp_path, monkeypatch):
+    """A shard's commit waits until another shard's writer has stored rows: with one writer the build could only
+    go on after the commit, so every commit but the last would find no rows written meanwhile."""
+    _, checkpoint, corpus = world
+    appended = threading.Condition()
+    rows_by_writer: dict[int, int] = {}
+    overlapped: list[bool] = []
+    append, commit = shards.ShardWriter.append, shards.ShardWriter.commit
+
+    def counting_append(self, name, rows):
+        append(self, name, rows)
+        if name.startswith("layer_"):
+            with appended:
+                rows_by_writer[id(self)] = rows_by_writer.get(id(self), 0) + len(rows)
+                appended.notify_all()
+
+    def waiting_commit(self):
+        with appended:
+            others = lambda: sum(n for w, n in rows_by_writer.items() if w != id(self))
+            before = others()
+            overlapped.append(appended.wait_for(lambda: others() > before, timeout=3.0))
+        return commit(self)
+
+    monkeypatch.setattr(shards.ShardWriter, "append", counting_append)
+    monkeypatch.setattr(shards.ShardWriter, "commit", waiting_commit)
+    result = build_cache(checkpoint, corpus, tmp_path / "cache", backend="hdf5", **BUILD_ARGS)
+    assert len(result.manifest["shards"]) >= 6
+    assert all(overlapped[:-1]), overlapped
+    verify_cache(result.path)
+
+
+class _SlowShard:
+    """A shard writer that takes its time over each batch's rows, counting the batches it stored."""
+
+    def __init__(self, stored: list):
+        self.stored = stored
+
+    def append(self, name, rows):
+        if name == "pooled":
+            time.sleep(0.02)
+            self.stored.append(len(rows))
+
+    def commit(self):
+        return "0" * 64
+
+    def abort(self):
+        pass
+
+
+def test_batches_between_the_model_and_the_disk_stay_bounded(tmp_path, monkeypatch):
+    stored: list[int] = []
+    monkeypatch.setattr(background_writer, "create_shard", lambda *args: _SlowShard(stored))
+    writer = background_writer.BackgroundWriter(Location(tmp_path), "hdf5", "k" * 64, (0,), "float16", encoders=2)
+    writer.open("shard-00000.h5", {}, {}, {})
+    handed, held = 0, []
+    for _ in range(30):
+        writer.append(background_writer.HostBatch(torch.randn(1, 4, 3, 8), torch.randn(4, 1, 2, 8)))
+        handed += 1
+        held.append(handed - len(stored))
+    writer.commit()
+    writer.close()
+    assert len(stored) == 30
+    assert max(held) == background_writer.IN_FLIGHT, held
+
+
+@pytest.mark.parametrize("backend", ["zarr", "hdf5"])
+def test_an_encoders_error_is_raised_by_the_build_and_no_shard_of_it_counts(world, tmp_path, monkeypatch, backend):
+    """Features past float16's range found on an encoder thread: the build raises that one line, and the shards
+    it had not finished leave neither a progress record nor a temp file."""
+    _, checkpoint, corpus = world
+    encode, calls = background_writer.encode, []
+
+    def failing_encode(x, dtype):
+        calls.append(1)
+        if len(calls) == 9:
+            x = x * 1e6
+            background_writer.check_fits(x, dtype, "hidden_states[-1]")
+        return encode(x, dtype)
+
+    monkeypatch.setattr(background_writer, "encode", failing_encode)
+    out = tmp_path / "cache"
+    with pytest.raises(UserError, match=r"past float16's largest .* bfloat16 or float32"):
+        build_cache(checkpoint, corpus, out, backend=backend, **BUILD_ARGS)
+    records = [json.loads(p.read_text()) for p in (out / "progress").glob("*.json")]
+    assert len(records) < 6
+    left = sorted(p.name for p in (out / "shards").iterdir())
+    assert left == sorted(r["name"] for r in records), left  # no temp shard, nothing unrecorded
+    assert not (out / "manifest.json").exists()
+    monkeypatch.setattr(background_writer, "encode", encode)
+    resumed = build_cache(checkpoint, corpus, out, backend=backend, **BUILD_ARGS)
+    verify_cache(resumed.path)
+    assert np.isfinite(CacheReader(resumed.path).features(0).numpy()).all()
