@@ -5,7 +5,7 @@
 #
 # run from the source tree copied to the node with its bundle in offline/ (README: "Offline GPU
 # nodes"; build it with `prlmfuse bundle offline --checkpoints minilm-l6 --corpus DIR`). It installs
-# the bundle, unpacks its corpus, then runs the steps in the order given, each stopped when SECONDS
+# the bundle, unpacks its corpora, then runs the steps in the order given, each stopped when SECONDS
 # (counted from the start) run out, and a step that fails does not stop the next:
 #
 #   bench     python bench/gpu.py, every section              -> OUT/gpu/gpu.json, OUT/gpu/gpu.log
@@ -81,7 +81,8 @@ node_pipeline() {  # SOURCE WORKDIR OUTFILE [max_updates]
     sed -e "s#^workdir: .*#workdir: ../$2#" -e "s#minilm-l6#$checkpoint#" "$1" > "$3"
     [ -n "${4:-}" ] && sed -i "s#^\(    max_updates:\).*#\1 $4#" "$3"
     mkdir -p "$2/data"
-    if [ -f "$corpus" ]; then tar -xzf "$corpus" -C "$2/data"; else say "no $corpus: the data stage builds the corpus here"; fi
+    [ -f "$corpus" ] || say "no $corpus: the data stage builds the corpus here"
+    for c in offline/corpus/*.tar.gz; do if [ -f "$c" ]; then tar -xzf "$c" -C "$2/data"; fi; done
 }
 pack() {  # WORKDIR TARBALL FILE...: each run's logs, metrics and run.json, and those of the files that exist
     local workdir="$1" tarball="$2" kept=() f; shift 2

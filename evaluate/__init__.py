@@ -7,6 +7,7 @@
                   progress=True) -> EvaluationResults
         results.md / results.csv / results.json, hyp.<run>.<test>.txt, scores.png, dev_loss.png in `out`
     summary_lines(results) -> list[str]   what to print after an evaluation: scores, delta and p, examples, plots
+    score_evaluation(folder) -> EvaluationResults   scores what `evaluate_runs(score=False)` decoded elsewhere
     merge_evaluations(results_json_files, out) -> Report
         one table (results.md/csv/json, scores.png) from evaluations made apart, each fused run against its
         own seed's baseline, mean ± sd over seeds; mismatched inputs refused
@@ -17,7 +18,8 @@
 Modules: settings (decode settings and defaults), runs (a run directory as evaluation reads it),
 corpus_decode (decoding a whole test set), decode (beam search), metrics (scores, bootstrap
 statistics), bootstrap (comparisons between runs), results (result rows and files), plots,
-evaluation (evaluate_runs), report (merge_evaluations), summary (the printed summary), live (translate).
+evaluation (evaluate_runs), scoring (score_evaluation), report (merge_evaluations), summary (the printed
+summary), live (translate).
 Everything is imported on first use, so `import prlmfuse.evaluate` stays cheap.
 """
 
@@ -29,6 +31,7 @@ _LAZY = {
     "bleu_tokenizer_for": "prlmfuse.evaluate.metrics",
     "evaluate_runs": "prlmfuse.evaluate.evaluation",
     "merge_evaluations": "prlmfuse.evaluate.report",
+    "score_evaluation": "prlmfuse.evaluate.scoring",
     "EvaluationResults": "prlmfuse.evaluate.results",
     "RunResult": "prlmfuse.evaluate.results",
     "DecodeSettings": "prlmfuse.evaluate.settings",

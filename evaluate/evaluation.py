@@ -25,7 +25,7 @@ import torch
 from prlmfuse.errors import UserError
 from prlmfuse.evaluate.bootstrap import BOOTSTRAP_SAMPLES, add_bootstrap, matched_baselines
 from prlmfuse.evaluate.corpus_decode import decode_corpus, encode_sources, note_truncated
-from prlmfuse.evaluate.metrics import DEFAULT_SEED, corpus_scores, sentence_stats
+from prlmfuse.evaluate.metrics import DEFAULT_SEED, comparison_stats, corpus_scores
 from prlmfuse.evaluate.plots import plot_dev_loss, plot_scores
 from prlmfuse.evaluate.results import EvaluationResults, RunResult, stable_order, write_results
 from prlmfuse.evaluate.runs import RunView, load_model, open_run, select_weights, weights_fingerprint
@@ -92,6 +92,7 @@ def evaluate_runs(
     bootstrap_samples: int = BOOTSTRAP_SAMPLES,
     seed: int = DEFAULT_SEED,
     progress: bool = True,
+    score: bool = True,
 ) -> EvaluationResults:
     """Decode and score every run on every test set; write results.md/csv/json, hypotheses and plots.
 
@@ -100,6 +101,8 @@ def evaluate_runs(
     default the one run without PrLM branches, if there is exactly one. no_repeat_ngram_size:
     default 3 for summarization corpora, 0 otherwise. bleu_tokenize: sacrebleu tokenizer for
     every run (e.g. 'intl'); default by target language ('zh', 'ja-mecab', 'ko-mecab', '13a').
+    score False: decode only, for a machine without the metric's tokenizer (a GPU node without MeCab);
+    results.json records no scores, and `score_evaluation` (`prlmfuse score`) scores it where one is.
     """
     out = Path(out)
     runtime = Runtime(resolve_runtime(device, "auto").device, torch.bfloat16 if bf16 else torch.float32)
@@ -183,13 +186,12 @@ def evaluate_runs(
                     "truncated_sources": cut["truncated"],
                 }
                 atomic_write_json(meta_path, meta)
-            scores = corpus_scores(hyps, refs, tgt_lang=run.tgt_lang, task=run.task, bleu_tokenize=bleu_tokenize)
+            if score:
+                scores, stats = score_hypotheses(hyps, refs, tgt_lang=run.tgt_lang, task=run.task,
+                                                 bleu_tokenize=bleu_tokenize)
+            else:
+                scores, stats = dict(UNSCORED), {}
             main_metric = "rougeL" if run.task == "summarization" else "bleu"
-            tested = ("bleu", "rougeL") if run.task == "summarization" else ("bleu",)
-            stats = {
-                m: sentence_stats(hyps, refs, metric=m, tgt_lang=run.tgt_lang, bleu_tokenize=bleu_tokenize)
-                for m in tested
-            } if hyps else {}
             sentence_level[(run.name, split)] = stats
             refs_sha[(run.name, split)] = sha256_file(tgt_path)
             ref_file = _keep_references(out, split, tgt_path, refs_sha[(run.name, split)])
@@ -206,6 +208,7 @@ def evaluate_runs(
                     decode_seconds=float(meta.get("seconds", float("nan"))),
                     checkpoints=[Path(p).name for p in meta.get("checkpoints", [])],
                     hyp_file=hyp_path.name, reused=reused is not None, signature=scores["signature"],
+                    distinct_hypotheses=len(set(hyps)),
                     main_metric=main_metric, **run.budget(),
                     seed=(run.record.get("train") or {}).get("seed"), tgt_lang=run.tgt_lang,
                     trainable_parameters=run.record.get("trainable_parameters"),
@@ -215,8 +218,12 @@ def evaluate_runs(
             )
         del model
 
-    add_bootstrap(rows, sentence_level, refs_sha, matched_baselines(runs, baseline_name),
-                  n_samples=bootstrap_samples, seed=seed)
+    baseline_of = matched_baselines(runs, baseline_name)
+    if score:
+        add_bootstrap(rows, sentence_level, refs_sha, baseline_of, n_samples=bootstrap_samples, seed=seed)
+    else:  # `prlmfuse score` compares them once scored
+        for row in rows:
+            row.compared_with = baseline_of.get(row.run)
     # Reports list runs in one order whatever order the directories were given in.
     order = {name: i for i, name in enumerate(stable_order(names, baseline_name))}
     rows.sort(key=lambda r: (splits.index(r.test_set), order[r.run]))
@@ -226,13 +233,26 @@ def evaluate_runs(
         "max_len_b": max_len_b, "min_len": min_len, "no_repeat_ngram_size": no_repeat_ngram_size, "bf16": bf16,
         "bleu_tokenize": bleu_tokenize,
         "bootstrap_samples": bootstrap_samples, "seed": seed, "test_sets": splits,
-        "machine": machine_line(runtime.device),
+        "machine": machine_line(runtime.device), "scored": score,
     }
     results = EvaluationResults(out=out, baseline=baseline_name, rows=rows, settings=settings_record)
     write_results(results)
-    plot_scores(results, out / "scores.png")
+    if score:
+        plot_scores(results, out / "scores.png")
     plot_dev_loss(runs, out / "dev_loss.png", baseline_name)
     return results
+
+
+# What an unscored row records in place of scores (`evaluate_runs(score=False)`).
+UNSCORED = {"bleu": float("nan"), "chrf": float("nan"), "rouge1": float("nan"), "rouge2": float("nan"),
+            "rougeL": float("nan"), "signature": {}}
+
+
+def score_hypotheses(hyps: list[str], refs: list[str], *, tgt_lang: str, task: str,
+                     bleu_tokenize: str | None) -> tuple[dict, dict]:
+    """Corpus scores of a run's hypotheses, and the per-sentence statistics its bootstrap resamples."""
+    scores = corpus_scores(hyps, refs, tgt_lang=tgt_lang, task=task, bleu_tokenize=bleu_tokenize)
+    return scores, comparison_stats(hyps, refs, task=task, tgt_lang=tgt_lang, bleu_tokenize=bleu_tokenize)
 
 
 def _keep_references(out: Path, split: str, tgt_path: Path, sha256: str) -> str:

@@ -223,6 +223,15 @@ class SentenceStats:
         return self._score_from_sums(summed, num_sentences)
 
 
+def comparison_stats(hyps: Sequence[str], refs, *, task: str, tgt_lang: str | None,
+                     bleu_tokenize: str | None = None) -> dict[str, SentenceStats]:
+    """Per-sentence statistics of what a run's comparisons resample: BLEU, and ROUGE-L for summarization."""
+    if not len(hyps):
+        return {}
+    tested = ("bleu", "rougeL") if task == "summarization" else ("bleu",)
+    return {m: sentence_stats(hyps, refs, metric=m, tgt_lang=tgt_lang, bleu_tokenize=bleu_tokenize) for m in tested}
+
+
 def sentence_stats(
     hyps: Sequence[str],
     refs,

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from prlmfuse.errors import UserError
 from prlmfuse.evaluate.bootstrap import add_bootstrap
-from prlmfuse.evaluate.metrics import sentence_stats
+from prlmfuse.evaluate.metrics import comparison_stats
 from prlmfuse.evaluate.results import (SIGNIFICANCE, EvaluationResults, RunResult, format_parameters, json_safe,
                                        results_csv)
 from prlmfuse.fileio import atomic_write_json, atomic_write_text, read_json, read_lines, sha256_file
@@ -104,12 +104,17 @@ class Report:
         return {name: self.out / name for name in ("results.md", "results.csv", "results.json", "scores.png")}
 
 
-def read_evaluation(path: str | Path) -> Evaluation:
-    """A results.json written by `evaluate`, with every row's hypothesis and reference files checked."""
+def read_evaluation(path: str | Path, *, unscored: bool = False) -> Evaluation:
+    """A results.json written by `evaluate`, with every row's hypothesis and reference files checked.
+
+    unscored: also accept one decoded by `evaluate --no-score` (what `prlmfuse score` reads)."""
     path = Path(path)
     data = read_json(path, what="evaluation results")
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list) or not isinstance(data.get("settings"), dict):
         raise UserError(f"{path} is not a results.json written by `prlmfuse evaluate` (no rows and settings)")
+    if data["settings"].get("scored") is False and not unscored:
+        raise UserError(f"{path} holds hypotheses decoded without scores (`evaluate --no-score`); score them first: "
+                        f"prlmfuse score {path}")
     known = {f.name for f in fields(RunResult)}
     rows = []
     for d in data["rows"]:
@@ -198,11 +203,8 @@ def merge_evaluations(paths: list[str | Path], out: str | Path, against: list[st
     for row, evaluation in by_key.values():
         hyps = read_lines(evaluation.folder / row.hyp_file, check_text=False) if row.num_sentences else []
         refs = read_lines(evaluation.folder / row.ref_file)
-        tested = ("bleu", "rougeL") if row.task == "summarization" else ("bleu",)
-        stats = {
-            m: sentence_stats(hyps, refs, metric=m, tgt_lang=row.tgt_lang, bleu_tokenize=settings.get("bleu_tokenize"))
-            for m in tested
-        } if hyps else {}
+        stats = comparison_stats(hyps, refs, task=row.task, tgt_lang=row.tgt_lang,
+                                 bleu_tokenize=settings.get("bleu_tokenize"))
         for metric, computed in stats.items():  # Δ is taken from the stored scores: they must be the files' scores
             stored = getattr(row, metric)
             if math.isfinite(stored) and abs(computed.score - stored) > SCORE_TOLERANCE:
@@ -385,18 +387,20 @@ def report_markdown(report: Report) -> str:
         rows = [r for r in report.rows if r.test_set == split]
         metric = rows[0].main_metric
         name = {"bleu": "BLEU", "rougeL": "ROUGE-L"}.get(metric, metric)
+        distinct = metric == "rougeL"  # a summarizer that does not read its input repeats a few synopses
         lines += ["", f"## {split} ({rows[0].num_sentences} sentences)", "",
-                  f"| run | file | {name} | Δ | p | vs | chrF | params | updates | epochs | stopped by | "
-                  "dev loss, last 3 epoch ends |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  f"| run | file | {name} | Δ | p | vs | chrF | {'distinct hyps | ' if distinct else ''}params | updates | "
+                  "epochs | stopped by | dev loss, last 3 epoch ends |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if distinct else "")]
         for r in rows:
             delta, p = r.delta.get(metric), r.p_value.get(metric)
             mark = "*" if p is not None and p < SIGNIFICANCE else ""
             last3 = ", ".join(f"{x:.3f}" for x in r.epoch_dev_losses[-3:]) or "-"
+            count = ("-" if r.distinct_hypotheses is None else f"{r.distinct_hypotheses}") + " | " if distinct else ""
             lines.append(
                 f"| {r.run} | {report.sources[r.run].name} | {_fmt(getattr(r, metric))} | "
                 f"{'-' if delta is None else f'{delta:+.2f}'} | {'-' if p is None else f'{p:.3f}{mark}'} | "
-                f"{r.compared_with or '-'} | {_fmt(r.chrf)} | {format_parameters(r.trainable_parameters)} | "
+                f"{r.compared_with or '-'} | {_fmt(r.chrf)} | {count}{format_parameters(r.trainable_parameters)} | "
                 f"{r.updates} | {len(r.epoch_dev_losses)} | "
                 f"{r.stopped_by or 'unfinished'} | {last3} |"
             )

@@ -62,6 +62,9 @@ class RunResult:
     ref_file: str = ""
     ref_sha256: str = ""
     corpus_sha256: str = ""
+    # How many different hypotheses the run wrote: a summarizer that has not learned to read its input
+    # writes the same few synopses for every document.
+    distinct_hypotheses: int | None = None
 
     def to_dict(self) -> dict:
         # `reused` says how this call got the hypotheses, not what they score: it stays out of the
@@ -164,14 +167,15 @@ def results_markdown(results: EvaluationResults) -> str:
         lines += ["", f"## {split} ({rows[0].num_sentences} sentences)", ""]
         header = ["run", "PrLM", "layer", "merge", "position", "side", "BLEU (Δ, p)", "chrF"]
         if summarization:
-            header += ["R-1", "R-2", "R-L (Δ, p)"]
+            header += ["R-1", "R-2", "R-L (Δ, p)", "distinct hyps"]
         header += ["params", "sentences/s", "tokens/s", "95% CI", "updates", "train tokens", "train min"]
         lines.append("| " + " | ".join(header) + " |")
         lines.append("|" + "|".join("---" for _ in header) + "|")
         for r in rows:
             cells = [r.run, r.prlm, r.layer, r.merge, r.position, r.side, _with_delta(r, "bleu", results.baseline), _fmt(r.chrf)]
             if summarization:
-                cells += [_fmt(r.rouge1), _fmt(r.rouge2), _with_delta(r, "rougeL", results.baseline)]
+                cells += [_fmt(r.rouge1), _fmt(r.rouge2), _with_delta(r, "rougeL", results.baseline),
+                          "-" if r.distinct_hypotheses is None else str(r.distinct_hypotheses)]
             ci = f"{r.main_metric} [{_fmt(r.ci_low)}, {_fmt(r.ci_high)}]"
             cells += [format_parameters(r.trainable_parameters), _fmt(r.sentences_per_s, 1), _fmt(r.tokens_per_s, 0), ci, str(r.updates),
                       f"{r.train_tokens / 1e6:.2f}M", _fmt(r.train_seconds / 60, 1)]
@@ -184,7 +188,7 @@ def results_markdown(results: EvaluationResults) -> str:
 _CSV_COLUMNS = [
     "test_set", "run", "prlm", "layer", "merge", "position", "side", "num_sentences", "bleu", "bleu_delta",
     "bleu_p", "chrf", "rouge1", "rouge2", "rougeL", "rougeL_delta", "rougeL_p", "compared_with", "main_metric", "ci_low",
-    "ci_high", "trainable_parameters", "sentences_per_s", "tokens_per_s", "decode_seconds", "updates", "train_tokens", "train_seconds", "checkpoints", "hyp_file", "run_dir",
+    "ci_high", "trainable_parameters", "distinct_hypotheses", "sentences_per_s", "tokens_per_s", "decode_seconds", "updates", "train_tokens", "train_seconds", "checkpoints", "hyp_file", "run_dir",
 ]
 
 

@@ -5,6 +5,7 @@ the plots. The library returns the text; the CLI prints it."""
 from __future__ import annotations
 
 from prlmfuse.corpora import load_corpus
+from prlmfuse.errors import UserError
 from prlmfuse.evaluate.results import SIGNIFICANCE, EvaluationResults, is_significant, row_label
 from prlmfuse.fileio import read_lines
 from prlmfuse.train_fused import run_dir as rundir
@@ -38,6 +39,10 @@ def summary_lines(results: EvaluationResults) -> list[str]:
     metric_name = {"bleu": "BLEU", "rougeL": "ROUGE-L"}.get(metric, metric)
     labels = {r.run: row_label(r) for r in rows}
     width = max(len(label) for label in labels.values())
+    if results.settings.get("scored") is False:
+        lines.append(f"decoded {split} ({rows[0].num_sentences} sentences) without scoring: "
+                     f"prlmfuse score {results.out}")
+        return lines
     lines.append(f"{metric_name} on {split} ({rows[0].num_sentences} sentences):")
     for r in rows:
         score = f"  {labels[r.run]:<{width}}  {getattr(r, metric):6.2f}"
@@ -50,7 +55,11 @@ def summary_lines(results: EvaluationResults) -> list[str]:
     if any(metric in r.delta for r in rows):
         lines.append(f"  * p < {SIGNIFICANCE:g} (paired bootstrap against the baseline)")
 
-    corpus = load_corpus(rundir.read_run_info(rows[0].run_dir)["corpus"]["root"])
+    plots = ", ".join(str(files[name]) for name in ("scores.png", "dev_loss.png") if files[name].is_file())
+    try:
+        corpus = load_corpus(rundir.read_run_info(rows[0].run_dir)["corpus"]["root"])
+    except (OSError, UserError):  # scored away from the runs (`prlmfuse score`): no sources to show
+        return lines + ["", f"plots: {plots}"]
     sources, references = read_lines(corpus.src_path(split)), read_lines(corpus.tgt_path(split))
     hyps = {r.run: read_lines(results.out / r.hyp_file, check_text=False) for r in rows}  # our own output, any text
     names = ["source", "reference", *hyps]
@@ -60,5 +69,5 @@ def summary_lines(results: EvaluationResults) -> list[str]:
         lines.append(f"  {'source':<{name_width}}  {_clip(sources[i])}")
         lines.append(f"  {'reference':<{name_width}}  {_clip(references[i])}")
         lines += [f"  {run:<{name_width}}  {_clip(h[i]) if i < len(h) else ''}" for run, h in hyps.items()]
-    lines += ["", f"plots: {files['scores.png']}, {files['dev_loss.png']}"]
+    lines += ["", f"plots: {plots}"]
     return lines

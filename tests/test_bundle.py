@@ -132,3 +132,29 @@ def test_out_that_is_a_file_is_refused(tmp_path, capsys, monkeypatch):
     (tmp_path / "bundle").write_text("not a directory")
     assert_one_line_error(run_cli(["bundle", tmp_path / "bundle"], capsys, monkeypatch), "is a file")
     assert (tmp_path / "bundle").read_text() == "not a directory"
+
+
+def test_several_corpora_travel_each_as_its_own_archive_and_unpack_to_what_they_were(tmp_path):
+    """A node running the translation and the summarization pipelines needs both corpora: each goes as
+    <name>.tar.gz and unpacks into a corpus that loads and verifies; two corpora of one name are refused."""
+    import tarfile
+
+    from prlmfuse.bundle import write_corpora
+    from prlmfuse.corpora import load_corpus, register_text
+
+    from helpers import small_runs
+
+    bible = small_runs.small_bible(tmp_path / "a", train=20, dev=4, test=4)
+    raw = {f"{split}_{side}": tmp_path / "a" / "raw" / f"{split}.{side}" for split in ("train", "dev", "test")
+           for side in ("src", "tgt")}
+    other = register_text(tmp_path / "b" / "other", **raw, src_lang="en", tgt_lang="ja", name="other")
+    archives = write_corpora([Path(bible.root), Path(other.root), Path(bible.root)], tmp_path / "out")
+    assert sorted(a.name for a in archives) == ["other.tar.gz", "small.tar.gz"]
+    for archive in archives:
+        with tarfile.open(archive) as tar:
+            tar.extractall(tmp_path / "node", filter="data")
+        unpacked = load_corpus(tmp_path / "node" / archive.name.removesuffix(".tar.gz"), verify=True)
+        assert unpacked.src_path("test").read_text() == (tmp_path / "a" / "raw" / "test.src").read_text()
+    twin = register_text(tmp_path / "c" / "small", **raw, src_lang="en", tgt_lang="ja", name="twin")
+    with pytest.raises(UserError, match="two --corpus directories are both named small"):
+        write_corpora([Path(bible.root), Path(twin.root)], tmp_path / "out2")

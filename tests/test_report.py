@@ -335,3 +335,47 @@ def test_a_stored_score_its_hypotheses_do_not_give_is_refused(evaluated, tmp_pat
     row["bleu"] += 1.0
     (folder / "seed-2.json").write_text(json.dumps(data))
     assert "run fused.seed-2 records bleu" in _refusal([folder / "seed-1.json", folder / "seed-2.json"], tmp_path / "o")
+
+
+def test_runs_decoded_without_scores_are_scored_elsewhere_as_evaluate_scores_them(evaluated, tmp_path):
+    """A GPU node without MeCab decodes with `evaluate --no-score` and sends back the folder; `prlmfuse score`
+    scores it away from the run directories into what `evaluate` writes, and `report` merges it."""
+    from prlmfuse.evaluate import evaluate_runs
+    from prlmfuse.evaluate.report import merge_evaluations
+
+    dirs = [evaluated["dirs"] / "baseline.seed-1", evaluated["dirs"] / "fused.seed-1"]
+    decoded = evaluate_runs(dirs, out=tmp_path / "node", beam=2, average_last=2, progress=False, score=False)
+    assert decoded.settings["scored"] is False and not (tmp_path / "node" / "scores.png").exists()
+    assert all(r.bleu != r.bleu and not r.p_value for r in decoded.rows)  # NaN: nothing scored
+    assert decoded.row("fused.seed-1").compared_with == "baseline.seed-1"
+    with pytest.raises(UserError, match=r"decoded without scores .*score them first: prlmfuse score"):
+        merge_evaluations([tmp_path / "node" / "results.json"], tmp_path / "refused")
+
+    back = shutil.copytree(tmp_path / "node", tmp_path / "returned")  # the folder as it comes back, runs absent
+    data = json.loads((back / "results.json").read_text())
+    for row in data["rows"]:
+        row["run_dir"] = "/on/the/gpu/node/" + row["run"]
+    (back / "results.json").write_text(json.dumps(data))
+    out = subprocess.run([sys.executable, "-m", "prlmfuse.cli", "score", str(back)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "fused.seed-1" in out.stdout and "Δ" in out.stdout
+
+    scored = json.loads((back / "results.json").read_text())
+    reference = evaluated["evaluations"][1]
+    assert scored["settings"]["scored"] is True and (back / "scores.png").is_file()
+    for row in scored["rows"]:
+        expected = reference.row(row["run"])
+        assert row["hyp_sha256"] == expected.hyp_sha256
+        assert (row["bleu"], row["chrf"], row["signature"]) == (expected.bleu, expected.chrf, expected.signature)
+        assert row["distinct_hypotheses"] == len(set((back / row["hyp_file"]).read_text().splitlines()))
+    fused = next(r for r in scored["rows"] if r["run"] == "fused.seed-1")
+    assert fused["compared_with"] == "baseline.seed-1"
+    assert fused["p_value"]["bleu"] == pytest.approx(reference.row("fused.seed-1").p_value["bleu"])
+    again = subprocess.run([sys.executable, "-m", "prlmfuse.cli", "score", str(back)], capture_output=True, text=True)
+    assert again.returncode == 2 and "already scored" in again.stderr and "Traceback" not in again.stderr
+
+    shutil.copy(evaluated["in"] / "seed-2.json", back / "seed-2.json")
+    for f in evaluated["in"].glob("hyp.*seed-2*.txt"):
+        shutil.copy(f, back / f.name)
+    merged = merge_evaluations([back / "results.json", back / "seed-2.json"], tmp_path / "merged")
+    assert {r.run for r in merged.rows} == {"baseline.seed-1", "fused.seed-1", "baseline.seed-2", "fused.seed-2"}

@@ -1,6 +1,8 @@
-"""`prlmfuse bundle`: wheels, checkpoints and a corpus for GPU nodes with no network."""
+"""`prlmfuse bundle`: wheels, checkpoints and corpora for GPU nodes with no network."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import click
 
@@ -16,27 +18,27 @@ from prlmfuse.commands._common import creatable_parent
               help="The node's wheel platform tag.")
 @click.option("--max-mb", "max_mb", default=60.0, show_default=True, type=float,
               help="Refuse a bundle larger than this many MiB (leave room for the source tree).")
-@click.option("--corpus", "corpus", default=None, type=click.Path(),
-              help="A corpus directory written by `prlmfuse data …`, for nodes that cannot build it.")
+@click.option("--corpus", "corpora", multiple=True, type=click.Path(),
+              help="A corpus directory written by `prlmfuse data …`, for nodes that cannot build it; repeatable.")
 @click.option("--with-ja", "with_ja", is_flag=True,
               help="Also carry MeCab and its IPA dictionary (about 14 MiB) so the node can compute Japanese BLEU.")
-def bundle(out: str, checkpoints: str, python: str, platform: str, max_mb: float, corpus: str | None,
+def bundle(out: str, checkpoints: str, python: str, platform: str, max_mb: float, corpora: tuple[str, ...],
            with_ja: bool) -> None:
     """Write into OUT what an offline GPU node needs beyond a stock PyTorch image.
 
     The wheels prlmfuse needs that the node lacks (for the node's Python and platform), each named
-    checkpoint as a local directory, optionally a corpus, install.sh and bundle.json (every part with
+    checkpoint as a local directory, optionally corpora, install.sh and bundle.json (every part with
     its size and sha256). OUT appears only when the bundle is complete and within --max-mb.
     """
     from prlmfuse.bundle import build_bundle
 
     names = [c for c in checkpoints.split(",") if c.strip()]
-    result = build_bundle(out, checkpoints=names, python=python, platform=platform, max_mb=max_mb, corpus=corpus,
+    result = build_bundle(out, checkpoints=names, python=python, platform=platform, max_mb=max_mb, corpora=list(corpora),
                           with_ja=with_ja)
     for row in result.lacking:
         click.echo(f"lacks {row.package} ({row.why}): {row.means}")
     wheels = sum(1 for p in result.parts if p["path"].startswith("wheels/"))
     click.echo(f"bundle: {result.out} ({result.total_bytes / (1 << 20):.1f} MiB: {wheels} wheels"
                + "".join(f", checkpoints/{n}" for n in names)
-               + (", corpus" if corpus else "") + ")")
+               + "".join(f", corpus {Path(c).name}" for c in corpora) + ")")
     click.echo(f"install on the node, from the copied source tree: {result.install_line}")

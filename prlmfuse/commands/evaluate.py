@@ -16,12 +16,15 @@ from prlmfuse.commands._common import (_decode_options, _device_option_alone, _p
 @click.option("--split", "splits", multiple=True, type=click.Choice(["test", "dev"]),
               help="Which split to decode and score (repeat for both; default test). Choose settings on dev, "
               "report test.")
+@click.option("--no-score", "no_score", is_flag=True,
+              help="Decode only, on a machine without the metric's tokenizer (e.g. a GPU node without MeCab): "
+              "hypotheses, references and an unscored results.json; `prlmfuse score OUT` scores them elsewhere.")
 @_decode_options
 @_device_option_alone
-def evaluate(runs, more_runs, out, baseline, splits, device, **decoding) -> None:
+def evaluate(runs, more_runs, out, baseline, splits, no_score, device, **decoding) -> None:
     """Stage three: decode and score every run on its test set (or dev); write results.md and plots."""
     from prlmfuse.evaluate import evaluate_runs
 
     results = evaluate_runs(_variadic(runs, more_runs), out=out, baseline=baseline, device=device or "auto",
-                            test_sets=list(splits) or None, **decoding)
+                            test_sets=list(splits) or None, score=not no_score, **decoding)
     _print_summary(results)
