@@ -460,8 +460,10 @@ def _set_aside_if_stale(out: Path, corpus) -> None:
 # ---------------------------------------------------------------------------- evaluation
 
 
-def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None):
-    """Stage three for the selected runs; each run directory names the caches it reads."""
+def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None, *, score: bool = True):
+    """Stage three for the selected runs; each run directory names the caches it reads.
+
+    score False: decode only (`evaluate_runs`), for a machine without the metric's tokenizer."""
     from prlmfuse.evaluate import evaluate_runs
 
     ensure_data(cfg, build=False)
@@ -490,7 +492,7 @@ def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None):
     return evaluate_runs(
         dirs, out=out, baseline=baseline, beam=e.beam, lenpen=e.lenpen, average_last=e.average_last, average=e.average,
         no_repeat_ngram_size=e.no_repeat_ngram_size, max_len_a=e.max_len_a, max_len_b=e.max_len_b,
-        min_len=e.min_len, device=cfg.device,
+        min_len=e.min_len, device=cfg.device, score=score,
     )
 
 
@@ -498,7 +500,7 @@ def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None):
 
 
 def run_pipeline(cfg: PipelineConfig, *, only: str | None = None, names: list[str] | None = None,
-                 parallel: int = 1):
+                 parallel: int = 1, score: bool = True):
     """Every stage of the pipeline file (or `only` one), skipping what is already done.
 
     Returns the EvaluationResults when the evaluate stage ran here (rank 0), else None.
@@ -519,5 +521,5 @@ def run_pipeline(cfg: PipelineConfig, *, only: str | None = None, names: list[st
         train_runs(cfg, names, jobs=jobs, parallel=parallel)
         _stop_if_signalled("training finished; evaluation not started")
     if only in (None, "evaluate"):
-        return evaluate_pipeline(cfg, names)
+        return evaluate_pipeline(cfg, names, score=score)
     return None

@@ -106,6 +106,18 @@ def test_run_end_to_end_then_again_is_a_no_op(tiny_pipeline):
     rows = {r["run"]: r for r in json.loads((work / "results" / "results.json").read_text())["rows"]}
     assert set(rows) == {"baseline", "fused"} and rows["fused"]["compared_with"] == "baseline"
 
+    # A node without the metric's tokenizer decodes only; `prlmfuse score` gives the same table elsewhere.
+    decoded = _prlmfuse("run", str(path), "--only", "evaluate", "--no-score", cwd=root)
+    assert decoded.returncode == 0, decoded.stderr[-3000:]
+    assert f"without scoring: prlmfuse score {work / 'results'}" in decoded.stdout
+    unscored = json.loads((work / "results" / "results.json").read_text())
+    assert unscored["settings"]["scored"] is False and all(r["bleu"] is None for r in unscored["rows"])
+    scored = _prlmfuse("score", str(work / "results"), cwd=root)
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    again = {r["run"]: r for r in json.loads((work / "results" / "results.json").read_text())["rows"]}
+    for run in rows:
+        assert (again[run]["bleu"], again[run]["p_value"]) == (rows[run]["bleu"], rows[run]["p_value"])
+
 
 @pytest.mark.slow
 def test_jobs_trains_runs_in_their_own_processes_and_names_the_one_that_failed(tiny_pipeline, tmp_path):

@@ -17,10 +17,13 @@ from prlmfuse.errors import UserError
 @click.option("--runs", "runs", multiple=True, help="Only these training runs (several may follow); only the caches they read are built.")
 @click.argument("more_runs", nargs=-1)
 @click.option("--dry-run", is_flag=True, help="Print the plan: device and precision, caches present, runs to train or resume, estimates.")
+@click.option("--no-score", "no_score", is_flag=True,
+              help="Evaluate by decoding only, on a machine without the metric's tokenizer (a GPU node without MeCab); "
+              "`prlmfuse score` scores the results folder elsewhere.")
 @_jobs_option
 @_device_option
 @_precision_option
-def run(pipeline, only, runs, more_runs, dry_run, parallel, device, precision) -> None:
+def run(pipeline, only, runs, more_runs, dry_run, no_score, parallel, device, precision) -> None:
     """Run a whole pipeline file: data -> cache -> train -> evaluate -> report.
 
     Finished steps are skipped, so running it again when all is done takes seconds.
@@ -43,7 +46,7 @@ def run(pipeline, only, runs, more_runs, dry_run, parallel, device, precision) -
         for line in plan_lines(cfg, names, parallel or cfg.train.jobs):
             click.echo(line)
         return
-    results = run_pipeline(cfg, only=only, names=names, parallel=parallel or cfg.train.jobs)
+    results = run_pipeline(cfg, only=only, names=names, parallel=parallel or cfg.train.jobs, score=not no_score)
     if results is not None:
         click.echo("")
         _print_summary(results)
