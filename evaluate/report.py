@@ -288,6 +288,11 @@ def _pair_with_own_seed(baseline_of: dict[str, str], pairs: list[tuple[RunResult
                         run, baseline_of[run], base)
 
 
+def file_name(path: Path) -> str:
+    """How a table names an input: its file name, with its folder where that name says nothing (results.json)."""
+    return f"{path.parent.name}/{path.name}" if path.stem == "results" else path.name
+
+
 def _file_label(evaluation: Evaluation) -> str:
     return evaluation.path.parent.name if evaluation.path.stem == "results" else evaluation.path.stem
 
@@ -382,7 +387,7 @@ def report_markdown(report: Report) -> str:
              f"there is one); * marks p < {SIGNIFICANCE:g}.", "", "| file | machine | runs |", "|---|---|---|"]
     for e in report.inputs:
         runs = ", ".join(dict.fromkeys(r.run for r in e.rows))
-        lines.append(f"| {e.path.name} | {e.machine} | {runs} |")
+        lines.append(f"| {file_name(e.path)} | {e.machine} | {runs} |")
     for split in dict.fromkeys(r.test_set for r in report.rows):
         rows = [r for r in report.rows if r.test_set == split]
         metric = rows[0].main_metric
@@ -398,7 +403,7 @@ def report_markdown(report: Report) -> str:
             last3 = ", ".join(f"{x:.3f}" for x in r.epoch_dev_losses[-3:]) or "-"
             count = ("-" if r.distinct_hypotheses is None else f"{r.distinct_hypotheses}") + " | " if distinct else ""
             lines.append(
-                f"| {r.run} | {report.sources[r.run].name} | {_fmt(getattr(r, metric))} | "
+                f"| {r.run} | {file_name(report.sources[r.run])} | {_fmt(getattr(r, metric))} | "
                 f"{'-' if delta is None else f'{delta:+.2f}'} | {'-' if p is None else f'{p:.3f}{mark}'} | "
                 f"{r.compared_with or '-'} | {_fmt(r.chrf)} | {count}{format_parameters(r.trainable_parameters)} | "
                 f"{r.updates} | {len(r.epoch_dev_losses)} | "
@@ -445,13 +450,13 @@ def write_report(report: Report) -> None:
     writer = csv.writer(buf, lineterminator="\n")
     for i, line in enumerate(reader):
         run = line[1]
-        writer.writerow(line + (["file", "machine"] if i == 0 else [report.sources[run].name, _machine_of(report, run)]))
+        writer.writerow(line + (["file", "machine"] if i == 0 else [file_name(report.sources[run]), _machine_of(report, run)]))
     atomic_write_text(out / "results.csv", buf.getvalue())
     atomic_write_json(out / "results.json", json_safe({
         "inputs": [{"file": str(e.path), "machine": e.machine, "baseline": e.baseline,
                     "runs": list(dict.fromkeys(r.run for r in e.rows))} for e in report.inputs],
         "settings": {k: report.inputs[0].settings.get(k) for k in SHARED_SETTINGS},
-        "rows": [{**r.to_dict(), "file": report.sources[r.run].name, "machine": _machine_of(report, r.run)}
+        "rows": [{**r.to_dict(), "file": file_name(report.sources[r.run]), "machine": _machine_of(report, r.run)}
                  for r in report.rows],
         "systems": [asdict(m) for m in report.systems],
         "against": report.against,

@@ -379,3 +379,10 @@ def test_runs_decoded_without_scores_are_scored_elsewhere_as_evaluate_scores_the
         shutil.copy(f, back / f.name)
     merged = merge_evaluations([back / "results.json", back / "seed-2.json"], tmp_path / "merged")
     assert {r.run for r in merged.rows} == {"baseline.seed-1", "fused.seed-1", "baseline.seed-2", "fused.seed-2"}
+
+
+def test_tables_name_a_results_json_by_its_folder():
+    from prlmfuse.evaluate.report import file_name
+
+    assert file_name(Path("docs/results/controls/batch-2/results.json")) == "batch-2/results.json"
+    assert file_name(Path("merged-in/seed-1.json")) == "seed-1.json"
