@@ -174,8 +174,8 @@ def main() -> None:
                 built = build_cache(args.checkpoint, corpus, tmp / f"cache-{lane}-{r}", dtype=dtype, progress=False,
                                     device=args.device)
                 rates[lane].append(int(built.manifest["num_tokens"]) / (time.perf_counter() - start))
-                if lane == "c":
-                    result = built
+                if lane == "c" and r + 1 == args.rounds:
+                    result = built  # read by (d)
                 else:
                     shutil.rmtree(built.path)
             print(f"round {r + 1}: " + ", ".join(f"({k}) {v[-1]:,.0f}" for k, v in rates.items()) + " tokens/s",

@@ -115,6 +115,7 @@ for step in "$@"; do
             timed work/demo/cache.log prlmfuse run offline/demo.yaml --device cuda --only cache &&
                 timed work/demo/run.log prlmfuse run offline/demo.yaml --device cuda --only train &&
                 timed work/demo/decode.log prlmfuse run offline/demo.yaml --device cuda --only evaluate --no-score
+            tail -3 work/demo/decode.log >> "$session" 2>/dev/null
         fi
         tail -12 work/demo/run.log >> "$session" 2>/dev/null
         pack work/demo "$out/demo.tar.gz" offline/demo.yaml work/demo/*.log

@@ -104,13 +104,14 @@ class BackgroundWriter:
         self.opened += 1
         self.current.put(("open", name, specs, first_rows, meta))
 
-    def append(self, batch: HostBatch) -> None:
-        """Queue one batch for encoding and writing; blocks while IN_FLIGHT batches wait for the disk."""
+    def append(self, take: Callable[[], HostBatch]) -> None:
+        """Queue one batch for encoding and writing: take() hands it over once a slot is free, so that
+        no more than IN_FLIGHT batches' host copies exist; blocks while IN_FLIGHT batches wait for the disk."""
         while not self.slots.acquire(timeout=0.5):
             self._check()
         try:
             self._check()
-            future = self.encoders.submit(encode_batch, batch, self.layers, self.dtype)
+            future = self.encoders.submit(encode_batch, take(), self.layers, self.dtype)
         except BaseException:
             self.slots.release()
             raise

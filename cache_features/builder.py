@@ -118,14 +118,15 @@ class _HostCopies:
         real_rows = attention_mask.reshape(-1).cpu().nonzero().squeeze(1)
         if not self.cuda:
             return HostBatch(token_states, pooled, real_rows)
-        index = real_rows.to(self.device, non_blocking=True)
+        # from page-locked memory, so the copy is queued behind the forward instead of waiting for it
+        index = real_rows.pin_memory().to(self.device, non_blocking=True)
         packed = token_states.flatten(1, 2).index_select(1, index)  # [n_layers, n_real_tokens, d], sentence-major
         host_states = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
         host_pooled = torch.empty(pooled.shape, dtype=pooled.dtype, pin_memory=True)
         host_states.copy_(packed, non_blocking=True)
         host_pooled.copy_(pooled, non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(self.device))  # the copies' stream, whichever GPU is current
         return HostBatch(host_states, host_pooled, ready=done.synchronize)
 
 
@@ -358,7 +359,8 @@ def write_shards(spec: BuildSpec, corpus: EncodedCorpus, todo: list[ShardPlan], 
             writer.open(names[plan.index], specs, first_rows, meta)
             for batch in plan.batches:
                 token_states, pooled, attention_mask = forward(batch)
-                writer.append(to_host(token_states, pooled, attention_mask))
+                writer.append(lambda: to_host(token_states, pooled, attention_mask))  # noqa: B023 - called at once
+                del token_states, pooled  # the next forward need not keep this batch's device memory
                 if on_batch is not None:
                     on_batch(batch, int(attention_mask.sum()))
             writer.commit()

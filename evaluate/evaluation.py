@@ -239,6 +239,8 @@ def evaluate_runs(
     write_results(results)
     if score:
         plot_scores(results, out / "scores.png")
+    else:  # a plot of an earlier evaluation in this folder is not of these hypotheses
+        (out / "scores.png").unlink(missing_ok=True)
     plot_dev_loss(runs, out / "dev_loss.png", baseline_name)
     return results
 

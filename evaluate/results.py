@@ -188,7 +188,8 @@ def results_markdown(results: EvaluationResults) -> str:
 _CSV_COLUMNS = [
     "test_set", "run", "prlm", "layer", "merge", "position", "side", "num_sentences", "bleu", "bleu_delta",
     "bleu_p", "chrf", "rouge1", "rouge2", "rougeL", "rougeL_delta", "rougeL_p", "compared_with", "main_metric", "ci_low",
-    "ci_high", "trainable_parameters", "distinct_hypotheses", "sentences_per_s", "tokens_per_s", "decode_seconds", "updates", "train_tokens", "train_seconds", "checkpoints", "hyp_file", "run_dir",
+    "ci_high", "trainable_parameters", "sentences_per_s", "tokens_per_s", "decode_seconds", "updates", "train_tokens", "train_seconds", "checkpoints", "hyp_file", "run_dir",
+    "distinct_hypotheses",
 ]
 
 

@@ -96,9 +96,8 @@ def write_corpora(corpus_dirs: list[Path], out_dir: Path) -> list[Path]:
     from prlmfuse import corpora
 
     roots = [Path(corpora.load_corpus(d, verify=True).root).resolve() for d in corpus_dirs]
-    names = [root.name for root in roots]
-    twice = next((n for n in names if names.count(n) > 1), None)
-    if twice is not None and len({r for r in roots if r.name == twice}) > 1:
+    twice = next((r.name for r in roots if len({other for other in roots if other.name == r.name}) > 1), None)
+    if twice is not None:
         raise UserError(f"two --corpus directories are both named {twice}; the node unpacks each by its name, so "
                         "rename one of them")
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -158,3 +158,5 @@ def test_several_corpora_travel_each_as_its_own_archive_and_unpack_to_what_they_
     twin = register_text(tmp_path / "c" / "small", **raw, src_lang="en", tgt_lang="ja", name="twin")
     with pytest.raises(UserError, match="two --corpus directories are both named small"):
         write_corpora([Path(bible.root), Path(twin.root)], tmp_path / "out2")
+    with pytest.raises(UserError, match="two --corpus directories are both named small"):  # behind a repeated one
+        write_corpora([Path(other.root), Path(other.root), Path(bible.root), Path(twin.root)], tmp_path / "out3")
