@@ -1,0 +1,114 @@
+"""Zarr shards: how their chunk files reach the disk before the rename that publishes each shard.
+
+    python bench/zarr_commit.py --dir DIR [--shards 6] [--rounds 3]
+
+Each round writes --shards shards of 64 MB of float16 features (random values, BERT-base width 768,
+the library's 256 KB chunks: one file each) through cache_features.shards.ZarrShardWriter, once per lane,
+the lanes in turn:
+  library   ZarrShardWriter as it is: the chunk files fsynced by SYNC_THREADS threads at once
+  one_by_one  each chunk file fsynced in turn (then, as library, the directories)
+  syncfs    one syncfs(2) of the filesystem per shard (Linux), whatever else it holds dirty
+Reported: each lane's GB/s of appends and commit together, median over rounds, and library's ratio
+to each other lane in each round (median). The directory is emptied at the end. Last line: RESULT {json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+SHARD_BYTES = 64 << 20
+WIDTH = 768
+ROWS_PER_APPEND = 4096  # a GPU batch's real tokens, about
+
+
+def lanes() -> dict:
+    from prlmfuse.cache_features.shards import ZarrShardWriter
+    from prlmfuse.fileio import fsync_dir
+
+    class OneByOne(ZarrShardWriter):
+        @staticmethod
+        def _sync(directory: Path) -> None:
+            walk = list(os.walk(directory))
+            for root, _dirs, files in walk:
+                for name in files:
+                    with open(os.path.join(root, name), "rb+") as f:
+                        os.fsync(f.fileno())
+            for root, _dirs, _files in reversed(walk):
+                fsync_dir(Path(root))
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    class SyncFs(ZarrShardWriter):
+        @staticmethod
+        def _sync(directory: Path) -> None:
+            fd = os.open(directory, os.O_RDONLY)
+            try:
+                if libc.syncfs(fd) != 0:
+                    raise OSError(ctypes.get_errno(), "syncfs failed")
+            finally:
+                os.close(fd)
+
+    return {"library": ZarrShardWriter, "one_by_one": OneByOne, "syncfs": SyncFs}
+
+
+def write_shards(writer_class, directory: Path, shards: int, values: np.ndarray) -> float:
+    """Seconds to write and commit `shards` shards of `values` rows through `writer_class`."""
+    from prlmfuse.cache_features.location import Location
+    from prlmfuse.cache_features.shards import ArraySpec
+
+    location = Location(directory)
+    specs = {"layer_010": ArraySpec((len(values), WIDTH), np.dtype(np.float16))}
+    start = time.perf_counter()
+    for index in range(shards):
+        writer = writer_class(location, f"shards/shard-{index:05d}.zarr", specs)
+        for row in range(0, len(values), ROWS_PER_APPEND):
+            writer.append("layer_010", values[row : row + ROWS_PER_APPEND])
+        writer.commit()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--dir", required=True, type=Path, help="a new or empty directory on the disk to measure")
+    parser.add_argument("--shards", type=int, default=6)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    if args.dir.exists() and any(args.dir.iterdir()):
+        sys.exit(f"zarr_commit.py: {args.dir} is not empty; give a new or empty directory")
+    from prlmfuse.precision import machine_line
+
+    values = np.random.default_rng(0).standard_normal((SHARD_BYTES // (2 * WIDTH), WIDTH)).astype(np.float16)
+    nbytes = args.shards * values.nbytes
+    classes = lanes()
+    rates: dict[str, list[float]] = {name: [] for name in classes}
+    try:
+        for r in range(args.rounds):
+            for name, writer_class in classes.items():
+                target = args.dir / f"{name}-{r}"
+                seconds = write_shards(writer_class, target, args.shards, values)
+                rates[name].append(nbytes / seconds / 1e9)
+                shutil.rmtree(target)
+            print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in rates.items()) + " GB/s", file=sys.stderr)
+    finally:
+        shutil.rmtree(args.dir, ignore_errors=True)
+    result = {"machine": machine_line("cpu"), "shards": args.shards, "GB_per_lane": round(nbytes / 1e9, 2),
+              "rounds": args.rounds}
+    for name, values_ in rates.items():
+        result[f"{name}_GBps"] = round(float(np.median(values_)), 3)
+        if name != "library":
+            result[f"library_over_{name}"] = round(float(np.median([b / a for a, b in zip(values_, rates["library"])])), 3)
+        print(f"{name:10s} {result[f'{name}_GBps']:.3f} GB/s (median of {args.rounds})")
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
