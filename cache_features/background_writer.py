@@ -137,8 +137,12 @@ class BackgroundWriter:
             self.error = disk_full_error(f"shard {name}", self.location) if is_disk_full(error) else error
 
     def _run(self, items: queue.Queue) -> None:
+        # A writer whose own work failed drains its queue. Another thread's error does not stop it: the
+        # shard it holds was queued whole (its commit before the next shard's first rows), so it finishes
+        # it, and a rerun rebuilds no shard it need not; an incomplete one is aborted at the sentinel.
         writer = None
         name = meta = None
+        failed = False
         while True:
             item = items.get()
             if item is None:
@@ -147,12 +151,12 @@ class BackgroundWriter:
                 if item[0] == "rows":
                     try:
                         rows = item[1].result()
-                        if self.error is None:
+                        if not failed:
                             for array, values in rows.items():
                                 writer.append(array, values)
                     finally:
                         self.slots.release()
-                elif self.error is not None:
+                elif failed:
                     pass  # drain: the model thread never blocks on a dead writer
                 elif item[0] == "open":
                     _, name, specs, first_rows, meta = item
@@ -166,9 +170,10 @@ class BackgroundWriter:
                     write_json_at(self.location, f"{PROGRESS_DIR}/{name}.json", record)
                     self.records.append(record)
             except BaseException as e:  # noqa: BLE001 - re-raised in the model thread
+                failed = True
                 self._fail(e, name)
-            if self.error is not None and writer is not None:
-                writer.abort()
-                writer = None
+                if writer is not None:
+                    writer.abort()
+                    writer = None
         if writer is not None:
             writer.abort()
