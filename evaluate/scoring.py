@@ -18,6 +18,7 @@ from prlmfuse.evaluate.plots import plot_scores
 from prlmfuse.evaluate.report import read_evaluation
 from prlmfuse.evaluate.results import EvaluationResults, write_results
 from prlmfuse.fileio import read_lines
+from prlmfuse.precision import machine_line
 
 logger = logging.getLogger(__name__)
 
@@ -46,16 +47,10 @@ def score_evaluation(path: str | Path) -> EvaluationResults:
     add_bootstrap(evaluation.rows, sentence_level, refs_sha, baseline_of,
                   n_samples=int(settings["bootstrap_samples"]), seed=int(settings["seed"]))
     settings["scored"] = True
-    settings["scored_on"] = _machine()
+    settings["scored_on"] = machine_line("cpu")
     results = EvaluationResults(out=evaluation.folder, baseline=evaluation.baseline, rows=evaluation.rows,
                                 settings=settings)
     write_results(results)
     plot_scores(results, evaluation.folder / "scores.png")
     logger.info("score: %d row(s) of %s scored", len(evaluation.rows), path)
     return results
-
-
-def _machine() -> str:
-    from prlmfuse.precision import machine_line
-
-    return machine_line("cpu")
