@@ -75,16 +75,36 @@ def encode(x: torch.Tensor, dtype: str) -> tuple[np.ndarray, dict[str, np.ndarra
     if dtype == "bfloat16":
         return x.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16), {}
     if dtype == "int8":
-        x = x.float()
-        k = min(INT8_OUTLIERS, x.shape[-1])
-        index = x.abs().topk(k, dim=-1).indices
-        outliers = x.gather(-1, index)
-        rest = x.scatter(-1, index, 0.0)
-        scale = rest.abs().amax(dim=-1, keepdim=True) / 127.0
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = torch.round(rest / safe).clamp_(-127, 127).to(torch.int8)
-        return q.contiguous().numpy(), {"quant": torch.cat([scale, index.float(), outliers], dim=-1).contiguous().numpy()}
+        return _quantize_int8(x.float())
     raise UserError(f"unknown dtype {dtype!r}; valid: {', '.join(STORAGE_DTYPES)}")
+
+
+INT8_BLOCK_BYTES = 1 << 20  # float32 rows quantized at once: temporaries that small are reused from the heap
+
+
+def _quantize_int8(x: torch.Tensor) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """int8 values and their `quant` rows (see side_arrays), a block of rows at a time.
+
+    Whole-batch temporaries are large enough that the allocator maps fresh pages for each and the
+    quantization spends its time in page faults; per block they fit the heap and are reused.
+    """
+    d = x.shape[-1]
+    k = min(INT8_OUTLIERS, d)
+    rows = x.reshape(-1, d)
+    values = np.empty(rows.shape, np.int8)
+    quant = np.empty((len(rows), 1 + 2 * k), np.float32)
+    values_out, quant_out = torch.from_numpy(values), torch.from_numpy(quant)
+    block = max(1, INT8_BLOCK_BYTES // (4 * d))
+    for start in range(0, len(rows), block):
+        x_block = rows[start : start + block]
+        magnitude = x_block.abs()
+        index = magnitude.topk(k, dim=-1).indices
+        scale = magnitude.scatter_(-1, index, 0.0).amax(dim=-1, keepdim=True).div_(127.0)
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        rest = x_block.scatter(-1, index, 0.0)
+        values_out[start : start + block] = rest.div_(safe).round_().clamp_(-127, 127)
+        torch.cat([scale, index.float(), x_block.gather(-1, index)], dim=-1, out=quant_out[start : start + block])
+    return values.reshape(x.shape), {"quant": quant.reshape(*x.shape[:-1], 1 + 2 * k)}
 
 
 def decode(values: np.ndarray, side: dict[str, np.ndarray] | None, dtype: str) -> torch.Tensor:

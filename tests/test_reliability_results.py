@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -303,6 +304,29 @@ def test_int8_keeps_the_error_bounded_when_one_value_dominates_a_token():
     rest[0, 40] = False
     # the ordinary values are kept to int8 precision of their own scale, not zeroed by the outliers'
     assert float(((approx - x)[rest]).abs().max()) <= float(x[rest].abs().max()) / 127
+
+
+def test_int8_quantizes_each_token_on_its_own_whatever_block_it_falls_in():
+    """A batch of many blocks' rows (codecs quantizes INT8_BLOCK_BYTES at a time) gives each token the bytes it
+    gets alone, and leading dimensions keep their shape."""
+    from prlmfuse.cache_features import codecs
+
+    torch.manual_seed(0)
+    width = 96
+    block_rows = codecs.INT8_BLOCK_BYTES // (4 * width)
+    x = torch.randn(2 * block_rows + 5, width) * torch.rand(width) * 40
+    x[3] = 0.0  # a token of zeros: scale 0, values 0
+    x[block_rows - 1, 11] = -9000.0  # an outlier in a block's last row
+    values, side = codecs.encode(x, "int8")
+    assert values.dtype == np.int8 and values.shape == x.shape and side["quant"].shape == (len(x), 9)
+    for row in (0, 3, block_rows - 1, block_rows, 2 * block_rows + 4):
+        alone, alone_side = codecs.encode(x[row : row + 1], "int8")
+        assert np.array_equal(values[row], alone[0]) and np.array_equal(side["quant"][row], alone_side["quant"][0])
+    assert side["quant"][block_rows - 1, 1] == 11 and side["quant"][block_rows - 1, 5] == -9000.0
+    assert not values[3].any() and not side["quant"][3, 0]
+    stacked, stacked_side = codecs.encode(x[:12].reshape(3, 4, width), "int8")
+    assert np.array_equal(stacked.reshape(12, width), values[:12])
+    assert np.array_equal(stacked_side["quant"].reshape(12, 9), side["quant"][:12])
 
 
 @pytest.mark.slow
