@@ -22,7 +22,7 @@ import torch
 
 from prlmfuse.fileio import disk_full_error, is_disk_full
 
-from .codecs import check_fits, encode, pooled_storage_dtype
+from .codecs import encode, pooled_storage_dtype
 from .location import Location
 from .manifest import PROGRESS_DIR, SHARD_DIR, write_json_at
 from .shards import ArraySpec, create_shard
@@ -57,16 +57,12 @@ def encode_batch(batch: HostBatch, layers: tuple[int, ...], dtype: str) -> dict[
         batch.ready()
     rows: dict[str, np.ndarray] = {}
     for i, layer in enumerate(layers):
-        states = batch.token_states[i]
-        if batch.real_rows is not None:
-            states = states.flatten(0, 1).index_select(0, batch.real_rows)
-        check_fits(states, dtype, f"hidden_states[{layer}]")
-        values, side = encode(states, dtype)  # [n_real_tokens, d]
+        # [n_real_tokens, d]: the real rows of [B, T, d], or all of an already packed [n_real_tokens, d]
+        values, side = encode(batch.token_states[i], dtype, rows=batch.real_rows, what=f"hidden_states[{layer}]")
         rows[f"layer_{layer:03d}"] = values
         for name, array in side.items():
             rows[f"{name}_{layer:03d}"] = array
-    check_fits(batch.pooled, pooled_storage_dtype(dtype), "the pooled (first-token and mean) vectors")
-    rows["pooled"] = encode(batch.pooled, pooled_storage_dtype(dtype))[0]
+    rows["pooled"] = encode(batch.pooled, pooled_storage_dtype(dtype), what="the pooled (first-token and mean) vectors")[0]
     return rows
 
 

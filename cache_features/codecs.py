@@ -66,45 +66,51 @@ def check_fits(x: torch.Tensor, dtype: str, what: str) -> None:
         )
 
 
-def encode(x: torch.Tensor, dtype: str) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """float32 [..., d] -> (stored values, the side arrays of `side_arrays`, per row)."""
-    if dtype == "float32":
-        return x.float().contiguous().numpy(), {}
-    if dtype == "float16":
-        return x.to(torch.float16).contiguous().numpy(), {}
-    if dtype == "bfloat16":
-        return x.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16), {}
-    if dtype == "int8":
-        return _quantize_int8(x.float())
-    raise UserError(f"unknown dtype {dtype!r}; valid: {', '.join(STORAGE_DTYPES)}")
+ENCODE_BLOCK_BYTES = 4 << 20  # float32 rows encoded at once: temporaries that small are reused from the heap
 
 
-INT8_BLOCK_BYTES = 1 << 20  # float32 rows quantized at once: temporaries that small are reused from the heap
+def encode(x: torch.Tensor, dtype: str, *, rows: torch.Tensor | None = None,
+           what: str = "features") -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """float32 [..., d] -> (stored values, the side arrays of `side_arrays`, per row).
 
-
-def _quantize_int8(x: torch.Tensor) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """int8 values and their `quant` rows (see side_arrays), a block of rows at a time.
-
-    Whole-batch temporaries are large enough that the allocator maps fresh pages for each and the
-    quantization spends its time in page faults; per block they fit the heap and are reused.
+    With `rows` (x [..., d] seen as [N, d]), the rows x[rows] alone, in that order: a batch's real tokens.
+    float16 refuses values past its range (check_fits, naming `what`). Rows are gathered and encoded a
+    block at a time into the returned arrays: whole-batch temporaries are large enough that the allocator
+    maps fresh pages for each, and the encoder then spends its time in page faults.
     """
+    check_dtype(dtype)
     d = x.shape[-1]
-    k = min(INT8_OUTLIERS, d)
-    rows = x.reshape(-1, d)
-    values = np.empty(rows.shape, np.int8)
-    quant = np.empty((len(rows), 1 + 2 * k), np.float32)
-    values_out, quant_out = torch.from_numpy(values), torch.from_numpy(quant)
-    block = max(1, INT8_BLOCK_BYTES // (4 * d))
-    for start in range(0, len(rows), block):
-        x_block = rows[start : start + block]
-        magnitude = x_block.abs()
-        index = magnitude.topk(k, dim=-1).indices
-        scale = magnitude.scatter_(-1, index, 0.0).amax(dim=-1, keepdim=True).div_(127.0)
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        rest = x_block.scatter(-1, index, 0.0)
-        values_out[start : start + block] = rest.div_(safe).round_().clamp_(-127, 127)
-        torch.cat([scale, index.float(), x_block.gather(-1, index)], dim=-1, out=quant_out[start : start + block])
-    return values.reshape(x.shape), {"quant": quant.reshape(*x.shape[:-1], 1 + 2 * k)}
+    flat = x.detach().reshape(-1, d)
+    count = len(flat) if rows is None else len(rows)
+    shape = (*x.shape[:-1], d) if rows is None else (count, d)
+    values = np.empty((count, d), token_numpy_dtype(dtype))
+    values_out = torch.from_numpy(values)
+    if dtype == "bfloat16":
+        values_out = values_out.view(torch.bfloat16)
+    sides = {name: np.empty((count, *row), side_dtype) for name, (row, side_dtype) in side_arrays(dtype, d).items()}
+    block = max(1, ENCODE_BLOCK_BYTES // (4 * d))
+    for start in range(0, count, block):
+        x_block = flat[start : start + block] if rows is None else flat.index_select(0, rows[start : start + block])
+        x_block = x_block.float()
+        stop = start + len(x_block)
+        if dtype == "int8":
+            values_out[start:stop], quant = _quantize_int8(x_block)
+            torch.from_numpy(sides["quant"])[start:stop] = quant
+        else:
+            check_fits(x_block, dtype, what)
+            values_out[start:stop] = x_block
+    return values.reshape(shape), {name: side.reshape(*shape[:-1], side.shape[-1]) for name, side in sides.items()}
+
+
+def _quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [n, d] -> (the values int8-rounded, still float32; their `quant` rows, see side_arrays)."""
+    k = min(INT8_OUTLIERS, x.shape[-1])
+    magnitude = x.abs()
+    index = magnitude.topk(k, dim=-1).indices
+    scale = magnitude.scatter_(-1, index, 0.0).amax(dim=-1, keepdim=True).div_(127.0)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    rounded = x.scatter(-1, index, 0.0).div_(safe).round_().clamp_(-127, 127)
+    return rounded, torch.cat([scale, index.float(), x.gather(-1, index)], dim=-1)
 
 
 def decode(values: np.ndarray, side: dict[str, np.ndarray] | None, dtype: str) -> torch.Tensor:

@@ -307,13 +307,13 @@ def test_int8_keeps_the_error_bounded_when_one_value_dominates_a_token():
 
 
 def test_int8_quantizes_each_token_on_its_own_whatever_block_it_falls_in():
-    """A batch of many blocks' rows (codecs quantizes INT8_BLOCK_BYTES at a time) gives each token the bytes it
+    """A batch of many blocks' rows (codecs encodes ENCODE_BLOCK_BYTES at a time) gives each token the bytes it
     gets alone, and leading dimensions keep their shape."""
     from prlmfuse.cache_features import codecs
 
     torch.manual_seed(0)
     width = 96
-    block_rows = codecs.INT8_BLOCK_BYTES // (4 * width)
+    block_rows = codecs.ENCODE_BLOCK_BYTES // (4 * width)
     x = torch.randn(2 * block_rows + 5, width) * torch.rand(width) * 40
     x[3] = 0.0  # a token of zeros: scale 0, values 0
     x[block_rows - 1, 11] = -9000.0  # an outlier in a block's last row
