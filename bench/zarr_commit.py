@@ -1,15 +1,20 @@
-"""Zarr shards: how their chunk files reach the disk before the rename that publishes each shard.
+"""Zarr shards: how their chunk files are written, and how they reach the disk before the rename that
+publishes each shard.
 
     python bench/zarr_commit.py --dir DIR [--shards 6] [--rounds 3]
 
 Each round writes --shards shards of 64 MB of float16 features (random values, BERT-base width 768,
 the library's 256 KB chunks: one file each) through cache_features.shards.ZarrShardWriter, once per lane,
 the lanes in turn:
-  library   ZarrShardWriter as it is: the chunk files fsynced by SYNC_THREADS threads at once
+  library   ZarrShardWriter as it is: each flush's whole chunks handed to the store together (Store.set),
+            the chunk files fsynced by SYNC_THREADS threads at once at commit
+  array_api   the chunks written through the zarr array's own indexing (array[start:stop] = rows, empty
+            chunks written as they are), then committed as library
   one_by_one  each chunk file fsynced in turn (then, as library, the directories)
   syncfs    one syncfs(2) of the filesystem per shard (Linux), whatever else it holds dirty
-Reported: each lane's GB/s of appends and commit together, median over rounds, and library's ratio
-to each other lane in each round (median). The directory is emptied at the end. Last line: RESULT {json}.
+Reported: each lane's GB/s of appends and commit together and of its appends alone (into the page
+cache, before the commit's fsyncs), median over rounds, and library's ratio to each other lane in each
+round (median, appends and commit together). The directory is emptied at the end. Last line: RESULT {json}.
 """
 
 from __future__ import annotations
@@ -57,23 +62,38 @@ def lanes() -> dict:
             finally:
                 os.close(fd)
 
-    return {"library": ZarrShardWriter, "one_by_one": OneByOne, "syncfs": SyncFs}
+    import zarr
+
+    class ArrayApi(ZarrShardWriter):
+        def __init__(self, *args, **kwargs):
+            with zarr.config.set({"array.write_empty_chunks": True}):  # no per-chunk comparison with the fill value
+                super().__init__(*args, **kwargs)
+
+        def _write_chunks(self, name: str, first_chunk: int, rows: np.ndarray) -> None:
+            start = first_chunk * self.arrays[name].chunks[0]
+            self.arrays[name][start : start + len(rows)] = rows
+
+    return {"library": ZarrShardWriter, "array_api": ArrayApi, "one_by_one": OneByOne, "syncfs": SyncFs}
 
 
-def write_shards(writer_class, directory: Path, shards: int, values: np.ndarray) -> float:
-    """Seconds to write and commit `shards` shards of `values` rows through `writer_class`."""
+def write_shards(writer_class, directory: Path, shards: int, values: np.ndarray) -> tuple[float, float]:
+    """Seconds to write and commit `shards` shards of `values` rows through `writer_class`, and of those the
+    seconds spent in appends (the rest is the commits)."""
     from prlmfuse.cache_features.location import Location
     from prlmfuse.cache_features.shards import ArraySpec
 
     location = Location(directory)
     specs = {"layer_010": ArraySpec((len(values), WIDTH), np.dtype(np.float16))}
-    start = time.perf_counter()
+    start, appending = time.perf_counter(), 0.0
     for index in range(shards):
+        began = time.perf_counter()
         writer = writer_class(location, f"shards/shard-{index:05d}.zarr", specs)
         for row in range(0, len(values), ROWS_PER_APPEND):
             writer.append("layer_010", values[row : row + ROWS_PER_APPEND])
+        writer._flush("layer_010", final=True)  # what commit() would write first: counted as appends
+        appending += time.perf_counter() - began
         writer.commit()
-    return time.perf_counter() - start
+    return time.perf_counter() - start, appending
 
 
 def main() -> None:
@@ -90,12 +110,14 @@ def main() -> None:
     nbytes = args.shards * values.nbytes
     classes = lanes()
     rates: dict[str, list[float]] = {name: [] for name in classes}
+    append_rates: dict[str, list[float]] = {name: [] for name in classes}
     try:
         for r in range(args.rounds):
             for name, writer_class in classes.items():
                 target = args.dir / f"{name}-{r}"
-                seconds = write_shards(writer_class, target, args.shards, values)
+                seconds, appending = write_shards(writer_class, target, args.shards, values)
                 rates[name].append(nbytes / seconds / 1e9)
+                append_rates[name].append(nbytes / appending / 1e9)
                 shutil.rmtree(target)
             print(f"round {r + 1}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in rates.items()) + " GB/s", file=sys.stderr)
     finally:
@@ -104,9 +126,11 @@ def main() -> None:
               "rounds": args.rounds}
     for name, values_ in rates.items():
         result[f"{name}_GBps"] = round(float(np.median(values_)), 3)
+        result[f"{name}_appends_GBps"] = round(float(np.median(append_rates[name])), 3)
         if name != "library":
             result[f"library_over_{name}"] = round(float(np.median([b / a for a, b in zip(values_, rates["library"])])), 3)
-        print(f"{name:10s} {result[f'{name}_GBps']:.3f} GB/s (median of {args.rounds})")
+        print(f"{name:10s} {result[f'{name}_GBps']:.3f} GB/s, appends alone {result[f'{name}_appends_GBps']:.3f} "
+              f"(median of {args.rounds})")
     print("RESULT " + json.dumps(result))
 
 

@@ -13,6 +13,7 @@ both backends, so `verify_cache` never depends on how a backend lays bytes on di
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import os
@@ -174,11 +175,15 @@ def _chunk_rows(spec: ArraySpec) -> int:
 
 
 class ZarrShardWriter(ShardWriter):
-    """A Zarr v3 group of uncompressed arrays, written through zarr's array API.
+    """A Zarr v3 group of uncompressed arrays: zarr writes the metadata, the shard writes each chunk's bytes.
 
     Local: built in a temp directory and renamed on commit. URL: written in place; the caller
     counts it complete only once its progress record is written after commit().
-    Rows are buffered so every write covers whole chunks (a partial-chunk write reads the chunk back).
+    Rows are buffered into whole chunks, and a flush hands its chunks to the store together
+    (zarr's Store API): with no codec but `bytes`, a chunk's stored value is its rows' little-endian
+    bytes, the array's last chunk padded with the fill value to the chunk's shape as zarr stores it.
+    Going through the array's indexing and codec pipeline per chunk cost more than the write itself
+    (bench/zarr_commit.py).
     """
 
     def __init__(self, location: Location, name: str, specs: dict[str, ArraySpec]):
@@ -196,6 +201,7 @@ class ZarrShardWriter(ShardWriter):
                 shutil.rmtree(self.tmp)
             self.final.parent.mkdir(parents=True, exist_ok=True)
             store = zarr.storage.LocalStore(self.tmp)
+        self.store = store
         self.arrays = {}
         self.pending: dict[str, list[np.ndarray]] = {}
         self.flushed: dict[str, int] = {}
@@ -205,8 +211,6 @@ class ZarrShardWriter(ShardWriter):
                 self.arrays[array] = group.create_array(
                     array, shape=spec.shape, dtype=spec.dtype, chunks=(_chunk_rows(spec),) + spec.shape[1:],
                     compressors=None, fill_value=0,
-                    # every chunk holds features: comparing each with the fill value before writing is wasted work
-                    config={"write_empty_chunks": True},
                 )
                 self.pending[array] = []
                 self.flushed[array] = 0
@@ -225,10 +229,29 @@ class ZarrShardWriter(ShardWriter):
         if writable == 0:
             return
         block = np.concatenate(self.pending[name]) if len(self.pending[name]) > 1 else self.pending[name][0]
-        start = self.flushed[name]
-        self.arrays[name][start : start + writable] = block[:writable]
-        self.flushed[name] = start + writable
+        self._write_chunks(name, self.flushed[name] // chunk, block[:writable])
+        self.flushed[name] += writable
         self.pending[name] = [block[writable:]] if writable < len(block) else []
+
+    def _write_chunks(self, name: str, first_chunk: int, rows: np.ndarray) -> None:
+        from zarr.core.buffer import default_buffer_prototype
+        from zarr.core.sync import sync
+
+        array = self.arrays[name]
+        chunk = array.chunks[0]
+        rows = rows.astype(rows.dtype.newbyteorder("<"), copy=False)  # the `bytes` codec's default order
+        values = []
+        for i, start in enumerate(range(0, len(rows), chunk)):
+            stored = np.ascontiguousarray(rows[start : start + chunk])
+            if len(stored) < chunk:  # the array's last chunk
+                stored = np.concatenate([stored, np.zeros((chunk - len(stored), *stored.shape[1:]), stored.dtype)])
+            key = f"{name}/{array.metadata.encode_chunk_key((first_chunk + i,) + (0,) * (stored.ndim - 1))}"
+            values.append((key, default_buffer_prototype().buffer.from_array_like(stored.reshape(-1).view(np.uint8))))
+
+        async def set_all() -> None:
+            await asyncio.gather(*(self.store.set(key, value) for key, value in values))
+
+        sync(set_all())
 
     def _finish(self):
         for name in self.arrays:

@@ -142,3 +142,40 @@ def test_an_encoders_error_is_raised_by_the_build_and_no_shard_of_it_counts(worl
     resumed = build_cache(checkpoint, corpus, out, backend=backend, **BUILD_ARGS)
     verify_cache(resumed.path)
     assert np.isfinite(CacheReader(resumed.path).features(0).numpy()).all()
+
+
+def test_a_zarr_shard_holds_the_files_zarrs_own_array_writes_would(tmp_path, monkeypatch):
+    """The shard writer hands zarr's store each chunk's bytes itself: the shard's files are byte for byte what
+    writing the same rows through the zarr array's indexing gives, partial last chunks and 4-d arrays included,
+    and zarr reads them back."""
+    import filecmp
+
+    import zarr
+
+    monkeypatch.setattr(shards, "CHUNK_BYTES", 4096)  # many chunks of small arrays
+    rng = np.random.default_rng(0)
+    arrays = {"layer_005": rng.integers(-127, 128, (1000, 48), dtype=np.int8),
+              "quant_005": rng.standard_normal((1000, 9)).astype(np.float32),
+              "pooled": rng.standard_normal((37, 1, 2, 48)).astype(np.float16),
+              "offsets": np.arange(38, dtype=np.int64), "empty": np.zeros((0, 48), np.float16)}
+    specs = {name: shards.ArraySpec(a.shape, a.dtype) for name, a in arrays.items()}
+    writer = shards.create_shard(Location(tmp_path), "zarr", "written.zarr", specs)
+    for name, array in arrays.items():
+        for start in range(0, len(array), 97):  # appends that straddle chunks
+            writer.append(name, array[start : start + 97])
+    writer.commit()
+
+    group = zarr.open_group(zarr.storage.LocalStore(tmp_path / "reference.zarr"), mode="w")
+    for name, array in arrays.items():
+        reference = group.create_array(name, shape=array.shape, dtype=array.dtype, compressors=None, fill_value=0,
+                                       chunks=tuple(zarr.open_group(tmp_path / "written.zarr", mode="r")[name].chunks),
+                                       config={"write_empty_chunks": True})
+        reference[...] = array
+    written = sorted(str(p.relative_to(tmp_path / "written.zarr")) for p in (tmp_path / "written.zarr").rglob("*"))
+    assert written == sorted(str(p.relative_to(tmp_path / "reference.zarr")) for p in (tmp_path / "reference.zarr").rglob("*"))
+    assert sum(name.startswith("layer_005/c/") for name in written) > 5
+    files = [name for name in written if (tmp_path / "written.zarr" / name).is_file()]
+    _, differ, errors = filecmp.cmpfiles(tmp_path / "written.zarr", tmp_path / "reference.zarr", files, shallow=False)
+    assert not differ and not errors
+    stored = zarr.open_group(tmp_path / "written.zarr", mode="r")
+    assert all(np.array_equal(stored[name][...], array) for name, array in arrays.items())
