@@ -18,7 +18,8 @@
    DONTNEED over each shard file it touched, read-ahead included; a sharded zarr file's index is
    kept), so the page cache serves no later batch. Reported: feature GB/s and PrLM tokens/s delivered, read amplification
    (bytes the loader's processes read from storage, /proc/<pid>/io read_bytes, over feature bytes
-   delivered) and the RSS of the trainer and each worker over time.
+   delivered), the CPU seconds each process spent on the clock (the trainer's include the page drops)
+   and the RSS of the trainer and each worker over time.
 --compare: a lane beside the library's, side by side. hdf5: "h5py", token rows sliced out of h5py
    datasets (a handle per shard, kept open), where the library reads them with os.preadv at the
    dataset's offset. zarr: "sharded", a second big cache written with zarr's sharding codec (each
@@ -353,6 +354,13 @@ def proc_read_bytes(pid: int) -> int:
         return int(next(line for line in f if line.startswith("read_bytes")).split()[1])
 
 
+def proc_cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far (/proc/<pid>/stat utime + stime)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def proc_rss_mb(pid: int) -> float:
     with open(f"/proc/{pid}/status") as f:
         return int(next(line for line in f if line.startswith("VmRSS")).split()[1]) / 1024
@@ -405,6 +413,7 @@ def time_loader(cache: Path, corpus, workers: int, seconds: float, max_tokens: i
     workers_of = getattr(loader, "loader", loader)._iterator
     pids.update({f"worker{k}": w.pid for k, w in enumerate(getattr(workers_of, "_workers", []))})
     before = {name: proc_read_bytes(pid) for name, pid in pids.items()}
+    cpu_before = {name: proc_cpu_seconds(pid) for name, pid in pids.items()}
     sampler_thread = RssSampler(pids)
     sampler_thread.start()
     tokens = batches = 0
@@ -421,6 +430,7 @@ def time_loader(cache: Path, corpus, workers: int, seconds: float, max_tokens: i
             break
     elapsed = time.perf_counter() - start
     read = sum(proc_read_bytes(pid) - before[name] for name, pid in pids.items())
+    cpu = {name: round(proc_cpu_seconds(pid) - cpu_before[name], 1) for name, pid in pids.items()}
     sampler_thread.stopped.set()
     sampler_thread.join()
     del iterator, loader
@@ -437,6 +447,7 @@ def time_loader(cache: Path, corpus, workers: int, seconds: float, max_tokens: i
         "tokens_per_s": round(tokens / elapsed),
         "read_amplification": round(read / max(delivered, 1), 3),
         "page_drop_seconds": round(drop_seconds, 1),
+        "cpu_seconds": cpu,
         "rss_mb": {name: {"first": s[0], "max": max(s), "last": s[-1]} for name, s in sampler_thread.samples.items() if s},
     }
 
