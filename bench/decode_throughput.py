@@ -43,6 +43,7 @@ class InMemoryFeatures:
         self.hidden_size = int(token_states[0].shape[-1])
         self.num_sentences = len(token_states)
         self.transfer_dtype = torch.float32
+        self.lengths = np.array([int(t.shape[1]) for t in token_states], dtype=np.int64)
 
     def __len__(self) -> int:
         return self.num_sentences
@@ -56,6 +57,11 @@ class InMemoryFeatures:
 
     def features_many(self, indices, rows: list[int] | None = None, *, widen: bool = True) -> list[torch.Tensor]:
         return [self.features(i, rows, widen=widen) for i in indices]
+
+    def features_into(self, indices, rows: list[int] | None, out: list[np.ndarray]) -> None:
+        for i, target in zip(indices, out):
+            states = self.features(i, rows).numpy()
+            target[:, : states.shape[1]] = states
 
     def pooled_many(self, indices) -> torch.Tensor:
         if not len(indices):
@@ -122,6 +128,7 @@ class _Offset:
         self.layers = reader.layers
         self.pooled_layers = reader.pooled_layers
         self.transfer_dtype = reader.transfer_dtype
+        self.lengths = reader.lengths[offset:]
 
     def features(self, i: int, rows: list[int] | None = None, *, widen: bool = True) -> torch.Tensor:
         return self.reader.features(self.offset + i, rows, widen=widen)
@@ -131,6 +138,9 @@ class _Offset:
 
     def features_many(self, indices, rows: list[int] | None = None, *, widen: bool = True) -> list[torch.Tensor]:
         return self.reader.features_many([self.offset + i for i in indices], rows, widen=widen)
+
+    def features_into(self, indices, rows: list[int] | None, out: list[np.ndarray]) -> None:
+        self.reader.features_into([self.offset + i for i in indices], rows, out)
 
     def pooled_many(self, indices) -> torch.Tensor:
         return self.reader.pooled_many([self.offset + i for i in indices])

@@ -1,19 +1,24 @@
-"""Where a loader worker's time goes under `train.read_window`, stage by stage, in one process.
+"""Where a loader worker's time goes under `train.read_window`, stage by stage, in one process; and the
+library's way of filling a window's batches beside reading into buffers and padding after.
 
-    python bench/loader_stages.py --dir DIR [--size-gb 6] [--windows 40] [--window 8] [--max-tokens 4096]
+    python bench/loader_stages.py --dir DIR [--size-gb 6] [--windows 40] [--window 8] [--rounds 3]
     python bench/loader_stages.py --cache CACHE [...]
 
 Writes an hdf5 float16 cache of --size-gb (bench/cache_at_scale.py's synthetic BERT-base-width features
-over the Bible's MiniLM lengths) into DIR, or reads CACHE as it is; drops its pages from the page cache,
-measures the raw sequential read rate of its shard files (8 MiB reads), drops them again, then does what a
-DataLoader worker does for each of the first --windows groups of StorageWindowBatchSampler(window
---window), timing each stage:
-  read       read_features over the group's sentences (CacheReader.features_many: a few large preadv)
-  pad        PairDataset.padded for each batch of the group (features right-padded, token tensors built)
-  hand_over  each batch pickled by multiprocessing's ForkingPickler with torch's reductions, as a worker's
-             result queue does: its tensors' storages are moved into shared memory
-Reported: seconds and GB/s of delivered feature bytes per stage and for all three, and their rate over
-the raw sequential read. DIR's cache is deleted at the end. Last line: RESULT {json}.
+over the Bible's MiniLM lengths) into DIR, or reads CACHE as it is, and measures the raw sequential read
+rate of its shard files (8 MiB reads, pages dropped). Then, --rounds times, each lane in turn (order
+alternating between rounds, the cache's pages dropped before each lane) does what a DataLoader worker does
+for the first --windows groups of StorageWindowBatchSampler(window --window):
+  library  PairDataset.padded over each group's batches: every batch's padded tensor made first, then
+           CacheReader.features_into reads each stretch of neighbouring sentences straight into the
+           sentences' rows (one scatter read per stretch and layer), and the token tensors are built
+  copy     the same batches with the features read into buffers first (CacheReader.features_many: one
+           read per stretch) and then copied into zeroed padded tensors, as a worker did before
+and then, for either lane, the hand-over: each batch pickled by multiprocessing's ForkingPickler with
+torch's reductions, as a worker's result queue does (its tensors' storages moved into shared memory).
+Reported per lane: seconds and GB/s of delivered feature bytes for reading and padding, for the hand-over
+and for both (median over rounds), both over the raw sequential read, and the median over rounds of
+library's speed over copy's. DIR's cache is deleted at the end. Last line: RESULT {json}.
 """
 
 from __future__ import annotations
@@ -22,12 +27,14 @@ import argparse
 import io
 import json
 import shutil
+import statistics
 import sys
 import time
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cache_at_scale  # noqa: E402
@@ -35,6 +42,26 @@ import cache_at_scale  # noqa: E402
 import torch.multiprocessing.reductions  # noqa: E402,F401  (registers the tensor reductions a worker's queue uses)
 
 GB = 1e9
+
+
+def copy_lane(dataset, branch, batches: list[list[int]]) -> list:
+    """The window's features read into buffers, then copied into zeroed padded tensors (one branch, no pooled)."""
+    from prlmfuse.train_fused.modeling import PrLMFeatures
+
+    reader = branch.reader
+    per_sentence = reader.features_many([i for batch in batches for i in batch], list(branch.layer_rows), widen=False)
+    out, first = [], 0
+    for batch in batches:
+        features = per_sentence[first : first + len(batch)]
+        first += len(batch)
+        longest = max(f.shape[1] for f in features)
+        states = torch.zeros(len(batch), len(branch.layer_rows), longest, reader.hidden_size, dtype=reader.transfer_dtype)
+        mask = torch.zeros(len(batch), longest, dtype=torch.bool)
+        for row, f in enumerate(features):
+            states[row, :, : f.shape[1]] = f
+            mask[row, : f.shape[1]] = True
+        out.append(dataset.batch(batch, [PrLMFeatures(states=states, mask=mask, pooled=None)]))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,12 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--windows", type=int, default=40, help="groups of windows timed")
     parser.add_argument("--window", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=4096)
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
 
     from prlmfuse.cache_features import CacheReader
     from prlmfuse.precision import machine_line
     from prlmfuse.train_fused.branches import PrLMBranch
-    from prlmfuse.train_fused.data import PairDataset, StorageWindowBatchSampler, read_features
+    from prlmfuse.train_fused.data import PairDataset, StorageWindowBatchSampler
 
     cache = args.cache
     if cache is None:
@@ -75,41 +103,47 @@ def main(argv: list[str] | None = None) -> int:
         dataset = PairDataset(src, src, [branch])
         sampler = StorageWindowBatchSampler(dataset.src_lens, dataset.tgt_lens, args.max_tokens, reader.stored_order(),
                                             window=args.window, seed=1)
-        groups = [group for _, group in zip(range(args.windows), sampler)]
-        cache_at_scale.drop_tree(cache)
-        seconds = {"read": 0.0, "pad": 0.0, "hand_over": 0.0}
+        groups = [[[int(i) for i in batch] for batch in group] for _, group in zip(range(args.windows), sampler)]
+        lanes = {"library": dataset.padded, "copy": lambda batches: copy_lane(dataset, branch, batches)}
+        seconds = {lane: {"read_pad": [], "hand_over": []} for lane in lanes}
         delivered = 0
-        for batches in groups:
-            sentences = [int(i) for batch in batches for i in batch]
-            started = time.perf_counter()
-            per_sentence, _ = read_features(branch, sentences)
-            read_done = time.perf_counter()
-            padded, first = [], 0
-            for batch in batches:
-                padded.append(dataset.padded([int(i) for i in batch], [(per_sentence[first : first + len(batch)], None)]))
-                first += len(batch)
-            pad_done = time.perf_counter()
-            for batch in padded:
-                ForkingPickler(io.BytesIO()).dump(batch)
-            seconds["read"] += read_done - started
-            seconds["pad"] += pad_done - read_done
-            seconds["hand_over"] += time.perf_counter() - pad_done
-            delivered += sum(int(b.prlm[0].mask.sum()) for b in padded) * reader.hidden_size * 2
+        for round_ in range(args.rounds):
+            for lane in (list(lanes) if round_ % 2 == 0 else list(lanes)[::-1]):
+                cache_at_scale.drop_tree(cache)
+                read_pad = hand_over = 0.0
+                delivered = 0
+                for batches in groups:
+                    started = time.perf_counter()
+                    padded = lanes[lane](batches)
+                    read_done = time.perf_counter()
+                    for batch in padded:
+                        ForkingPickler(io.BytesIO()).dump(batch)
+                    read_pad += read_done - started
+                    hand_over += time.perf_counter() - read_done
+                    delivered += sum(int(b.prlm[0].mask.sum()) for b in padded) * reader.hidden_size * 2
+                seconds[lane]["read_pad"].append(read_pad)
+                seconds[lane]["hand_over"].append(hand_over)
         reader.close()
     finally:
         if args.cache is None:
             shutil.rmtree(args.dir / "cache-hdf5", ignore_errors=True)
-    total = sum(seconds.values())
     result = {"machine": machine_line(), "cache": str(cache), "windows": len(groups), "window": args.window,
-              "feature_GB": round(delivered / GB, 2), "raw_sequential_read_GBps": round(raw, 3),
-              "seconds": {k: round(v, 2) for k, v in seconds.items()},
-              "GBps": {k: round(delivered / v / GB, 3) for k, v in seconds.items()},
-              "all_GBps": round(delivered / total / GB, 3), "all_over_raw_read": round(delivered / total / GB / raw, 2)}
-    print(f"machine: {machine_line()}")
-    for stage in seconds:
-        print(f"{stage:10s} {result['seconds'][stage]:6.2f} s  {result['GBps'][stage]:.3f} GB/s")
-    print(f"all        {total:6.2f} s  {result['all_GBps']:.3f} GB/s = {result['all_over_raw_read']}x the raw "
-          f"sequential read ({result['raw_sequential_read_GBps']} GB/s)")
+              "rounds": args.rounds, "feature_GB": round(delivered / GB, 2), "raw_sequential_read_GBps": round(raw, 3)}
+    print(f"machine: {machine_line()}; {result['feature_GB']} GB of features a lane and round; raw sequential read "
+          f"{result['raw_sequential_read_GBps']} GB/s")
+    for lane, stages in seconds.items():
+        both = [a + b for a, b in zip(stages["read_pad"], stages["hand_over"])]
+        row = {f"{stage}_s": round(statistics.median(times), 2) for stage, times in stages.items()}
+        row.update({f"{stage}_GBps": round(delivered / statistics.median(times) / GB, 3) for stage, times in stages.items()})
+        row["all_GBps"] = round(delivered / statistics.median(both) / GB, 3)
+        row["all_over_raw_read"] = round(row["all_GBps"] / raw, 2)
+        result[lane] = row
+        print(f"{lane:8s} read and pad {row['read_pad_GBps']:.3f} GB/s, hand-over {row['hand_over_GBps']:.3f}, "
+              f"both {row['all_GBps']:.3f} ({row['all_over_raw_read']}x the raw read)")
+    library = [a + b for a, b in zip(seconds["library"]["read_pad"], seconds["library"]["hand_over"])]
+    copy = [a + b for a, b in zip(seconds["copy"]["read_pad"], seconds["copy"]["hand_over"])]
+    result["library_over_copy"] = round(statistics.median(c / l for l, c in zip(library, copy)), 2)
+    print(f"library over copy: {result['library_over_copy']}x (median of the rounds' ratios)")
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 

@@ -123,6 +123,11 @@ def transfer_dtype(dtype: str) -> torch.dtype:
     return {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(dtype, torch.float32)
 
 
+def numpy_view(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as a numpy array, bfloat16 as its uint16 bits (numpy has no bfloat16)."""
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
+
+
 def decode_to_transfer(values: np.ndarray, side: dict[str, np.ndarray] | None, dtype: str) -> torch.Tensor:
     """Inverse of `encode` in `transfer_dtype(dtype)`: float16/bfloat16 values are not widened."""
     if dtype == "bfloat16":

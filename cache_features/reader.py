@@ -15,7 +15,7 @@ import torch
 from prlmfuse.errors import UserError
 
 from .manifest import SHARD_DIR, expected_arrays, load_manifest
-from .codecs import decode, decode_to_transfer, side_arrays, transfer_dtype
+from .codecs import decode, decode_to_transfer, numpy_view, side_arrays, transfer_dtype
 from .location import Location
 from .shards import ShardHandle
 
@@ -177,6 +177,31 @@ class CacheReader:
                 # tensor): a copy, so no caller can write into the cache
                 out[k] = rows_of_i.clone() if self.in_memory and len(spans) == 1 else rows_of_i
         return out
+
+    def features_into(self, indices, rows: list[int] | None, out: list[np.ndarray]) -> None:
+        """Write `features(i, rows, widen=False)` into out[k][:, :lengths[i]] for each i = indices[k].
+
+        out[k]: [n_layers, >= lengths[i], d], the memory of a `transfer_dtype` tensor as `codecs.numpy_view`
+        gives it, e.g. a sentence's row of a padded batch. Where the stored values are the transferred ones
+        (float16, bfloat16, float32) and no rows are asked twice, an HDF5 cache reads each stretch of
+        neighbouring sentences with one scatter read per layer straight into out: no read buffer, no copy.
+        """
+        layers = self.layers if rows is None else [self.layers[r] for r in rows]
+        direct = not self.in_memory and not self._side
+        for s, members, start, stop in self._runs(indices, self._token_start, self.lengths, READ_GAP_TOKENS):
+            firsts = (self._token_start[[i for _, i in members]] - start).tolist()
+            counts = self.lengths[[i for _, i in members]].tolist()
+            if direct and all(a + n <= b for a, n, b in zip(firsts, counts, firsts[1:])):
+                for row, layer in enumerate(layers):
+                    targets = [(first, out[k][row, :n]) for first, n, (k, _) in zip(firsts, counts, members)]
+                    self._open(s).read_into(f"layer_{layer:03d}", start, stop, targets)
+                continue
+            for row, layer in enumerate(layers):  # decoded into a buffer, then copied
+                values = self._read(s, f"layer_{layer:03d}", start, stop)
+                side = {name: self._read(s, f"{name}_{layer:03d}", start, stop) for name in self._side}
+                span = numpy_view(decode_to_transfer(values, side, self.dtype))
+                for first, n, (k, _) in zip(firsts, counts, members):
+                    out[k][row, :n] = span[first : first + n]
 
     def pooled_many(self, indices) -> torch.Tensor:
         """float32 [len(indices), n_pooled_layers, 2, d]: `pooled(i)` for each i, neighbouring rows read together."""

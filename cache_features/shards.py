@@ -162,6 +162,7 @@ class Hdf5ShardWriter(ShardWriter):
             self.tmp.unlink()
 
 
+IOV_MAX = 1024  # buffers one preadv takes (POSIX's smallest IOV_MAX)
 SYNC_THREADS = 8  # fsyncs in flight at a zarr shard's commit
 
 
@@ -364,6 +365,41 @@ class ShardHandle:
                 raise OSError(f"short read of {name} rows {start}:{stop} in shard {self.name}: the file is truncated")
             done += count
         return rows
+
+    def read_into(self, name: str, start: int, stop: int, targets: list[tuple[int, np.ndarray]]) -> None:
+        """Rows start:stop of `name`, each target (first, array) receiving rows start + first onward, as many as
+        it holds. Targets ascend and do not overlap; rows no target holds are read and dropped. An HDF5 shard
+        reads the stretch with one scatter read (os.preadv) straight into the targets."""
+        if self.fd is None:
+            rows = self.read(name, start, stop)
+            for first, target in targets:
+                target[...] = rows[first : first + len(target)]
+            return
+        array = self.arrays[name]
+        row_bytes = array.row_bytes()
+        if array.offset is None and stop > start:
+            raise OSError(f"{name} of shard {self.name} has no stored rows; the file is damaged")
+        pieces, position = [], 0  # (rows dropped before it, the target's bytes)
+        for first, target in targets:
+            pieces.append((first - position, memoryview(target).cast("B")))
+            position = first + len(target)
+        pieces.append((stop - start - position, None))
+        if any(gap < 0 for gap, _ in pieces):
+            raise ValueError(f"read_into {name} {start}:{stop}: targets overlap or lie outside the rows read")
+        # rows between targets all land in one scratch buffer, overwritten each time
+        scratch = memoryview(bytearray(max(gap for gap, _ in pieces) * row_bytes))
+        buffers = [b for gap, piece in pieces for b in (scratch[: gap * row_bytes], piece) if b is not None and len(b)]
+        offset, i = (array.offset or 0) + start * row_bytes, 0
+        while i < len(buffers):  # a read may return less than asked: go on from where it stopped
+            count = os.preadv(self.fd, buffers[i : i + IOV_MAX], offset)
+            if count == 0:
+                raise OSError(f"short read of {name} rows {start}:{stop} in shard {self.name}: the file is truncated")
+            offset += count
+            while i < len(buffers) and count >= len(buffers[i]):
+                count -= len(buffers[i])
+                i += 1
+            if count:
+                buffers[i] = buffers[i][count:]
 
     def close(self) -> None:
         if self.fd is not None:

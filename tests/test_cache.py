@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 
@@ -303,6 +304,37 @@ def test_hdf5_shards_read_by_file_offset_match_h5py_and_a_truncated_one_is_named
     handle.close()
     with pytest.raises(UserError, match=shards[-1]):
         verify_cache(out)
+
+
+@pytest.mark.parametrize("backend, dtype", [("hdf5", "float16"), ("hdf5", "bfloat16"), ("hdf5", "float32"),
+                                            ("hdf5", "int8"), ("zarr", "float16")])
+def test_features_into_writes_each_sentence_into_its_padded_row_and_nothing_else(tiny, corpus, tmp_path, monkeypatch,
+                                                                                  backend, dtype):
+    """features_into fills out[k][:, :length] with what features() gives, whether the rows are read straight into
+    out (a scatter read, split over several preadv calls here) or copied: sentences asked in any order, a
+    sentence asked twice, neighbours across shards; the rows past each sentence are left as they were."""
+    from prlmfuse.cache_features import shards
+    from prlmfuse.cache_features.codecs import numpy_view
+
+    monkeypatch.setattr(shards, "IOV_MAX", 3)  # a stretch's scatter read takes many preadv calls
+    preadv = os.preadv
+    # and each call returns less than asked, as reads from a network filesystem may
+    monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: preadv(fd, [buffers[0][:1000]], offset))
+    build_cache(str(tiny["bert"]), corpus, tmp_path / "c", layers="1,-1", backend=backend, dtype=dtype,
+                progress=False, shard_bytes=4096, max_tokens=64)
+    for in_memory in (False, True):
+        reader = CacheReader(tmp_path / "c", in_memory=in_memory)
+        stored = reader.stored_order().tolist()
+        # neighbours; every other stored sentence (the rows between are read and dropped); one asked twice; any
+        for asked in (stored[2:30][::-1], stored[0:40:2], stored[5:12] + [stored[7]],
+                      np.random.RandomState(1).permutation(len(reader))[:25].tolist()):
+            width = int(reader.lengths[asked].max()) + 3
+            padded = torch.full((len(asked), 2, width, reader.hidden_size), -5.0).to(reader.transfer_dtype)
+            reader.features_into(asked, [1, 0], list(numpy_view(padded)))
+            for k, i in enumerate(asked):
+                n = int(reader.lengths[i])
+                assert torch.equal(padded[k, :, :n], reader.features(i, [1, 0], widen=False)), (in_memory, k, i)
+                assert (padded[k, :, n:] == -5).all()
 
 
 @pytest.mark.parametrize("backend, dtype", [("hdf5", "int8"), ("zarr", "float16")])

@@ -1,8 +1,8 @@
 """Stage-two data: BPE'd sentence pairs, token-budget batches, PrLM features read from the cache.
 
-The PrLM never runs here. Each batch's features come from `CacheReader.features_many(indices)` (and
-`pooled_many` for Dyn[CLS]/Dyn[Aver]) inside DataLoader worker processes: the batch sampler runs
-in the main process and hands a whole list of indices (or a window's batches, under
+The PrLM never runs here. Each batch's features are read by `CacheReader.features_into` straight into
+the padded batch (and `pooled_many` for Dyn[CLS]/Dyn[Aver]) inside DataLoader worker processes: the
+batch sampler runs in the main process and hands a whole list of indices (or a window's batches, under
 `read_window`) to a worker, whose dataset reads and pads the features for that list in one
 `__getitems__` call, while the model trains on earlier batches.
 Readers open lazily in whichever process first touches them (never carried across a fork).
@@ -20,6 +20,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from prlmfuse.batching import token_budget_batches
+from prlmfuse.cache_features.codecs import numpy_view
 from prlmfuse.signals import ignore_in_worker, start_multiprocessing_helpers
 from prlmfuse.train_fused.bpe import BOS_ID, EOS_ID, PAD_ID
 from prlmfuse.train_fused.branches import PrLMBranch
@@ -87,35 +88,27 @@ class PairDataset(Dataset):
         """The batch of these sentences; or, given a window's batches (a list of lists, from
         StorageWindowBatchSampler), every batch of the window, its features read together."""
         if indices and not np.isscalar(indices[0]):
-            return self.window(indices)
-        indices = [int(i) for i in indices]
-        return self.padded(indices, [read_features(branch, indices) for branch in self.branches])
+            return self.padded([[int(i) for i in b] for b in indices])
+        return self.padded([[int(i) for i in indices]])[0]
 
-    def window(self, batches: list[list[int]]) -> list[Batch]:
-        batches = [[int(i) for i in b] for b in batches]
-        sentences = [i for b in batches for i in b]
-        read = [read_features(branch, sentences) for branch in self.branches]
-        out, first = [], 0
-        for b in batches:
-            last = first + len(b)
-            out.append(self.padded(b, [(per_sentence[first:last], None if pooled is None else pooled[first:last])
-                                       for per_sentence, pooled in read]))
-            first = last
-        return out
-
-    def padded(self, indices: list[int], read: list[tuple[list[torch.Tensor], torch.Tensor | None]]) -> Batch:
-        """The batch of these pairs and their features as read (per branch), padded to its longest sentence or
-        under static shapes to its class's shape."""
-        rows = src_len = tgt_len = prlm_len = None
-        if self.shapes is not None and indices:
-            longest_prlm = max((f.shape[1] for per_sentence, _ in read for f in per_sentence), default=0)
+    def padded(self, batches: list[list[int]]) -> list[Batch]:
+        """These batches of pairs with their features (every batch's read together, per branch), each padded to
+        its longest sentence or under static shapes to its class's shape."""
+        shapes = []
+        for indices in batches:
+            if self.shapes is None or not indices:
+                shapes.append((None, None, None, None))
+                continue
+            longest_prlm = max((int(prlm_lengths(branch, indices).max()) for branch in self.branches), default=0)
             rows, src_len, tgt_len, prlm_len = self.shapes.shape(
                 int(self.src_lens[indices].max()), int(self.tgt_lens[indices].max()), longest_prlm)
             if rows < len(indices):
                 raise ValueError(f"{len(indices)} pairs for a batch of {rows} rows; batch them with BucketBatchSampler")
-        prlm = [pad_features(branch, per_sentence, pooled, length=prlm_len, rows=rows)
-                for branch, (per_sentence, pooled) in zip(self.branches, read)]
-        return self.batch(indices, prlm, rows=rows, src_len=src_len, tgt_len=tgt_len)
+            shapes.append((rows, src_len, tgt_len, prlm_len))
+        prlm = [read_batches(branch, batches, lengths=[s[3] for s in shapes], rows=[s[0] for s in shapes])
+                for branch in self.branches]
+        return [self.batch(indices, [features[b] for features in prlm], rows=rows, src_len=src_len, tgt_len=tgt_len)
+                for b, (indices, (rows, src_len, tgt_len, _)) in enumerate(zip(batches, shapes))]
 
     def batch(self, indices: list[int], prlm: list[PrLMFeatures], *, rows: int | None = None,
               src_len: int | None = None, tgt_len: int | None = None) -> Batch:
@@ -152,41 +145,60 @@ class PairDataset(Dataset):
 
 def batch_features(branch: PrLMBranch, indices: list[int]) -> PrLMFeatures:
     """One PrLM branch's features for a batch of sentences, padded with a mask (training and evaluation)."""
-    return pad_features(branch, *read_features(branch, indices))
+    return read_batches(branch, [indices])[0]
 
 
-def read_features(branch: PrLMBranch, indices: list[int]) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """Each sentence's features ([len(layer_rows), T_i, d]) and, for Dyn[CLS]/Dyn[Aver], their pooled vectors."""
+def prlm_lengths(branch: PrLMBranch, indices: list[int]) -> np.ndarray:
+    """Each sentence's PrLM length in the branch's cache (for control "shuffled", another sentence's)."""
+    return branch.reader.lengths[indices if branch.rows is None else branch.rows[indices]]
+
+
+def read_batches(branch: PrLMBranch, batches: list[list[int]], *, lengths: list[int | None] | None = None,
+                 rows: list[int | None] | None = None) -> list[PrLMFeatures]:
+    """One branch's features for each batch of sentences, right-padded to the batch's longest sentence (or to
+    lengths[b], and to rows[b] rows past the sentences), with the mask of real tokens.
+
+    Every batch's sentences are read with one `features_into`, straight into the padded tensors, so a window
+    of neighbouring stored sentences costs a few large reads and no copy. Stored float16 stays float16 until
+    the model casts it (the same values): half the bytes for a worker to hand over.
+    """
     reader = branch.reader
-    if branch.rows is not None:  # control "shuffled": another sentence's features
-        indices = [int(branch.rows[i]) for i in indices]
-    # Stored float16 stays float16 until the model casts it (the same values): half the bytes
-    # for the worker to copy and hand over, and less work beside the training step's threads.
-    per_sentence = reader.features_many(indices, list(branch.layer_rows), widen=False)
+    sentences = [i for indices in batches for i in indices]
+    cache_rows = sentences if branch.rows is None else [int(branch.rows[i]) for i in sentences]
+    n_layers, width = len(branch.layer_rows), int(reader.hidden_size)
+    padded, destinations, first = [], [], 0
+    for b, indices in enumerate(batches):
+        real = reader.lengths[cache_rows[first : first + len(indices)]]
+        first += len(indices)
+        max_len = (lengths[b] if lengths else None) or int(real.max(initial=1))
+        count = (rows[b] if rows else None) or len(indices)
+        states = torch.empty(count, n_layers, max_len, width, dtype=reader.transfer_dtype)
+        mask = np.zeros((count, max_len), dtype=bool)
+        mask[: len(indices)] = np.arange(max_len) < real[:, None]
+        # Per-row work in numpy: a torch slice costs microseconds of dispatch, numpy's nanoseconds.
+        memory = numpy_view(states)
+        memory[len(indices):] = 0
+        for row, n in enumerate(real.tolist()):
+            memory[row, :, n:] = 0  # the padding; the real rows are read in
+            destinations.append(memory[row])
+        padded.append((states, torch.from_numpy(mask)))
+    reader.features_into(cache_rows, list(branch.layer_rows), destinations)
     pooled = None
     if branch.pooled_rows is not None:
-        pooled = reader.pooled_many(indices)  # float32 already
+        pooled = reader.pooled_many(cache_rows)  # float32 already
         if list(branch.pooled_rows) != list(range(pooled.shape[1])):
             pooled = pooled[:, list(branch.pooled_rows)]
-    return per_sentence, pooled
-
-
-def pad_features(branch: PrLMBranch, per_sentence: list[torch.Tensor], pooled: torch.Tensor | None, *,
-                 length: int | None = None, rows: int | None = None) -> PrLMFeatures:
-    """A batch's features, right-padded to its longest sentence (or to `length`, and to `rows` rows past the
-    sentences), with the mask of real tokens."""
-    reader = branch.reader
-    max_len = length or max((f.shape[1] for f in per_sentence), default=1)
-    rows = len(per_sentence) if rows is None else rows
-    states = torch.zeros(rows, len(branch.layer_rows), max_len, int(reader.hidden_size), dtype=reader.transfer_dtype)
-    mask = torch.zeros(rows, max_len, dtype=torch.bool)
-    for b, f in enumerate(per_sentence):
-        n = f.shape[1]
-        states[b, :, :n] = f
-        mask[b, :n] = True
-    if pooled is not None and rows > pooled.shape[0]:
-        pooled = torch.cat([pooled, pooled.new_zeros(rows - pooled.shape[0], *pooled.shape[1:])])
-    return PrLMFeatures(states=states, mask=mask, pooled=pooled)
+    out, first = [], 0
+    for (states, mask), indices in zip(padded, batches):
+        batch_pooled = None
+        if pooled is not None:
+            batch_pooled = pooled[first : first + len(indices)]
+            if len(states) > len(indices):
+                batch_pooled = torch.cat([batch_pooled, batch_pooled.new_zeros(len(states) - len(indices),
+                                                                               *batch_pooled.shape[1:])])
+        first += len(indices)
+        out.append(PrLMFeatures(states=states, mask=mask, pooled=batch_pooled))
+    return out
 
 
 class TokenBudgetBatchSampler:
