@@ -91,14 +91,13 @@ def encode(x: torch.Tensor, dtype: str, *, rows: torch.Tensor | None = None,
     block = max(1, ENCODE_BLOCK_BYTES // (4 * d))
     for start in range(0, count, block):
         x_block = flat[start : start + block] if rows is None else flat.index_select(0, rows[start : start + block])
-        x_block = x_block.float()
         stop = start + len(x_block)
         if dtype == "int8":
-            values_out[start:stop], quant = _quantize_int8(x_block)
+            values_out[start:stop], quant = _quantize_int8(x_block.float())
             torch.from_numpy(sides["quant"])[start:stop] = quant
         else:
             check_fits(x_block, dtype, what)
-            values_out[start:stop] = x_block
+            values_out[start:stop] = x_block  # cast from the input's dtype, as a .to(dtype) would
     return values.reshape(shape), {name: side.reshape(*shape[:-1], side.shape[-1]) for name, side in sides.items()}
 
 

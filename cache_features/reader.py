@@ -194,6 +194,8 @@ class CacheReader:
             if direct and all(a + n <= b for a, n, b in zip(firsts, counts, firsts[1:])):
                 for row, layer in enumerate(layers):
                     targets = [(first, out[k][row, :n]) for first, n, (k, _) in zip(firsts, counts, members)]
+                    if any(len(target) != n for (_, target), n in zip(targets, counts)):
+                        raise ValueError("features_into: an out row shorter than its sentence")
                     self._open(s).read_into(f"layer_{layer:03d}", start, stop, targets)
                 continue
             for row, layer in enumerate(layers):  # decoded into a buffer, then copied

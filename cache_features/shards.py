@@ -183,8 +183,8 @@ class ZarrShardWriter(ShardWriter):
     Rows are buffered into whole chunks, and a flush hands its chunks to the store together
     (zarr's Store API): with no codec but `bytes`, a chunk's stored value is its rows' little-endian
     bytes, the array's last chunk padded with the fill value to the chunk's shape as zarr stores it.
-    Going through the array's indexing and codec pipeline per chunk cost more than the write itself
-    (bench/zarr_commit.py).
+    The array's own indexing and codec pipeline, run per chunk, is slower at the same bytes
+    (bench/zarr_commit.py's array_api lane).
     """
 
     def __init__(self, location: Location, name: str, specs: dict[str, ArraySpec]):
@@ -235,6 +235,7 @@ class ZarrShardWriter(ShardWriter):
         self.pending[name] = [block[writable:]] if writable < len(block) else []
 
     def _write_chunks(self, name: str, first_chunk: int, rows: np.ndarray) -> None:
+        import zarr
         from zarr.core.buffer import default_buffer_prototype
         from zarr.core.sync import sync
 
@@ -250,7 +251,18 @@ class ZarrShardWriter(ShardWriter):
             values.append((key, default_buffer_prototype().buffer.from_array_like(stored.reshape(-1).view(np.uint8))))
 
         async def set_all() -> None:
-            await asyncio.gather(*(self.store.set(key, value) for key, value in values))
+            # at most zarr's own number of writes in flight (an object store's PUTs included), and every write
+            # finished before an error is raised, so abort() never races a write still in flight
+            limit = asyncio.Semaphore(zarr.config.get("async.concurrency"))
+
+            async def put(key: str, value) -> None:
+                async with limit:
+                    await self.store.set(key, value)
+
+            results = await asyncio.gather(*(put(key, value) for key, value in values), return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
 
         sync(set_all())
 
@@ -381,8 +393,12 @@ class ShardHandle:
             raise OSError(f"{name} of shard {self.name} has no stored rows; the file is damaged")
         pieces, position = [], 0  # (rows dropped before it, the target's bytes)
         for first, target in targets:
-            pieces.append((first - position, memoryview(target).cast("B")))
-            position = first + len(target)
+            if target.dtype != array.dtype or target.shape[1:] != array.shape[1:]:
+                raise ValueError(f"read_into {name}: a target of {target.dtype} {target.shape[1:]} rows for rows of "
+                                 f"{array.dtype} {array.shape[1:]}")
+            if len(target):
+                pieces.append((first - position, memoryview(target).cast("B")))
+                position = first + len(target)
         pieces.append((stop - start - position, None))
         if any(gap < 0 for gap, _ in pieces):
             raise ValueError(f"read_into {name} {start}:{stop}: targets overlap or lie outside the rows read")

@@ -337,6 +337,26 @@ def test_features_into_writes_each_sentence_into_its_padded_row_and_nothing_else
                 assert (padded[k, :, n:] == -5).all()
 
 
+@pytest.mark.parametrize("backend", ["hdf5", "zarr"])
+def test_read_into_fills_its_targets_skips_empty_ones_and_refuses_a_wrong_row_layout(tmp_path, backend):
+    from prlmfuse.cache_features.location import Location
+    from prlmfuse.cache_features.shards import ArraySpec, ShardHandle, create_shard, shard_suffix
+
+    rows = np.arange(40 * 6, dtype=np.float16).reshape(40, 6)
+    name = f"s{shard_suffix(backend)}"
+    writer = create_shard(Location(tmp_path), backend, name, {"layer_001": ArraySpec(rows.shape, rows.dtype)})
+    writer.append("layer_001", rows)
+    writer.commit()
+    handle = ShardHandle(Location(tmp_path), backend, name)
+    a, empty, b = np.zeros((3, 6), np.float16), np.zeros((0, 6), np.float16), np.zeros((5, 6), np.float16)
+    handle.read_into("layer_001", 10, 30, [(2, a), (5, empty), (14, b)])
+    assert np.array_equal(a, rows[12:15]) and np.array_equal(b, rows[24:29])
+    if backend == "hdf5":  # the scatter read: a target must hold rows as stored
+        with pytest.raises(ValueError, match="a target of float32"):
+            handle.read_into("layer_001", 0, 4, [(0, np.zeros((4, 6), np.float32))])
+    handle.close()
+
+
 @pytest.mark.parametrize("backend, dtype", [("hdf5", "int8"), ("zarr", "float16")])
 def test_neighbouring_stored_sentences_are_read_together_and_match_one_by_one(tiny, corpus, tmp_path, monkeypatch,
                                                                                backend, dtype):
