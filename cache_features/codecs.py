@@ -88,13 +88,13 @@ def encode(x: torch.Tensor, dtype: str, *, rows: torch.Tensor | None = None,
     if dtype == "bfloat16":
         values_out = values_out.view(torch.bfloat16)
     sides = {name: np.empty((count, *row), side_dtype) for name, (row, side_dtype) in side_arrays(dtype, d).items()}
+    quant_out = torch.from_numpy(sides["quant"]) if dtype == "int8" else None
     block = max(1, ENCODE_BLOCK_BYTES // (4 * d))
     for start in range(0, count, block):
         x_block = flat[start : start + block] if rows is None else flat.index_select(0, rows[start : start + block])
         stop = start + len(x_block)
         if dtype == "int8":
-            values_out[start:stop], quant = _quantize_int8(x_block.float())
-            torch.from_numpy(sides["quant"])[start:stop] = quant
+            values_out[start:stop], quant_out[start:stop] = _quantize_int8(x_block.float())
         else:
             check_fits(x_block, dtype, what)
             values_out[start:stop] = x_block  # cast from the input's dtype, as a .to(dtype) would

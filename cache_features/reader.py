@@ -191,11 +191,11 @@ class CacheReader:
         for s, members, start, stop in self._runs(indices, self._token_start, self.lengths, READ_GAP_TOKENS):
             firsts = (self._token_start[[i for _, i in members]] - start).tolist()
             counts = self.lengths[[i for _, i in members]].tolist()
+            if any(out[k].shape[1] < n for n, (k, _) in zip(counts, members)):
+                raise ValueError("features_into: an out row shorter than its sentence")
             if direct and all(a + n <= b for a, n, b in zip(firsts, counts, firsts[1:])):
                 for row, layer in enumerate(layers):
                     targets = [(first, out[k][row, :n]) for first, n, (k, _) in zip(firsts, counts, members)]
-                    if any(len(target) != n for (_, target), n in zip(targets, counts)):
-                        raise ValueError("features_into: an out row shorter than its sentence")
                     self._open(s).read_into(f"layer_{layer:03d}", start, stop, targets)
                 continue
             for row, layer in enumerate(layers):  # decoded into a buffer, then copied

@@ -242,13 +242,13 @@ class ZarrShardWriter(ShardWriter):
         array = self.arrays[name]
         chunk = array.chunks[0]
         rows = rows.astype(rows.dtype.newbyteorder("<"), copy=False)  # the `bytes` codec's default order
-        values = []
+        buffer, values = default_buffer_prototype().buffer, []
         for i, start in enumerate(range(0, len(rows), chunk)):
             stored = np.ascontiguousarray(rows[start : start + chunk])
             if len(stored) < chunk:  # the array's last chunk
                 stored = np.concatenate([stored, np.zeros((chunk - len(stored), *stored.shape[1:]), stored.dtype)])
             key = f"{name}/{array.metadata.encode_chunk_key((first_chunk + i,) + (0,) * (stored.ndim - 1))}"
-            values.append((key, default_buffer_prototype().buffer.from_array_like(stored.reshape(-1).view(np.uint8))))
+            values.append((key, buffer.from_array_like(stored.reshape(-1).view(np.uint8))))
 
         async def set_all() -> None:
             # at most zarr's own number of writes in flight (an object store's PUTs included), and every write
@@ -364,8 +364,9 @@ class ShardHandle:
             return np.asarray(array[slice(start, stop)])
         start, stop, _ = slice(start, stop).indices(array.shape[0])
         rows = np.empty((max(stop - start, 0),) + array.shape[1:], dtype=array.dtype)
-        if rows.nbytes == 0:
-            return rows
+        if rows.nbytes:
+            self.read_into(name, start, stop, [(0, rows)])
+        return rows
         if array.offset is None:
             raise OSError(f"{name} of shard {self.name} has no stored rows; the file is damaged")
         buffer = memoryview(rows).cast("B")
