@@ -54,6 +54,7 @@ from cache_throughput import bible_sentences  # noqa: E402
 
 from prlmfuse.cache_features import CacheReader  # noqa: E402
 from prlmfuse.cache_features.codecs import token_numpy_dtype  # noqa: E402
+from prlmfuse.train_fused import data as train_data  # noqa: E402
 
 GB = 1e9
 OWN_NAMES = ("raw", "stages")  # with writer-* and cache-*: what the bench writes under --dir
@@ -382,9 +383,21 @@ class RssSampler(threading.Thread):
                     pass
 
 
+class PrivateMemoryPairs(train_data.PairDataset):
+    """The "private" loader lane (bench/loader_stages.py --workers): the library's dataset, with every tensor of
+    a work item made on its own in the worker's own memory, so that the hand-over copies each into shared
+    memory and sends each one's descriptor."""
+
+    def __setstate__(self, state: dict) -> None:  # unpickled in a worker: that worker allocates privately
+        self.__dict__.update(state)
+        train_data.batch_tensors = lambda specs: [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+
+
 def time_loader(cache: Path, corpus, workers: int, seconds: float, max_tokens: int, seed: int, *,
-                lane: str = "library", read_window: int = 0) -> dict:
-    """The trainer's loader over `cache` for `seconds` after its first batch, pages dropped behind it."""
+                lane: str = "library", read_window: int = 0, drop_pages: bool = True) -> dict:
+    """The trainer's loader over `cache` for `seconds` after its first batch, pages dropped before and behind it
+    (drop_pages False: the page cache serves what it holds). lane: "library", "h5py" (H5pyReader) or
+    "private" (PrivateMemoryPairs)."""
     from prlmfuse.train_fused.branches import PrLMBranch
     from prlmfuse.train_fused.data import PairDataset, StorageWindowBatchSampler, TokenBudgetBatchSampler, make_loader
 
@@ -392,22 +405,26 @@ def time_loader(cache: Path, corpus, workers: int, seconds: float, max_tokens: i
     # BPE side: the PrLM's length less its two special tokens (the source's </s> is added back).
     zeros = np.zeros(int(corpus.lengths.max()), dtype=np.int32)
     src = [zeros[: max(int(n) - 2, 1)] for n in corpus.lengths]
-    dataset = PairDataset(src, src, [PrLMBranch(reader, layer_rows=(0,), pooled_rows=None)])
+    pairs = PrivateMemoryPairs if lane == "private" else PairDataset
+    dataset = pairs(src, src, [PrLMBranch(reader, layer_rows=(0,), pooled_rows=None)])
     if read_window:
         sampler = StorageWindowBatchSampler(dataset.src_lens, dataset.tgt_lens, max_tokens, reader.stored_order(),
                                             window=read_window, seed=seed)
     else:
         sampler = TokenBudgetBatchSampler(dataset.src_lens, dataset.tgt_lens, max_tokens, seed=seed)
     loader = make_loader(dataset, sampler, num_workers=workers)
-    dropper = PageDropper(reader)
-    drop_tree(cache)
+    dropper = PageDropper(reader) if drop_pages else None
+    if drop_pages:
+        drop_tree(cache)
     iterator = iter(loader)
     # Timing starts once the first work item is delivered: a batch, or under read_window the first group of
     # windows (its batches come from windows read before the clock starts, as the windows read ahead of the
     # last batch timed are read on the clock and not delivered).
     warmup = len(next(sampler.remaining_groups())[1]) if read_window else 1
     for _ in range(warmup):
-        dropper.drop(next(iterator).ids)
+        batch = next(iterator)
+        if dropper:
+            dropper.drop(batch.ids)
     pids = {"trainer": os.getpid()}
     # The DataLoader's own (persistent) iterator holds the worker processes, also under a WindowedLoader.
     workers_of = getattr(loader, "loader", loader)._iterator
@@ -424,7 +441,8 @@ def time_loader(cache: Path, corpus, workers: int, seconds: float, max_tokens: i
         tokens += int(features.mask.sum())
         batches += 1
         t = time.perf_counter()
-        dropper.drop(batch.ids)
+        if dropper:
+            dropper.drop(batch.ids)
         drop_seconds += time.perf_counter() - t
         if t - start >= seconds:
             break
@@ -434,14 +452,15 @@ def time_loader(cache: Path, corpus, workers: int, seconds: float, max_tokens: i
     sampler_thread.stopped.set()
     sampler_thread.join()
     del iterator, loader
-    dropper.close()
+    if dropper:
+        dropper.close()
     reader.close()
     delivered = tokens * WIDTH * 2
     return {
         "reader": lane,
         "read_window": read_window,
         "workers": workers,
-        "seconds": round(elapsed, 1),
+        "seconds": round(elapsed, 2),
         "batches": batches,
         "feature_GBps": round(delivered / elapsed / GB, 4),
         "tokens_per_s": round(tokens / elapsed),

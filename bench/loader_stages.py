@@ -2,6 +2,7 @@
 library's way of filling a window's batches beside reading into buffers and padding after.
 
     python bench/loader_stages.py --dir DIR [--size-gb 6] [--windows 40] [--window 8] [--rounds 3]
+                                  [--workers 2] [--seconds 10]
     python bench/loader_stages.py --cache CACHE [...]
 
 Writes an hdf5 float16 cache of --size-gb (bench/cache_at_scale.py's synthetic BERT-base-width features
@@ -15,10 +16,24 @@ for the first --windows groups of StorageWindowBatchSampler(window --window):
   copy     the same batches with the features read into buffers first (CacheReader.features_many: one
            read per stretch) and then copied into zeroed padded tensors, as a worker did before
 and then, for either lane, the hand-over: each batch pickled by multiprocessing's ForkingPickler with
-torch's reductions, as a worker's result queue does (its tensors' storages moved into shared memory).
+torch's reductions, as a worker's result queue does (its tensors' storages moved into shared memory: this
+process is no DataLoader worker, so data.batch_tensors makes the library's tensors in private memory too).
 Reported per lane: seconds and GB/s of delivered feature bytes for reading and padding, for the hand-over
 and for both (median over rounds), both over the raw sequential read, and the median over rounds of
-library's speed over copy's. DIR's cache is deleted at the end. Last line: RESULT {json}.
+library's speed over copy's.
+Then the trainer's loader itself (bench/cache_at_scale.py's time_loader: make_loader with --workers forkserver
+workers, read_window --window, --seconds after the first group of windows), --rounds times with the pages
+dropped before and behind each batch (cold: the disk serves every read), then --rounds times with the
+whole cache in the page cache (warm: the rate the loader's CPU allows), two lanes in alternating order:
+  library  a worker makes all the tensors of a work item (a window's batches) as views of one block of
+           shared memory (data.batch_tensors): handing them to the trainer moves no bytes and passes
+           one file descriptor
+  private  the same, each tensor made on its own in the worker's own memory: copied into shared memory
+           as it is sent, with a descriptor each
+Reported per lane: the median feature GB/s, over the raw read, and the CPU seconds of the trainer and the
+workers per second and per GB delivered; and for cold and warm the rounds' ratios of library's rate over
+private's, and their median. --workers 0 skips these lanes.
+DIR's cache is deleted at the end. Last line: RESULT {json}.
 """
 
 from __future__ import annotations
@@ -30,8 +45,10 @@ import shutil
 import statistics
 import sys
 import time
+from multiprocessing import resource_sharer
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -64,6 +81,16 @@ def copy_lane(dataset, branch, batches: list[list[int]]) -> list:
     return out
 
 
+def release_handed_over() -> None:
+    """Close the descriptors the hand-over registered for a receiver: in a DataLoader the trainer claims each
+    one, here nothing does, and without this a run of more than a few rounds runs out of descriptors."""
+    sharer = resource_sharer._resource_sharer
+    with sharer._lock:
+        for _, close in sharer._cache.values():
+            close()
+        sharer._cache.clear()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     where = parser.add_mutually_exclusive_group(required=True)
@@ -74,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2, help="the loader lanes' workers (0: no loader lanes)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="each loader lane's time a round")
     args = parser.parse_args(argv)
 
     from prlmfuse.cache_features import CacheReader
@@ -120,9 +149,27 @@ def main(argv: list[str] | None = None) -> int:
                         ForkingPickler(io.BytesIO()).dump(batch)
                     read_pad += read_done - started
                     hand_over += time.perf_counter() - read_done
+                    release_handed_over()
                     delivered += sum(int(b.prlm[0].mask.sum()) for b in padded) * reader.hidden_size * 2
                 seconds[lane]["read_pad"].append(read_pad)
                 seconds[lane]["hand_over"].append(hand_over)
+        # cold: pages dropped before and behind, the disk serves every read; warm: the page cache holds the
+        # whole cache, so the rate is what the loader's processes' CPU allows
+        loader_runs = {(pages, lane): [] for pages in ("cold", "warm") for lane in ("library", "private")}
+        if args.workers <= 0:
+            loader_runs = {}
+        lengths = SimpleNamespace(lengths=reader.lengths)
+        for pages in ("cold", "warm") if loader_runs else ():
+            if pages == "warm":
+                for path in files:
+                    with open(path, "rb", buffering=0) as f:
+                        while f.read(8 << 20):
+                            pass
+            for round_ in range(args.rounds):
+                for lane in ("library", "private") if round_ % 2 == 0 else ("private", "library"):
+                    loader_runs[pages, lane].append(cache_at_scale.time_loader(
+                        cache, lengths, args.workers, args.seconds, args.max_tokens, seed=1, lane=lane,
+                        read_window=args.window, drop_pages=pages == "cold"))
         reader.close()
     finally:
         if args.cache is None:
@@ -143,7 +190,27 @@ def main(argv: list[str] | None = None) -> int:
     library = [a + b for a, b in zip(seconds["library"]["read_pad"], seconds["library"]["hand_over"])]
     copy = [a + b for a, b in zip(seconds["copy"]["read_pad"], seconds["copy"]["hand_over"])]
     result["library_over_copy"] = round(statistics.median(c / l for l, c in zip(library, copy)), 2)
-    print(f"library over copy: {result['library_over_copy']}x (median of the rounds' ratios)")
+    result["library_over_copy_rounds"] = [round(c / l, 2) for l, c in zip(library, copy)]
+    print(f"library over copy: {result['library_over_copy']}x (median of the rounds' ratios "
+          f"{result['library_over_copy_rounds']})")
+    for (pages, lane), runs in loader_runs.items():
+        cpu = [sum(run["cpu_seconds"].values()) / max(run["seconds"], 0.01) for run in runs]
+        row = {"feature_GBps": round(statistics.median(run["feature_GBps"] for run in runs), 3),
+               "cpu_seconds_per_second": round(statistics.median(cpu), 2),
+               "cpu_seconds_per_GB": round(statistics.median(c / run["feature_GBps"] for c, run in zip(cpu, runs)), 2),
+               "read_amplification": round(statistics.median(run["read_amplification"] for run in runs), 3)}
+        row["over_raw_read"] = round(row["feature_GBps"] / raw, 2)
+        result[f"loader_{pages}_{lane}"] = row
+        print(f"loader, {args.workers} workers, pages {pages}, {lane:8s} {row['feature_GBps']:.3f} GB/s "
+              f"({row['over_raw_read']}x the raw read), {row['cpu_seconds_per_GB']} CPU-s a GB, read amplification "
+              f"{row['read_amplification']}")
+    for pages in ("cold", "warm") if loader_runs else ():
+        library, private = loader_runs[pages, "library"], loader_runs[pages, "private"]
+        ratios = [a["feature_GBps"] / b["feature_GBps"] for a, b in zip(library, private)]
+        result[f"loader_{pages}_library_over_private"] = round(statistics.median(ratios), 2)
+        result[f"loader_{pages}_library_over_private_rounds"] = [round(r, 2) for r in ratios]
+        print(f"loader, pages {pages}: library over private {result[f'loader_{pages}_library_over_private']}x "
+              f"(median of the rounds' ratios {result[f'loader_{pages}_library_over_private_rounds']})")
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 

@@ -11,13 +11,14 @@ Readers open lazily in whichever process first touches them (never carried acros
 from __future__ import annotations
 
 import dataclasses
+import math
 import multiprocessing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from prlmfuse.batching import token_budget_batches
 from prlmfuse.cache_features.codecs import numpy_view
@@ -93,11 +94,13 @@ class PairDataset(Dataset):
 
     def padded(self, batches: list[list[int]]) -> list[Batch]:
         """These batches of pairs with their features (every batch's read together, per branch), each padded to
-        its longest sentence or under static shapes to its class's shape."""
+        its longest sentence or under static shapes to its class's shape; all their tensors made together
+        (`batch_tensors`)."""
         shapes = []
         for indices in batches:
             if self.shapes is None or not indices:
-                shapes.append((None, None, None, None))
+                shapes.append((len(indices), self._longest(self.src_lens, indices), self._longest(self.tgt_lens, indices),
+                               None))
                 continue
             longest_prlm = max((int(prlm_lengths(branch, indices).max()) for branch in self.branches), default=0)
             rows, src_len, tgt_len, prlm_len = self.shapes.shape(
@@ -105,42 +108,54 @@ class PairDataset(Dataset):
             if rows < len(indices):
                 raise ValueError(f"{len(indices)} pairs for a batch of {rows} rows; batch them with BucketBatchSampler")
             shapes.append((rows, src_len, tgt_len, prlm_len))
-        prlm = [read_batches(branch, batches, lengths=[s[3] for s in shapes], rows=[s[0] for s in shapes])
-                for branch in self.branches]
-        return [self.batch(indices, [features[b] for features in prlm], rows=rows, src_len=src_len, tgt_len=tgt_len)
-                for b, (indices, (rows, src_len, tgt_len, _)) in enumerate(zip(batches, shapes))]
+        reads = [FeatureRead(branch, batches, lengths=[s[3] for s in shapes], rows=[s[0] for s in shapes])
+                 for branch in self.branches]
+        specs = [spec for indices, (rows, src_len, tgt_len, _) in zip(batches, shapes)
+                 for spec in self._token_specs(len(indices), rows, src_len, tgt_len)]
+        tensors = iter(batch_tensors(specs + [spec for read in reads for spec in read.specs()]))
+        tokens = [[next(tensors) for _ in range(4)] for _ in batches]
+        prlm = [read.fill(tensors) for read in reads]
+        return [self._fill(indices, [features[b] for features in prlm], *tokens[b]) for b, indices in enumerate(batches)]
 
     def batch(self, indices: list[int], prlm: list[PrLMFeatures], *, rows: int | None = None,
               src_len: int | None = None, tgt_len: int | None = None) -> Batch:
         """The token tensors of these sentence pairs, beside their PrLM features; padded to their longest
         sentences, or to `rows` rows and the lengths given."""
-        bsz = len(indices) if rows is None else rows
-        src_len = src_len or max((int(self.src_lens[i]) for i in indices), default=1)
-        tgt_len = tgt_len or max((int(self.tgt_lens[i]) for i in indices), default=1)
+        src_len = src_len or self._longest(self.src_lens, indices)
+        tgt_len = tgt_len or self._longest(self.tgt_lens, indices)
+        tensors = batch_tensors(self._token_specs(len(indices), rows or len(indices), src_len, tgt_len))
+        return self._fill(indices, prlm, *tensors)
+
+    @staticmethod
+    def _longest(lengths: np.ndarray, indices: list[int]) -> int:
+        return int(lengths[indices].max(initial=1))
+
+    @staticmethod
+    def _token_specs(n: int, rows: int, src_len: int, tgt_len: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """ids, src_tokens, tgt_in, tgt_out."""
+        return [((n,), torch.long), ((rows, src_len), torch.long), ((rows, tgt_len), torch.long),
+                ((rows, tgt_len), torch.long)]
+
+    def _fill(self, indices: list[int], prlm: list[PrLMFeatures], ids: torch.Tensor, src_tokens: torch.Tensor,
+              tgt_in: torch.Tensor, tgt_out: torch.Tensor) -> Batch:
         # Filled in numpy: a DataLoader worker's time comes out of the training step's cores, and a
         # torch slice assignment costs microseconds of dispatch per row where numpy's costs nanoseconds.
-        src_tokens = np.full((bsz, src_len), PAD_ID, dtype=np.int64)
-        tgt_in = np.full((bsz, tgt_len), PAD_ID, dtype=np.int64)
-        tgt_out = np.full((bsz, tgt_len), PAD_ID, dtype=np.int64)
+        source, shifted, scored = src_tokens.numpy(), tgt_in.numpy(), tgt_out.numpy()
+        ids.numpy()[:] = indices
+        for array in (source, shifted, scored):
+            array.fill(PAD_ID)
         ntokens = 0
         for row, i in enumerate(indices):
             src, tgt = self.src_ids[i], self.tgt_ids[i]
             n, m = len(src), len(tgt)
-            src_tokens[row, :n] = src
-            src_tokens[row, n] = EOS_ID
-            tgt_in[row, 0] = BOS_ID
-            tgt_in[row, 1 : m + 1] = tgt
-            tgt_out[row, :m] = tgt
-            tgt_out[row, m] = EOS_ID
+            source[row, :n] = src
+            source[row, n] = EOS_ID
+            shifted[row, 0] = BOS_ID
+            shifted[row, 1 : m + 1] = tgt
+            scored[row, :m] = tgt
+            scored[row, m] = EOS_ID
             ntokens += m + 1
-        return Batch(
-            ids=torch.tensor(indices, dtype=torch.long),
-            src_tokens=torch.from_numpy(src_tokens),
-            tgt_in=torch.from_numpy(tgt_in),
-            tgt_out=torch.from_numpy(tgt_out),
-            prlm=prlm,
-            ntokens=ntokens,
-        )
+        return Batch(ids=ids, src_tokens=src_tokens, tgt_in=tgt_in, tgt_out=tgt_out, prlm=prlm, ntokens=ntokens)
 
 
 def batch_features(branch: PrLMBranch, indices: list[int]) -> PrLMFeatures:
@@ -153,52 +168,103 @@ def prlm_lengths(branch: PrLMBranch, indices: list[int]) -> np.ndarray:
     return branch.reader.lengths[indices if branch.rows is None else branch.rows[indices]]
 
 
-def read_batches(branch: PrLMBranch, batches: list[list[int]], *, lengths: list[int | None] | None = None,
-                 rows: list[int | None] | None = None) -> list[PrLMFeatures]:
-    """One branch's features for each batch of sentences, right-padded to the batch's longest sentence (or to
-    lengths[b], and to rows[b] rows past the sentences), with the mask of real tokens.
+SHARED_ALIGN = 64  # bytes: each tensor of a shared block starts on a cache line
+
+
+def batch_tensors(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
+    """Uninitialised tensors of these (shape, dtype).
+
+    In a DataLoader worker they are views of one block of shared memory (torch's default_collate also
+    makes its batches in shared memory): handing a work item to the trainer then copies no bytes and
+    passes one file descriptor for all of its tensors, since torch's reductions send one per storage
+    pickled and the pickler meets this storage once. A tensor in a worker's own memory is copied into
+    shared memory as it is sent, and each one's descriptor costs the trainer a connection to the worker.
+    """
+    if get_worker_info() is None:
+        return [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+    offsets, total = [], 0
+    for shape, dtype in specs:
+        total = -(-total // SHARED_ALIGN) * SHARED_ALIGN
+        offsets.append(total)
+        total += math.prod(shape) * dtype.itemsize
+    if total == 0:  # an empty storage cannot be mapped
+        return [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
+    block = torch.UntypedStorage._new_shared(total)
+    return [torch.empty(0, dtype=dtype).set_(block, offset // dtype.itemsize, shape)
+            for (shape, dtype), offset in zip(specs, offsets)]
+
+
+class FeatureRead:
+    """One branch's features for a list of batches: their padded shapes (`specs`), then, given the tensors
+    made for them, their values (`fill`).
 
     Every batch's sentences are read with one `features_into`, straight into the padded tensors, so a window
     of neighbouring stored sentences costs a few large reads and no copy. Stored float16 stays float16 until
     the model casts it (the same values): half the bytes for a worker to hand over.
     """
-    reader = branch.reader
-    sentences = [i for indices in batches for i in indices]
-    cache_rows = sentences if branch.rows is None else [int(branch.rows[i]) for i in sentences]
-    n_layers, width = len(branch.layer_rows), int(reader.hidden_size)
-    padded, destinations, first = [], [], 0
-    for b, indices in enumerate(batches):
-        real = reader.lengths[cache_rows[first : first + len(indices)]]
-        first += len(indices)
-        max_len = (lengths[b] if lengths else None) or int(real.max(initial=1))
-        count = (rows[b] if rows else None) or len(indices)
-        states = torch.empty(count, n_layers, max_len, width, dtype=reader.transfer_dtype)
-        mask = np.zeros((count, max_len), dtype=bool)
-        mask[: len(indices)] = np.arange(max_len) < real[:, None]
-        # Per-row work in numpy: a torch slice costs microseconds of dispatch, numpy's nanoseconds.
-        memory = numpy_view(states)
-        memory[len(indices):] = 0
-        for row, n in enumerate(real.tolist()):
-            memory[row, :, n:] = 0  # the padding; the real rows are read in
-            destinations.append(memory[row])
-        padded.append((states, torch.from_numpy(mask)))
-    reader.features_into(cache_rows, list(branch.layer_rows), destinations)
-    pooled = None
-    if branch.pooled_rows is not None:
-        pooled = reader.pooled_many(cache_rows)  # float32 already
-        if list(branch.pooled_rows) != list(range(pooled.shape[1])):
-            pooled = pooled[:, list(branch.pooled_rows)]
-    out, first = [], 0
-    for (states, mask), indices in zip(padded, batches):
-        batch_pooled = None
-        if pooled is not None:
-            batch_pooled = pooled[first : first + len(indices)]
-            if len(states) > len(indices):
-                batch_pooled = torch.cat([batch_pooled, batch_pooled.new_zeros(len(states) - len(indices),
-                                                                               *batch_pooled.shape[1:])])
-        first += len(indices)
-        out.append(PrLMFeatures(states=states, mask=mask, pooled=batch_pooled))
-    return out
+
+    def __init__(self, branch: PrLMBranch, batches: list[list[int]], *, lengths: list[int | None] | None = None,
+                 rows: list[int | None] | None = None):
+        reader = self.reader = branch.reader
+        self.branch = branch
+        self.batches = batches
+        sentences = [i for indices in batches for i in indices]
+        self.cache_rows = sentences if branch.rows is None else [int(branch.rows[i]) for i in sentences]
+        self.real, self.shapes, first = [], [], 0
+        for b, indices in enumerate(batches):
+            real = reader.lengths[self.cache_rows[first : first + len(indices)]]
+            first += len(indices)
+            max_len = (lengths[b] if lengths else None) or int(real.max(initial=1))
+            count = (rows[b] if rows else None) or len(indices)
+            self.real.append(real)
+            self.shapes.append((count, max_len))
+
+    def specs(self) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """Per batch: states, mask and (for Dyn[CLS]/Dyn[Aver]) pooled vectors."""
+        n_layers, width = len(self.branch.layer_rows), int(self.reader.hidden_size)
+        pooled = self.branch.pooled_rows
+        specs = []
+        for count, max_len in self.shapes:
+            specs += [((count, n_layers, max_len, width), self.reader.transfer_dtype), ((count, max_len), torch.bool)]
+            if pooled is not None:
+                specs.append(((count, len(pooled), 2, width), torch.float32))
+        return specs
+
+    def fill(self, tensors) -> list[PrLMFeatures]:
+        """The features, read into the next tensors of `tensors` (an iterator over what `specs` asked for)."""
+        padded, destinations = [], []
+        for real, (count, max_len) in zip(self.real, self.shapes):
+            states, mask = next(tensors), next(tensors)
+            pooled = next(tensors) if self.branch.pooled_rows is not None else None
+            flags = mask.numpy()
+            flags[: len(real)] = np.arange(max_len) < real[:, None]
+            flags[len(real):] = False
+            # Per-row work in numpy: a torch slice costs microseconds of dispatch, numpy's nanoseconds.
+            memory = numpy_view(states)
+            memory[len(real):] = 0
+            for row, n in enumerate(real.tolist()):
+                memory[row, :, n:] = 0  # the padding; the real rows are read in
+                destinations.append(memory[row])
+            padded.append(PrLMFeatures(states=states, mask=mask, pooled=pooled))
+        self.reader.features_into(self.cache_rows, list(self.branch.layer_rows), destinations)
+        if self.branch.pooled_rows is not None:
+            values = self.reader.pooled_many(self.cache_rows)  # float32 already
+            if list(self.branch.pooled_rows) != list(range(values.shape[1])):
+                values = values[:, list(self.branch.pooled_rows)]
+            first = 0
+            for features, real in zip(padded, self.real):
+                features.pooled[: len(real)] = values[first : first + len(real)]
+                features.pooled[len(real):] = 0
+                first += len(real)
+        return padded
+
+
+def read_batches(branch: PrLMBranch, batches: list[list[int]], *, lengths: list[int | None] | None = None,
+                 rows: list[int | None] | None = None) -> list[PrLMFeatures]:
+    """One branch's features for each batch of sentences, right-padded to the batch's longest sentence (or to
+    lengths[b], and to rows[b] rows past the sentences), with the mask of real tokens."""
+    read = FeatureRead(branch, batches, lengths=lengths, rows=rows)
+    return read.fill(iter(batch_tensors(read.specs())))
 
 
 class TokenBudgetBatchSampler:
