@@ -14,7 +14,7 @@ for the first --windows groups of StorageWindowBatchSampler(window --window):
            CacheReader.features_into reads each stretch of neighbouring sentences straight into the
            sentences' rows (one scatter read per stretch and layer), and the token tensors are built
   copy     the same batches with the features read into buffers first (CacheReader.features_many: one
-           read per stretch) and then copied into zeroed padded tensors, as a worker did before
+           read per stretch) and then copied into zeroed padded tensors
 and then, for either lane, the hand-over: each batch pickled by multiprocessing's ForkingPickler with
 torch's reductions, as a worker's result queue does (its tensors' storages moved into shared memory: this
 process is no DataLoader worker, so data.batch_tensors makes the library's tensors in private memory too).

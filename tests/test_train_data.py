@@ -265,9 +265,11 @@ def test_workers_deliver_the_same_batches_as_in_process(cache):
             assert torch.equal(e.prlm[0].states, got.prlm[0].states) and torch.equal(e.prlm[0].mask, got.prlm[0].mask)
 
 
-def test_a_worker_s_window_is_one_block_of_shared_memory_sent_without_a_copy(cache, monkeypatch):
-    """In a DataLoader worker every tensor of a work item (here a window of three batches, with pooled vectors)
-    is a view of one block of shared memory: the hand-over (a worker's result queue pickles the item with
+@pytest.mark.parametrize("static", [False, True])
+def test_a_worker_s_window_is_one_block_of_shared_memory_sent_without_a_copy(cache, monkeypatch, static):
+    """In a DataLoader worker every tensor of a work item (here a window of batches, one empty, with pooled
+    vectors; under static shapes with rows past the sentences) is a view of one block of shared memory,
+    written in full whatever the block held: the hand-over (a worker's result queue pickles the item with
     torch's reductions) copies nothing and registers one descriptor. In-process batches stay private."""
     import io
     from multiprocessing import resource_sharer
@@ -275,36 +277,54 @@ def test_a_worker_s_window_is_one_block_of_shared_memory_sent_without_a_copy(cac
 
     import torch.multiprocessing.reductions  # noqa: F401  (the reductions a worker's queue uses)
     from prlmfuse.train_fused import data
+    from prlmfuse.train_fused.buckets import BatchShapes
 
     def tensors(batch):
         f = batch.prlm[0]
         return [batch.ids, batch.src_tokens, batch.tgt_in, batch.tgt_out, f.states, f.mask, f.pooled]
 
+    new_shared = torch.UntypedStorage._new_shared
+
+    def poisoned(nbytes):  # a fresh block reads as zeros; every byte the batches leave unwritten shows here
+        block = new_shared(nbytes)
+        torch.empty(0, dtype=torch.uint8).set_(block).fill_(0xA5)
+        return block
+
     corpus, paths = cache
     src, tgt = _pairs(12, seed=3)
     dataset = PairDataset(src, tgt, [PrLMBranch(CacheReader(paths["train"]), layer_rows=(1, 0), pooled_rows=(1,))])
-    batches = [[0, 5, 3], [7, 1], [11]]
+    if static:
+        dataset.shapes = BatchShapes(max_tokens=100_000, target_ratio=1.5, prlm_ratio=1.5)
+    batches = [[0, 5, 3], [], [7, 1], [11]]
     private = dataset.padded(batches)
     monkeypatch.setattr(data, "get_worker_info", lambda: object())  # as inside a worker
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared", staticmethod(poisoned))
     shared = dataset.padded(batches)
+    if static:
+        assert any(len(b.prlm[0].states) > b.nsentences for b in shared)
     block = shared[0].ids.untyped_storage()
     for mine, theirs in zip(private, shared):
         assert mine.ntokens == theirs.ntokens
         for a, b in zip(tensors(mine), tensors(theirs)):
-            assert torch.equal(a, b) and a.dtype == b.dtype and b.is_contiguous()
+            assert torch.equal(a, b) and a.dtype == b.dtype and b.is_contiguous() and b.data_ptr() % 64 == 0
             assert not a.is_shared() and b.is_shared() and b.untyped_storage().data_ptr() == block.data_ptr()
-    starts = sorted(t.data_ptr() for batch in shared for t in tensors(batch))
-    ends = sorted(t.data_ptr() + t.nbytes for batch in shared for t in tensors(batch))
-    assert all(end <= start for end, start in zip(ends, starts[1:]))  # no two views overlap
+    views = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for batch in shared for t in tensors(batch))
+    assert all(end <= start for (_, end), (start, _) in zip(views, views[1:]))  # no two views overlap
     sharer = resource_sharer._resource_sharer
     before = len(sharer._cache)
-    where = block.data_ptr()
-    ForkingPickler(io.BytesIO()).dump(shared)
-    assert len(sharer._cache) == before + 1 and block.data_ptr() == where  # one descriptor, nothing moved
-    moved = private[0].prlm[0].states
-    where = moved.untyped_storage().data_ptr()
-    ForkingPickler(io.BytesIO()).dump(private)
-    assert len(sharer._cache) == before + 1 + 3 * 7 and moved.untyped_storage().data_ptr() != where
+    try:
+        where = block.data_ptr()
+        ForkingPickler(io.BytesIO()).dump(shared)
+        assert len(sharer._cache) == before + 1 and block.data_ptr() == where  # one descriptor, nothing moved
+        moved = private[0].prlm[0].states
+        where = moved.untyped_storage().data_ptr()
+        ForkingPickler(io.BytesIO()).dump(private[0])
+        assert len(sharer._cache) == before + 1 + 7 and moved.untyped_storage().data_ptr() != where  # copied
+    finally:  # nothing here claims the descriptors, as a trainer would
+        with sharer._lock:
+            for _, close in sharer._cache.values():
+                close()
+            sharer._cache.clear()
 
 
 def test_empty_slice_is_an_empty_batch(cache):

@@ -56,7 +56,9 @@ class Batch:
 
     def pin_memory(self) -> "Batch":
         """Page-locked copy (the DataLoader calls this with pin_memory=True), so the GPU copy can run async."""
-        return self._map(torch.Tensor.pin_memory)
+        # ids copied too: a view of a loader worker's shared block (batch_tensors) kept past pinning would hold
+        # the whole block in memory beside the pinned copies
+        return dataclasses.replace(self._map(torch.Tensor.pin_memory), ids=self.ids.clone())
 
     def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
         """The tensors the model reads on `device`; `ids` stays on the host (bookkeeping only)."""
@@ -123,7 +125,8 @@ class PairDataset(Dataset):
         sentences, or to `rows` rows and the lengths given."""
         src_len = src_len or self._longest(self.src_lens, indices)
         tgt_len = tgt_len or self._longest(self.tgt_lens, indices)
-        tensors = batch_tensors(self._token_specs(len(indices), rows or len(indices), src_len, tgt_len))
+        rows = len(indices) if rows is None else rows
+        tensors = batch_tensors(self._token_specs(len(indices), rows, src_len, tgt_len))
         return self._fill(indices, prlm, *tensors)
 
     @staticmethod
@@ -168,7 +171,7 @@ def prlm_lengths(branch: PrLMBranch, indices: list[int]) -> np.ndarray:
     return branch.reader.lengths[indices if branch.rows is None else branch.rows[indices]]
 
 
-SHARED_ALIGN = 64  # bytes: each tensor of a shared block starts on a cache line
+SHARED_ALIGN = 64  # bytes: each tensor of a shared block starts on a cache line (a multiple of every itemsize)
 
 
 def batch_tensors(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torch.Tensor]:
@@ -179,6 +182,7 @@ def batch_tensors(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> list[torc
     passes one file descriptor for all of its tensors, since torch's reductions send one per storage
     pickled and the pickler meets this storage once. A tensor in a worker's own memory is copied into
     shared memory as it is sent, and each one's descriptor costs the trainer a connection to the worker.
+    The block lives as long as any of its views.
     """
     if get_worker_info() is None:
         return [torch.empty(shape, dtype=dtype) for shape, dtype in specs]
@@ -207,7 +211,6 @@ class FeatureRead:
                  rows: list[int | None] | None = None):
         reader = self.reader = branch.reader
         self.branch = branch
-        self.batches = batches
         sentences = [i for indices in batches for i in indices]
         self.cache_rows = sentences if branch.rows is None else [int(branch.rows[i]) for i in sentences]
         self.real, self.shapes, first = [], [], 0
@@ -475,7 +478,7 @@ class WindowedLoader:
             read = {w: next(windows_read) for w in windows}
             for w, j in steps:
                 yield read[w][j]
-                read[w][j] = None  # trained: its memory can go
+                read[w][j] = None  # trained: its window's memory goes with the window's last batch
 
     def __len__(self) -> int:
         return len(self.sampler)
