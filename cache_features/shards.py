@@ -367,17 +367,6 @@ class ShardHandle:
         if rows.nbytes:
             self.read_into(name, start, stop, [(0, rows)])
         return rows
-        if array.offset is None:
-            raise OSError(f"{name} of shard {self.name} has no stored rows; the file is damaged")
-        buffer = memoryview(rows).cast("B")
-        offset = array.offset + start * array.row_bytes()
-        done = 0
-        while done < rows.nbytes:  # a read may return less than asked (large reads, network filesystems)
-            count = os.preadv(self.fd, [buffer[done:]], offset + done)
-            if count == 0:
-                raise OSError(f"short read of {name} rows {start}:{stop} in shard {self.name}: the file is truncated")
-            done += count
-        return rows
 
     def read_into(self, name: str, start: int, stop: int, targets: list[tuple[int, np.ndarray]]) -> None:
         """Rows start:stop of `name`, each target (first, array) receiving rows start + first onward, as many as
