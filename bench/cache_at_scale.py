@@ -107,17 +107,24 @@ def raw_write(directory: Path, nbytes: int) -> float:
     return written / elapsed / GB
 
 
-def raw_sequential_read(files: list[Path], limit: int) -> float:
-    """GB/s of 8 MiB sequential reads of `files` (pages dropped first), up to `limit` bytes."""
-    for path in files:
-        drop_file(path)
-    start, read = time.perf_counter(), 0
+def read_files(files: list[Path], limit: int | None = None) -> int:
+    """Bytes read from `files` in 8 MiB sequential reads, stopping after the file that passes `limit`."""
+    read = 0
     for path in files:
         with open(path, "rb", buffering=0) as f:
             while chunk := f.read(BLOCK):
                 read += len(chunk)
-        if read >= limit:
+        if limit is not None and read >= limit:
             break
+    return read
+
+
+def raw_sequential_read(files: list[Path], limit: int) -> float:
+    """GB/s of 8 MiB sequential reads of `files` (pages dropped first), up to `limit` bytes."""
+    for path in files:
+        drop_file(path)
+    start = time.perf_counter()
+    read = read_files(files, limit)
     elapsed = time.perf_counter() - start
     for path in files:
         drop_file(path)
@@ -414,7 +421,8 @@ def time_loader(cache: Path, corpus, workers: int, seconds: float, max_tokens: i
         sampler = TokenBudgetBatchSampler(dataset.src_lens, dataset.tgt_lens, max_tokens, seed=seed)
     loader = make_loader(dataset, sampler, num_workers=workers)
     dropper = PageDropper(reader) if drop_pages else None
-    if drop_pages:
+    drop = dropper.drop if dropper else lambda ids: None
+    if dropper:
         drop_tree(cache)
     iterator = iter(loader)
     # Timing starts once the first work item is delivered: a batch, or under read_window the first group of
@@ -422,9 +430,7 @@ def time_loader(cache: Path, corpus, workers: int, seconds: float, max_tokens: i
     # last batch timed are read on the clock and not delivered).
     warmup = len(next(sampler.remaining_groups())[1]) if read_window else 1
     for _ in range(warmup):
-        batch = next(iterator)
-        if dropper:
-            dropper.drop(batch.ids)
+        drop(next(iterator).ids)
     pids = {"trainer": os.getpid()}
     # The DataLoader's own (persistent) iterator holds the worker processes, also under a WindowedLoader.
     workers_of = getattr(loader, "loader", loader)._iterator
@@ -441,8 +447,7 @@ def time_loader(cache: Path, corpus, workers: int, seconds: float, max_tokens: i
         tokens += int(features.mask.sum())
         batches += 1
         t = time.perf_counter()
-        if dropper:
-            dropper.drop(batch.ids)
+        drop(batch.ids)
         drop_seconds += time.perf_counter() - t
         if t - start >= seconds:
             break

@@ -155,16 +155,12 @@ def main(argv: list[str] | None = None) -> int:
                 seconds[lane]["hand_over"].append(hand_over)
         # cold: pages dropped before and behind, the disk serves every read; warm: the page cache holds the
         # whole cache, so the rate is what the loader's processes' CPU allows
-        loader_runs = {(pages, lane): [] for pages in ("cold", "warm") for lane in ("library", "private")}
-        if args.workers <= 0:
-            loader_runs = {}
+        page_states = ("cold", "warm") if args.workers > 0 else ()
+        loader_runs = {(pages, lane): [] for pages in page_states for lane in ("library", "private")}
         lengths = SimpleNamespace(lengths=reader.lengths)
-        for pages in ("cold", "warm") if loader_runs else ():
+        for pages in page_states:
             if pages == "warm":
-                for path in files:
-                    with open(path, "rb", buffering=0) as f:
-                        while f.read(8 << 20):
-                            pass
+                cache_at_scale.read_files(files)
             for round_ in range(args.rounds):
                 for lane in ("library", "private") if round_ % 2 == 0 else ("private", "library"):
                     loader_runs[pages, lane].append(cache_at_scale.time_loader(
@@ -204,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loader, {args.workers} workers, pages {pages}, {lane:8s} {row['feature_GBps']:.3f} GB/s "
               f"({row['over_raw_read']}x the raw read), {row['cpu_seconds_per_GB']} CPU-s a GB, read amplification "
               f"{row['read_amplification']}")
-    for pages in ("cold", "warm") if loader_runs else ():
+    for pages in page_states:
         library, private = loader_runs[pages, "library"], loader_runs[pages, "private"]
         ratios = [a["feature_GBps"] / b["feature_GBps"] for a, b in zip(library, private)]
         result[f"loader_{pages}_library_over_private"] = round(statistics.median(ratios), 2)
