@@ -22,9 +22,9 @@
    and the RSS of the trainer and each worker over time.
 --compare: a lane beside the library's, side by side. hdf5: "h5py", token rows sliced out of h5py
    datasets (a handle per shard, kept open), where the library reads them with os.preadv at the
-   dataset's offset. zarr: "sharded", a second big cache written with zarr's sharding codec (each
-   array one file per shard, the same inner chunks, rows written once per file), its writer and its
-   loader timed beside the library's one-file-per-chunk layout.
+   dataset's offset. zarr: "chunk_files", a second big cache written in zarr's layout 1 (256 KB chunks,
+   a file each; bench/zarr_chunk_files.py), its writer and its loader timed beside the library's
+   layout (each array one file through zarr's sharding codec), read windows included.
 --read-window K[,K...]: a lane per K beside the library's default order, the loader with train.read_window K
    (batches formed within windows of K batches' worth of neighbouring stored sentences, a worker reading
    each window in a few large reads). Its clock starts after the first group of windows is delivered.
@@ -44,13 +44,13 @@ import sys
 import threading
 import time
 from pathlib import Path
-from unittest import mock
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cache_throughput import bible_sentences  # noqa: E402
+from zarr_chunk_files import chunk_file_writes  # noqa: E402
 
 from prlmfuse.cache_features import CacheReader  # noqa: E402
 from prlmfuse.cache_features.codecs import token_numpy_dtype  # noqa: E402
@@ -334,29 +334,6 @@ class H5pyReader(CacheReader):
         super().close()
 
 
-@contextlib.contextmanager
-def zarr_sharded_writes():
-    """The zarr lane beside the library's layout (--compare): every array of a shard written as one
-    zarr shard file (sharding codec, the library's inner chunks), its rows buffered and written once,
-    since a partial write of a zarr shard rewrites the whole file."""
-    from zarr.core.group import Group
-
-    from prlmfuse.cache_features.shards import ZarrShardWriter
-
-    create, flush = Group.create_array, ZarrShardWriter._flush
-
-    def sharded(self, name, *, shape, chunks, **kwargs):
-        rows = -(-max(shape[0], 1) // chunks[0]) * chunks[0]
-        return create(self, name, shape=shape, chunks=chunks, shards=(rows, *shape[1:]), **kwargs)
-
-    def once(self, name, *, final):
-        if final:
-            flush(self, name, final=True)
-
-    with mock.patch.object(Group, "create_array", sharded), mock.patch.object(ZarrShardWriter, "_flush", once):
-        yield
-
-
 def proc_read_bytes(pid: int) -> int:
     with open(f"/proc/{pid}/io") as f:
         return int(next(line for line in f if line.startswith("read_bytes")).split()[1])
@@ -491,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=4096, help="the training batch's token budget")
     parser.add_argument("--keep", action="store_true", help="keep the big cache")
     parser.add_argument("--compare", action="store_true",
-                        help="a lane beside the library's: hdf5, reads through h5py; zarr, a sharded cache")
+                        help="a lane beside the library's: hdf5, reads through h5py; zarr, a cache of a file per chunk")
     parser.add_argument("--loader-only", action="store_true", help="skip the writer-only caches and stages")
     parser.add_argument("--read-window", default="", metavar="K[,K...]",
                         help="lanes beside the library's default order: train.read_window K (windows of K batches' "
@@ -541,11 +518,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"writer stages: {row}", flush=True)
         if not args.writer_only:
             corpus = corpus_of(size, "float16", lengths)
-            # lane -> how its own big cache is written (None: it reads the library's); a sharded zarr
-            # cache is read by the library's reader
+            # lane -> how its own big cache is written (None: it reads the library's); a zarr cache of
+            # layout 1 is read by the library's reader
             lanes = {"library": contextlib.nullcontext}
             if args.compare:
-                lanes.update({"h5py": None} if args.backend == "hdf5" else {"sharded": zarr_sharded_writes})
+                lanes.update({"h5py": None} if args.backend == "hdf5" else {"chunk_files": chunk_file_writes})
             caches, result["cache"] = {}, []
             for lane, writes in lanes.items():
                 if writes is None:
@@ -566,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
             orders = [0] + [int(k) for k in args.read_window.split(",") if k]
             for workers in [int(w) for w in args.workers.split(",")]:
                 for lane in lanes:
-                    for read_window in orders if lane == "library" else [0]:
+                    for read_window in [0] if lane == "h5py" else orders:
                         row = time_loader(caches.get(lane, cache), corpus, workers, args.seconds, args.max_tokens,
                                           seed=1, lane=lane, read_window=read_window)
                         result["loader"].append(row)

@@ -1,28 +1,23 @@
-"""Zarr shards: how their chunk files are written, and how they reach the disk before the rename that
-publishes each shard.
+"""Zarr shards: the library's layout (each array one file through zarr's sharding codec, its rows streamed in)
+against layout 1 (256 KB chunks, a file each), written and committed side by side.
 
     python bench/zarr_commit.py --dir DIR [--shards 6] [--rounds 3]
 
-Each round writes --shards shards of 64 MB of float16 features (random values, BERT-base width 768,
-the library's 256 KB chunks: one file each) through cache_features.shards.ZarrShardWriter, once per lane,
-the lanes in turn:
-  library   ZarrShardWriter as it is: each flush's whole chunks handed to the store together (Store.set),
-            the chunk files fsynced by SYNC_THREADS threads at once at commit
-  array_api   the chunks written through the zarr array's own indexing (array[start:stop] = rows, empty
-            chunks written as they are), then committed as library
-  one_by_one  each chunk file fsynced in turn (then, as library, the directories)
-  syncfs    one syncfs(2) of the filesystem per shard (Linux), whatever else it holds dirty
-Reported: each lane's GB/s of appends and commit together and of its appends alone (into the page
-cache, before the commit's fsyncs), median over rounds, and library's ratio to each other lane in each
-round (median, appends and commit together). The directory is emptied at the end. Last line: RESULT {json}.
+Each round writes --shards shards of 64 MB of float16 features (random values, BERT-base width 768, appends of
+a GPU batch's rows) once per lane, the lanes in turn:
+  library       cache_features.shards.ZarrShardWriter: one shard file an array, rows written as they come,
+                the padding and the shard index appended at commit, then fsync and rename
+  chunk_files   bench/zarr_chunk_files.py's ChunkFilesWriter: rows buffered into 256 KB chunks, each flush's
+                chunks handed to zarr's store together (Store.set), every chunk file fsynced at commit
+Reported: each lane's GB/s of appends and commit together and of its appends alone (into the page cache,
+before the commit), median over rounds, and library's ratio to chunk_files in each round (median, appends
+and commit together). The directory is emptied at the end. Last line: RESULT {json}.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import os
 import shutil
 import sys
 import time
@@ -37,43 +32,10 @@ ROWS_PER_APPEND = 4096  # a GPU batch's real tokens, about
 
 def lanes() -> dict:
     from prlmfuse.cache_features.shards import ZarrShardWriter
-    from prlmfuse.fileio import fsync_dir
 
-    class OneByOne(ZarrShardWriter):
-        @staticmethod
-        def _sync(directory: Path) -> None:
-            walk = list(os.walk(directory))
-            for root, _dirs, files in walk:
-                for name in files:
-                    with open(os.path.join(root, name), "rb+") as f:
-                        os.fsync(f.fileno())
-            for root, _dirs, _files in reversed(walk):
-                fsync_dir(Path(root))
+    from zarr_chunk_files import ChunkFilesWriter
 
-    libc = ctypes.CDLL(None, use_errno=True)
-
-    class SyncFs(ZarrShardWriter):
-        @staticmethod
-        def _sync(directory: Path) -> None:
-            fd = os.open(directory, os.O_RDONLY)
-            try:
-                if libc.syncfs(fd) != 0:
-                    raise OSError(ctypes.get_errno(), "syncfs failed")
-            finally:
-                os.close(fd)
-
-    import zarr
-
-    class ArrayApi(ZarrShardWriter):
-        def __init__(self, *args, **kwargs):
-            with zarr.config.set({"array.write_empty_chunks": True}):  # no per-chunk comparison with the fill value
-                super().__init__(*args, **kwargs)
-
-        def _write_chunks(self, name: str, first_chunk: int, rows: np.ndarray) -> None:
-            start = first_chunk * self.arrays[name].chunks[0]
-            self.arrays[name][start : start + len(rows)] = rows
-
-    return {"library": ZarrShardWriter, "array_api": ArrayApi, "one_by_one": OneByOne, "syncfs": SyncFs}
+    return {"library": ZarrShardWriter, "chunk_files": ChunkFilesWriter}
 
 
 def write_shards(writer_class, directory: Path, shards: int, values: np.ndarray) -> tuple[float, float]:
@@ -90,7 +52,6 @@ def write_shards(writer_class, directory: Path, shards: int, values: np.ndarray)
         writer = writer_class(location, f"shards/shard-{index:05d}.zarr", specs)
         for row in range(0, len(values), ROWS_PER_APPEND):
             writer.append("layer_010", values[row : row + ROWS_PER_APPEND])
-        writer._flush("layer_010", final=True)  # what commit() would write first: counted as appends
         appending += time.perf_counter() - began
         writer.commit()
     return time.perf_counter() - start, appending

@@ -383,8 +383,9 @@ def write_manifest(spec: BuildSpec, corpus: EncodedCorpus, names: dict[int, str]
     missing = [names[p.index] for p in shards if p.index not in records]
     if missing:
         raise RuntimeError(f"cache {location}: shards {missing[:5]} were not completed by any rank")
-    shard_entries = [
-        {k: records[p.index][k] for k in ("name", "num_sentences", "num_tokens", "sha256")} for p in shards
+    shard_entries = [  # a record written before layouts were recorded has none: layout 1
+        {k: records[p.index][k] for k in ("name", "num_sentences", "num_tokens", "sha256", "layout") if k in records[p.index]}
+        for p in shards
     ]
     manifest = {
         "key": spec.key,

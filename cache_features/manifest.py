@@ -1,7 +1,8 @@
 """The cache key, the manifest, and the checks that a cache on disk is what its manifest says.
 
 A cache directory (a local path or an fsspec URL) holds:
-  manifest.json              written last: key, key_fields, counts, layers, dtype, backend, shard list
+  manifest.json              written last: key, key_fields, counts, layers, dtype, backend, shard list (each
+                             shard with its backend layout, shards.LAYOUT)
   build.json                 written first: key and plan parameters, so a rerun resumes or refuses
   progress/<shard>.json      one record (name, counts, sha256) per finished shard
   shards/shard-NNNNN.zarr|.h5  the features (arrays in shards.py)
@@ -27,7 +28,8 @@ from .codecs import STORAGE_DTYPES, check_dtype, pooled_storage_dtype, side_arra
 from .location import Location
 from .shards import BACKENDS, ShardChecksum, ShardHandle
 
-FORMAT_VERSION = 1  # bump when the layout or key changes: caches of another format are refused, never read
+FORMAT_VERSION = 1  # bump when what is stored or the key changes: caches of another format are refused, never read
+# (how a backend lays the same arrays on disk has its own number, shards.LAYOUT, and the reader reads every one)
 # Storage dtypes with a layout of their own carry its format number in their key (int8 2: each token's
 # largest values kept apart), so a change to one dtype's layout never invalidates the others' caches.
 DTYPE_FORMAT = {"int8": 2}
@@ -150,6 +152,8 @@ def load_manifest(path_or_url) -> tuple[Location, dict]:
         bad = [k for k in ("num_sentences", "num_tokens") if not _count(shard.get(k))]
         if not isinstance(shard.get("sha256"), str):
             bad.append("sha256")
+        if "layout" in shard and not _count(shard["layout"]):
+            bad.append("layout")
         if bad:
             raise UserError(f"{where}: shard {i} ({shard['name']}) has no valid {', '.join(bad)}; "
                             "the manifest is corrupt, rebuild with --force")
@@ -263,6 +267,8 @@ def inspect_cache(path) -> dict:
         "key": manifest["key"],
         "key_fields": manifest["key_fields"],
         "backend": manifest["backend"],
+        # the on-disk layout of the backend its shards were written in (shards.LAYOUT; none recorded: 1)
+        "layout": sorted({s.get("layout", 1) for s in manifest["shards"]}),
         "dtype": manifest["dtype"],
         "layers": manifest["layers"],
         "pooled_layers": manifest["pooled_layers"],

@@ -13,7 +13,6 @@ both backends, so `verify_cache` never depends on how a backend lays bytes on di
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import hashlib
 import os
@@ -164,6 +163,13 @@ class Hdf5ShardWriter(ShardWriter):
 
 IOV_MAX = 1024  # buffers one preadv takes (POSIX's smallest IOV_MAX)
 SYNC_THREADS = 8  # fsyncs in flight at a zarr shard's commit
+# The on-disk layout each backend writes, recorded in every shard's progress record and the manifest (a cache
+# written before the record existed is layout 1). The reader reads every layout.
+#   hdf5 1: contiguous uncompressed datasets.
+#   zarr 1: uncompressed arrays of 256 KB chunks, a file each.
+#   zarr 2: each array one file through zarr's sharding codec: its 256 KB inner chunks back to back (the last
+#           padded with the fill value), then their index (offset and length, uint64 little-endian) and its crc32c.
+LAYOUT = {"hdf5": 1, "zarr": 2}
 
 
 def _fsync_file(path: str) -> None:
@@ -175,26 +181,39 @@ def _chunk_rows(spec: ArraySpec) -> int:
     return max(1, min(max(spec.shape[0], 1), CHUNK_BYTES // max(spec.row_bytes(), 1)))
 
 
-class ZarrShardWriter(ShardWriter):
-    """A Zarr v3 group of uncompressed arrays: zarr writes the metadata, the shard writes each chunk's bytes.
+def _shard_index(chunks: int, chunk_bytes: int) -> bytes:
+    """The sharding codec's index of `chunks` inner chunks of `chunk_bytes` each, back to back from the file's start,
+    with its crc32c: what zarr writes after a shard whose every inner chunk is stored."""
+    import google_crc32c  # zarr's crc32c codec uses it
 
-    Local: built in a temp directory and renamed on commit. URL: written in place; the caller
-    counts it complete only once its progress record is written after commit().
-    Rows are buffered into whole chunks, and a flush hands its chunks to the store together
-    (zarr's Store API): with no codec but `bytes`, a chunk's stored value is its rows' little-endian
-    bytes, the array's last chunk padded with the fill value to the chunk's shape as zarr stores it.
-    The array's own indexing and codec pipeline, run per chunk, is slower at the same bytes
-    (bench/zarr_commit.py's array_api lane).
+    index = np.empty((chunks, 2), dtype="<u8")
+    index[:, 0] = np.arange(chunks, dtype=np.uint64) * np.uint64(chunk_bytes)
+    index[:, 1] = chunk_bytes
+    data = index.tobytes()
+    return data + np.array([google_crc32c.value(data)], dtype="<u4").tobytes()
+
+
+class ZarrShardWriter(ShardWriter):
+    """A Zarr v3 group of uncompressed arrays, each one file through zarr's sharding codec (LAYOUT["zarr"]).
+
+    zarr writes the metadata; the writer streams each array's rows straight into its shard file, since with no
+    codec but `bytes` a stored inner chunk is its rows' little-endian bytes and the inner chunks lie back to back.
+    At commit it pads the last inner chunk with the fill value and appends the index: the file zarr itself would
+    write for the same rows (with every chunk stored). Memory stays one batch; a shard is a handful of files.
+    Local: built in a temp directory and renamed on commit. URL: written in place; the caller counts it complete
+    only once its progress record is written after commit().
     """
 
     def __init__(self, location: Location, name: str, specs: dict[str, ArraySpec]):
         import zarr
 
         super().__init__(specs)
+        self.files: dict[str, object] = {}
         if location.url:
             location.remove(name)
             self.tmp = None
             store = location.zarr_store(name, read_only=False)
+            open_file = lambda rel: _open_url_file(location, f"{name}/{rel}")  # noqa: E731
         else:
             self.final = location.path / name
             self.tmp = _temp_name(self.final)
@@ -202,73 +221,35 @@ class ZarrShardWriter(ShardWriter):
                 shutil.rmtree(self.tmp)
             self.final.parent.mkdir(parents=True, exist_ok=True)
             store = zarr.storage.LocalStore(self.tmp)
-        self.store = store
-        self.arrays = {}
-        self.pending: dict[str, list[np.ndarray]] = {}
-        self.flushed: dict[str, int] = {}
+            open_file = lambda rel: _open_local_file(self.tmp / rel)  # noqa: E731
+        self.inner: dict[str, tuple[int, int]] = {}  # array -> (rows of an inner chunk, inner chunks)
         try:
             group = zarr.open_group(store, mode="w")
             for array, spec in specs.items():
-                self.arrays[array] = group.create_array(
-                    array, shape=spec.shape, dtype=spec.dtype, chunks=(_chunk_rows(spec),) + spec.shape[1:],
-                    compressors=None, fill_value=0,
+                rows = _chunk_rows(spec)
+                chunks = -(-spec.shape[0] // rows)
+                created = group.create_array(
+                    array, shape=spec.shape, dtype=spec.dtype, chunks=(rows,) + spec.shape[1:],
+                    shards=(max(chunks, 1) * rows,) + spec.shape[1:], compressors=None, fill_value=0,
                 )
-                self.pending[array] = []
-                self.flushed[array] = 0
+                self.inner[array] = (rows, chunks)
+                if chunks:  # an array of no rows has no shard file
+                    self.files[array] = open_file(f"{array}/{created.metadata.encode_chunk_key((0,) * len(spec.shape))}")
         except BaseException:
             self.abort()  # e.g. a full disk: the caller never gets a writer to abort
             raise
 
     def _write(self, name, start, rows):
-        self.pending[name].append(rows)
-        self._flush(name, final=False)
-
-    def _flush(self, name: str, *, final: bool) -> None:
-        chunk = self.arrays[name].chunks[0]
-        pending_rows = sum(len(p) for p in self.pending[name])
-        writable = pending_rows if final else (pending_rows // chunk) * chunk
-        if writable == 0:
-            return
-        block = np.concatenate(self.pending[name]) if len(self.pending[name]) > 1 else self.pending[name][0]
-        self._write_chunks(name, self.flushed[name] // chunk, block[:writable])
-        self.flushed[name] += writable
-        self.pending[name] = [block[writable:]] if writable < len(block) else []
-
-    def _write_chunks(self, name: str, first_chunk: int, rows: np.ndarray) -> None:
-        import zarr
-        from zarr.core.buffer import default_buffer_prototype
-        from zarr.core.sync import sync
-
-        array = self.arrays[name]
-        chunk = array.chunks[0]
-        rows = rows.astype(rows.dtype.newbyteorder("<"), copy=False)  # the `bytes` codec's default order
-        buffer, values = default_buffer_prototype().buffer, []
-        for i, start in enumerate(range(0, len(rows), chunk)):
-            stored = np.ascontiguousarray(rows[start : start + chunk])
-            if len(stored) < chunk:  # the array's last chunk
-                stored = np.concatenate([stored, np.zeros((chunk - len(stored), *stored.shape[1:]), stored.dtype)])
-            key = f"{name}/{array.metadata.encode_chunk_key((first_chunk + i,) + (0,) * (stored.ndim - 1))}"
-            values.append((key, buffer.from_array_like(stored.reshape(-1).view(np.uint8))))
-
-        async def set_all() -> None:
-            # at most zarr's own number of writes in flight (an object store's PUTs included), and every write
-            # finished before an error is raised, so abort() never races a write still in flight
-            limit = asyncio.Semaphore(zarr.config.get("async.concurrency"))
-
-            async def put(key: str, value) -> None:
-                async with limit:
-                    await self.store.set(key, value)
-
-            results = await asyncio.gather(*(put(key, value) for key, value in values), return_exceptions=True)
-            errors = [r for r in results if isinstance(r, BaseException)]
-            if errors:
-                raise errors[0]
-
-        sync(set_all())
+        if len(rows):
+            rows = np.ascontiguousarray(rows, dtype=rows.dtype.newbyteorder("<"))  # the `bytes` codec's order
+            self.files[name].write(memoryview(rows).cast("B"))
 
     def _finish(self):
-        for name in self.arrays:
-            self._flush(name, final=True)
+        for name, file in self.files.items():
+            spec, (rows, chunks) = self.specs[name], self.inner[name]
+            file.write(bytes((chunks * rows - spec.shape[0]) * spec.row_bytes()))
+            file.write(_shard_index(chunks, rows * spec.row_bytes()))
+        self._close_files()
         if self.tmp is not None:
             self._sync(self.tmp)
             if self.final.exists():
@@ -276,10 +257,14 @@ class ZarrShardWriter(ShardWriter):
             os.replace(self.tmp, self.final)
             fsync_dir(self.final.parent)
 
+    def _close_files(self) -> None:
+        files, self.files = self.files, {}
+        for file in files.values():
+            file.close()
+
     @staticmethod
     def _sync(directory: Path) -> None:
-        """Every file of the shard on disk before the rename publishes it: fsyncs issued together, so the
-        filesystem's journal commits many chunk files at once (bench/zarr_commit.py)."""
+        """Every file of the shard on disk before the rename publishes it (fsyncs issued together)."""
         walk = list(os.walk(directory))
         with ThreadPoolExecutor(SYNC_THREADS) as pool:
             list(pool.map(_fsync_file, [os.path.join(root, file) for root, _dirs, names in walk for file in names]))
@@ -287,8 +272,24 @@ class ZarrShardWriter(ShardWriter):
             fsync_dir(Path(root))
 
     def abort(self):
+        for file in self.files.values():
+            with contextlib.suppress(Exception):
+                file.close()
+        self.files = {}
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def _open_local_file(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return open(path, "wb")
+
+
+def _open_url_file(location: Location, name: str):
+    parent = location.full(name).rsplit("/", 1)[0]
+    with contextlib.suppress(Exception):  # object stores have no directories
+        location.fs.makedirs(parent, exist_ok=True)
+    return location.fs.open(location.full(name), "wb")
 
 
 def create_shard(location: Location, backend: str, name: str, specs: dict[str, ArraySpec]) -> ShardWriter:
@@ -304,9 +305,11 @@ def create_shard(location: Location, backend: str, name: str, specs: dict[str, A
 
 @dataclass(frozen=True)
 class _FileRegion(ArraySpec):
-    """Where an HDF5 contiguous dataset's rows lie in its file (offset None: no rows were ever stored)."""
+    """Where an array's rows lie back to back in a file (offset None: no rows were ever stored): an HDF5 contiguous
+    dataset in the shard's file (path None), or a zarr array's shard file of LAYOUT 2 (path)."""
 
     offset: int | None
+    path: str | None = None
 
 
 class ShardHandle:
@@ -316,13 +319,16 @@ class ShardHandle:
     POSIX_FADV_RANDOM (random_access, the default; verify_cache reads sequentially): a shuffled epoch's
     small reads then fetch no pages ahead from the disk, and no h5py handle (with its per-file caches)
     stays open per shard in a loader worker. The writer lays every dataset out contiguously and
-    uncompressed, which is what makes a row range one byte range.
+    uncompressed, which is what makes a row range one byte range. A local zarr array of LAYOUT 2 whose index says
+    its inner chunks lie back to back (what the writer writes) is read the same way from its shard file, opened
+    per read; any other zarr array (layout 1, a URL, a file another tool wrote) is read through zarr's array API.
     Open a handle in the process that reads: zarr arrays are not safe to use across fork.
     """
 
     def __init__(self, location: Location, backend: str, name: str, *, random_access: bool = True):
         self.backend = backend
         self.name = name
+        self.random_access = random_access
         self.fd: int | None = None
         if backend == "hdf5":
             import h5py
@@ -341,7 +347,11 @@ class ShardHandle:
             import zarr
 
             group = zarr.open_group(location.zarr_store(name, read_only=True), mode="r")
-            self.arrays = {key: group[key] for key in group.array_keys()}
+            self.arrays = {}
+            for key in group.array_keys():
+                array = group[key]
+                region = None if location.url else _back_to_back(location.path / name / key, array)
+                self.arrays[key] = array if region is None else region
 
     def _region(self, dataset) -> _FileRegion:
         if dataset.chunks is not None or dataset.compression is not None:
@@ -360,7 +370,7 @@ class ShardHandle:
 
     def read(self, name: str, start: int | None = None, stop: int | None = None) -> np.ndarray:
         array = self.arrays[name]
-        if self.fd is None:
+        if not isinstance(array, _FileRegion):
             return np.asarray(array[slice(start, stop)])
         start, stop, _ = slice(start, stop).indices(array.shape[0])
         rows = np.empty((max(stop - start, 0),) + array.shape[1:], dtype=array.dtype)
@@ -371,13 +381,14 @@ class ShardHandle:
     def read_into(self, name: str, start: int, stop: int, targets: list[tuple[int, np.ndarray]]) -> None:
         """Rows start:stop of `name`, each target (first, array) receiving rows start + first onward, as many as
         it holds. Targets ascend and do not overlap; rows no target holds are read and dropped. An HDF5 shard
-        reads the stretch with one scatter read (os.preadv) straight into the targets."""
-        if self.fd is None:
+        reads the stretch with one scatter read (os.preadv) straight into the targets, as does a zarr shard file
+        whose inner chunks lie back to back."""
+        array = self.arrays[name]
+        if not isinstance(array, _FileRegion):
             rows = self.read(name, start, stop)
             for first, target in targets:
                 target[...] = rows[first : first + len(target)]
             return
-        array = self.arrays[name]
         row_bytes = array.row_bytes()
         if array.offset is None and stop > start:
             raise OSError(f"{name} of shard {self.name} has no stored rows; the file is damaged")
@@ -395,17 +406,15 @@ class ShardHandle:
         # rows between targets all land in one scratch buffer, overwritten each time
         scratch = memoryview(bytearray(max(gap for gap, _ in pieces) * row_bytes))
         buffers = [b for gap, piece in pieces for b in (scratch[: gap * row_bytes], piece) if b is not None and len(b)]
-        offset, i = (array.offset or 0) + start * row_bytes, 0
-        while i < len(buffers):  # a read may return less than asked: go on from where it stopped
-            count = os.preadv(self.fd, buffers[i : i + IOV_MAX], offset)
-            if count == 0:
-                raise OSError(f"short read of {name} rows {start}:{stop} in shard {self.name}: the file is truncated")
-            offset += count
-            while i < len(buffers) and count >= len(buffers[i]):
-                count -= len(buffers[i])
-                i += 1
-            if count:
-                buffers[i] = buffers[i][count:]
+        fd = self.fd if array.path is None else os.open(array.path, os.O_RDONLY)
+        try:
+            if array.path is not None and self.random_access and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            _preadv_all(fd, buffers, (array.offset or 0) + start * row_bytes,
+                        f"{name} rows {start}:{stop} in shard {self.name}")
+        finally:
+            if fd != self.fd:
+                os.close(fd)
 
     def close(self) -> None:
         if self.fd is not None:
@@ -416,3 +425,63 @@ class ShardHandle:
 
     def __del__(self):
         self.close()  # a raw descriptor: closing it is safe in any process, a forked child's copy included
+
+
+def _preadv_all(fd: int, buffers: list[memoryview], offset: int, what: str) -> None:
+    """Fill `buffers` from `offset` on: a read may return less than asked, so go on from where it stopped."""
+    i = 0
+    while i < len(buffers):
+        count = os.preadv(fd, buffers[i : i + IOV_MAX], offset)
+        if count == 0:
+            raise OSError(f"short read of {what}: the file is truncated")
+        offset += count
+        while i < len(buffers) and count >= len(buffers[i]):
+            count -= len(buffers[i])
+            i += 1
+        if count:
+            buffers[i] = buffers[i][count:]
+
+
+def _back_to_back(directory: Path, array) -> _FileRegion | None:
+    """The region of a local zarr array stored as LAYOUT 2 writes it: one shard file over all rows, uncompressed
+    inner chunks back to back from the file's start. None for any other layout (read through zarr's API).
+    Raises OSError when the index fails its crc32c or the file is shorter than its index says."""
+    import sys
+
+    from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec
+
+    meta = array.metadata
+    shape, dtype = tuple(array.shape), np.dtype(array.dtype)
+    codecs = getattr(meta, "codecs", ())
+    if sys.byteorder != "little" or len(codecs) != 1 or not isinstance(codecs[0], ShardingCodec):
+        return None
+    sharding = codecs[0]
+    plain = lambda c: isinstance(c, BytesCodec) and getattr(c.endian, "value", c.endian) in (None, "little")  # noqa: E731
+    if (len(sharding.codecs) != 1 or not plain(sharding.codecs[0]) or sharding.index_location.value != "end"
+            or len(sharding.index_codecs) != 2 or not plain(sharding.index_codecs[0])
+            or not isinstance(sharding.index_codecs[1], Crc32cCodec)):
+        return None
+    shard_shape, inner = tuple(array.shards), tuple(array.chunks)
+    if shard_shape[0] < shape[0] or shard_shape[1:] != shape[1:] or inner[1:] != shape[1:]:
+        return None  # more than one shard file along the rows, or inner chunks that split a row
+    spec = ArraySpec(shape, dtype)
+    if shape[0] == 0:
+        return _FileRegion(shape, dtype, None)
+    path = directory / meta.encode_chunk_key((0,) * len(shape))
+    chunks, chunk_bytes = shard_shape[0] // inner[0], inner[0] * spec.row_bytes()
+    expected = _shard_index(chunks, chunk_bytes)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        f.seek(max(size - len(expected), 0))
+        stored = f.read()
+    if stored == expected and size == chunks * chunk_bytes + len(expected):
+        return _FileRegion(shape, dtype, 0, str(path))
+    if len(stored) == len(expected) and _crc_holds(stored):
+        return None  # a valid index of another arrangement (e.g. empty chunks left out): zarr's API reads it
+    raise OSError(f"{path}: the shard index fails its crc32c; the file is truncated or damaged")
+
+
+def _crc_holds(index: bytes) -> bool:
+    import google_crc32c
+
+    return np.array([google_crc32c.value(index[:-4])], dtype="<u4").tobytes() == index[-4:]

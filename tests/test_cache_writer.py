@@ -145,14 +145,14 @@ def test_an_encoders_error_is_raised_by_the_build_and_no_shard_of_it_counts(worl
 
 
 def test_a_zarr_shard_holds_the_files_zarrs_own_array_writes_would(tmp_path, monkeypatch):
-    """The shard writer hands zarr's store each chunk's bytes itself: the shard's files are byte for byte what
-    writing the same rows through the zarr array's indexing gives, partial last chunks and 4-d arrays included,
-    and zarr reads them back."""
+    """The shard writer streams each array's rows into one file of zarr's sharding codec itself: the shard's files
+    are byte for byte what writing the same rows through the zarr array's indexing gives (every inner chunk
+    stored), partial last chunks, 4-d arrays and an array of no rows included, and zarr reads them back."""
     import filecmp
 
     import zarr
 
-    monkeypatch.setattr(shards, "CHUNK_BYTES", 4096)  # many chunks of small arrays
+    monkeypatch.setattr(shards, "CHUNK_BYTES", 4096)  # many inner chunks of small arrays
     rng = np.random.default_rng(0)
     arrays = {"layer_005": rng.integers(-127, 128, (1000, 48), dtype=np.int8),
               "quant_005": rng.standard_normal((1000, 9)).astype(np.float32),
@@ -161,21 +161,63 @@ def test_a_zarr_shard_holds_the_files_zarrs_own_array_writes_would(tmp_path, mon
     specs = {name: shards.ArraySpec(a.shape, a.dtype) for name, a in arrays.items()}
     writer = shards.create_shard(Location(tmp_path), "zarr", "written.zarr", specs)
     for name, array in arrays.items():
-        for start in range(0, len(array), 97):  # appends that straddle chunks
+        for start in range(0, len(array), 97):  # appends that straddle inner chunks
             writer.append(name, array[start : start + 97])
     writer.commit()
 
+    written_group = zarr.open_group(tmp_path / "written.zarr", mode="r")
     group = zarr.open_group(zarr.storage.LocalStore(tmp_path / "reference.zarr"), mode="w")
     for name, array in arrays.items():
         reference = group.create_array(name, shape=array.shape, dtype=array.dtype, compressors=None, fill_value=0,
-                                       chunks=tuple(zarr.open_group(tmp_path / "written.zarr", mode="r")[name].chunks),
+                                       chunks=written_group[name].chunks, shards=written_group[name].shards,
                                        config={"write_empty_chunks": True})
         reference[...] = array
     written = sorted(str(p.relative_to(tmp_path / "written.zarr")) for p in (tmp_path / "written.zarr").rglob("*"))
     assert written == sorted(str(p.relative_to(tmp_path / "reference.zarr")) for p in (tmp_path / "reference.zarr").rglob("*"))
-    assert sum(name.startswith("layer_005/c/") for name in written) > 5
+    assert written_group["layer_005"].shards[0] // written_group["layer_005"].chunks[0] > 5  # inner chunks of one file
     files = [name for name in written if (tmp_path / "written.zarr" / name).is_file()]
+    assert sum(name.startswith("layer_005/c/") for name in files) == 1
     _, differ, errors = filecmp.cmpfiles(tmp_path / "written.zarr", tmp_path / "reference.zarr", files, shallow=False)
     assert not differ and not errors
-    stored = zarr.open_group(tmp_path / "written.zarr", mode="r")
-    assert all(np.array_equal(stored[name][...], array) for name, array in arrays.items())
+    assert all(np.array_equal(written_group[name][...], array) for name, array in arrays.items())
+
+
+def test_a_zarr_shard_of_back_to_back_chunks_is_read_straight_from_its_file(tmp_path, monkeypatch):
+    """The reader finds the writer's shard files (inner chunks back to back, as their index says) and reads rows
+    with scatter reads from the file; an array zarr wrote with an empty chunk left out, and one of the older
+    layout (a file per chunk), are read through zarr's API to the same values; an index whose crc32c fails makes
+    the shard unreadable rather than read wrong."""
+    import zarr
+
+    monkeypatch.setattr(shards, "CHUNK_BYTES", 4096)
+    rng = np.random.default_rng(1)
+    values = rng.standard_normal((700, 32)).astype(np.float16)
+    values[128:256] = 0  # one whole inner chunk (128 rows of 64 B) of the fill value
+    writer = shards.create_shard(Location(tmp_path), "zarr", "ours.zarr", {"layer_001": shards.ArraySpec(values.shape, values.dtype)})
+    writer.append("layer_001", values)
+    writer.commit()
+    group = zarr.open_group(zarr.storage.LocalStore(tmp_path / "theirs.zarr"), mode="w")
+    group.create_array("sharded", shape=values.shape, dtype=values.dtype, chunks=(128, 32), shards=(768, 32),
+                       compressors=None, fill_value=0)[...] = values  # zarr leaves the empty chunk out
+    group.create_array("chunk_files", shape=values.shape, dtype=values.dtype, chunks=(128, 32), compressors=None,
+                       fill_value=0)[...] = values
+
+    ours = shards.ShardHandle(Location(tmp_path), "zarr", "ours.zarr")
+    theirs = shards.ShardHandle(Location(tmp_path), "zarr", "theirs.zarr")
+    assert isinstance(ours.arrays["layer_001"], shards._FileRegion)
+    assert not any(isinstance(a, shards._FileRegion) for a in theirs.arrays.values())
+    for handle, name in ((ours, "layer_001"), (theirs, "sharded"), (theirs, "chunk_files")):
+        assert np.array_equal(handle.read(name), values)
+        targets = np.full((60, 32), 7, np.float16)
+        handle.read_into(name, 100, 300, [(0, targets[:20]), (150, targets[20:60])])  # across inner chunks
+        assert np.array_equal(targets[:20], values[100:120]) and np.array_equal(targets[20:], values[250:290])
+
+    shard_file = tmp_path / "ours.zarr" / "layer_001" / "c" / "0" / "0"
+    data = bytearray(shard_file.read_bytes())
+    data[-20] ^= 0x01  # inside the index
+    shard_file.write_bytes(bytes(data))
+    with pytest.raises(OSError, match="crc32c"):
+        shards.ShardHandle(Location(tmp_path), "zarr", "ours.zarr")
+    shard_file.write_bytes(bytes(data[:-1000]))  # truncated: its tail is no index
+    with pytest.raises(OSError, match="truncated or damaged"):
+        shards.ShardHandle(Location(tmp_path), "zarr", "ours.zarr")

@@ -3,16 +3,16 @@ so that a later change to the layout must keep reading it (tests/test_cache_form
 
     python tests/helpers/cache_fixture.py tests/fixtures/cache-format
 
-writes one cache per backend and storage dtype (hdf5 and zarr; float16 and int8) of five sentences through a
-tiny random BERT at fp32, and expected.json: per cache its key, and per sentence the sha256 of its features
-and pooled vectors as the reader hands them over (float32). Regenerate only to add a layout, never over one.
+writes, for each backend's current layout (cache_features.shards.LAYOUT) and storage dtype (float16 and int8),
+a cache of five sentences through a tiny random BERT at fp32 where none is committed yet, and adds to
+expected.json per cache its key, and per sentence the sha256 of its features and pooled vectors as the reader
+hands them over (float32). A committed cache is never written over: it is what an older layout looks like.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -24,7 +24,13 @@ SENTENCES = [
     "And God saw the light, that it was good.",
     "And the evening and the morning were the first day.",
 ]
-CACHES = [(backend, dtype) for backend in ("hdf5", "zarr") for dtype in ("float16", "int8")]
+# (backend, layout, dtype) of every committed cache: each layout a backend has had
+CACHES = [(backend, layout, dtype) for backend, layouts in (("hdf5", (1,)), ("zarr", (1, 2)))
+          for layout in layouts for dtype in ("float16", "int8")]
+
+
+def fixture_name(backend: str, layout: int, dtype: str) -> str:
+    return f"{backend}-{dtype}" if layout == 1 else f"{backend}-layout{layout}-{dtype}"
 
 
 def digests(reader) -> dict:
@@ -42,21 +48,25 @@ def main(out: Path) -> None:
     from helpers import tiny_prlms
     from prlmfuse.cache_features import CacheReader, build_cache
 
+    from prlmfuse.cache_features.shards import LAYOUT
+
     out.mkdir(parents=True, exist_ok=True)
-    expected = {}
+    expected_file = out / "expected.json"
+    expected = json.loads(expected_file.read_text(encoding="utf-8")) if expected_file.exists() else {}
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = tiny_prlms.build_tiny("bert", Path(tmp) / "bert", layers=2, width=16, max_positions=64)
         corpus = Path(tmp) / "five.src"
         corpus.write_text("\n".join(SENTENCES) + "\n", encoding="utf-8")
-        for backend, dtype in CACHES:
-            name = f"{backend}-{dtype}"
-            shutil.rmtree(out / name, ignore_errors=True)
+        for backend, layout, dtype in CACHES:
+            name = fixture_name(backend, layout, dtype)
+            if layout != LAYOUT[backend] or (out / name).exists():
+                continue
             result = build_cache(str(checkpoint), corpus, out / name, layers="-1,-2", backend=backend, dtype=dtype,
                                  device="cpu", precision="fp32", progress=False)
             (out / name / ".lock").unlink(missing_ok=True)
             reader = CacheReader(result.path)
             expected[name] = {"key": reader.key, "layers": reader.layers, **digests(reader)}
-    (out / "expected.json").write_text(json.dumps(expected, indent=1) + "\n", encoding="utf-8")
+    expected_file.write_text(json.dumps(expected, indent=1) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":
