@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import shutil
 from unittest import mock
 
 import numpy as np
@@ -20,6 +21,8 @@ from prlmfuse.cache_features import shards
 class ChunkFilesWriter(shards.ZarrShardWriter):
     """Rows buffered into whole chunks; each flush's chunks handed to zarr's store together (Store.set), at most
     zarr's `async.concurrency` writes in flight; at commit every chunk file fsynced (shards.SYNC_THREADS at once)."""
+
+    layout = 1
 
     def __init__(self, location, name, specs):
         import zarr
@@ -33,17 +36,22 @@ class ChunkFilesWriter(shards.ZarrShardWriter):
         else:
             self.final = location.path / name
             self.tmp = shards._temp_name(self.final)
+            shutil.rmtree(self.tmp, ignore_errors=True)
             self.final.parent.mkdir(parents=True, exist_ok=True)
             store = zarr.storage.LocalStore(self.tmp)
         self.store = store
         self.arrays, self.pending, self.flushed = {}, {}, {}
-        group = zarr.open_group(store, mode="w")
-        for array, spec in specs.items():
-            self.arrays[array] = group.create_array(
-                array, shape=spec.shape, dtype=spec.dtype, chunks=(shards._chunk_rows(spec),) + spec.shape[1:],
-                compressors=None, fill_value=0,
-            )
-            self.pending[array], self.flushed[array] = [], 0
+        try:
+            group = zarr.open_group(store, mode="w")
+            for array, spec in specs.items():
+                self.arrays[array] = group.create_array(
+                    array, shape=spec.shape, dtype=spec.dtype, chunks=(shards._chunk_rows(spec),) + spec.shape[1:],
+                    compressors=None, fill_value=0,
+                )
+                self.pending[array], self.flushed[array] = [], 0
+        except BaseException:
+            self.abort()
+            raise
 
     def _write(self, name, start, rows):
         self.pending[name].append(rows)
@@ -83,7 +91,11 @@ class ChunkFilesWriter(shards.ZarrShardWriter):
                 async with limit:
                     await self.store.set(key, value)
 
-            await asyncio.gather(*(put(key, value) for key, value in values))
+            # every write finished before an error is raised, so abort() never races a write in flight
+            results = await asyncio.gather(*(put(key, value) for key, value in values), return_exceptions=True)
+            errors = [r for r in results if isinstance(r, BaseException)]
+            if errors:
+                raise errors[0]
 
         sync(set_all())
 

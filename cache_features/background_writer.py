@@ -25,7 +25,7 @@ from prlmfuse.fileio import disk_full_error, is_disk_full
 from .codecs import encode, pooled_storage_dtype
 from .location import Location
 from .manifest import PROGRESS_DIR, SHARD_DIR, write_json_at
-from .shards import LAYOUT, ArraySpec, create_shard
+from .shards import ArraySpec, create_shard
 
 IN_FLIGHT = 4  # batches handed over and not yet written: what bounds the build's memory beside the model
 WRITERS = 2  # shards open at once: one commits while the next is written
@@ -160,9 +160,9 @@ class BackgroundWriter:
                     for array, values in first_rows.items():
                         writer.append(array, values)
                 else:
-                    checksum = writer.commit()
+                    checksum, layout = writer.commit(), writer.layout
                     writer = None
-                    record = {"name": name, "sha256": checksum, "key": self.key, "layout": LAYOUT[self.backend], **meta}
+                    record = {"name": name, "sha256": checksum, "key": self.key, "layout": layout, **meta}
                     write_json_at(self.location, f"{PROGRESS_DIR}/{name}.json", record)
                     self.records.append(record)
             except BaseException as e:  # noqa: BLE001 - re-raised in the model thread

@@ -45,7 +45,7 @@ class Location:
         if not self.url:
             return zarr.storage.LocalStore(self.path / name, read_only=read_only)
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-        # fsspec's local filesystem does not create parent directories of chunk files by itself
+        # fsspec's local filesystem does not create the parent directories of what zarr writes by itself
         options = {"auto_mkdir": True} if protocol in ("file", "local") and not read_only else None
         return zarr.storage.FsspecStore.from_url(self.url_of(name), storage_options=options, read_only=read_only)
 

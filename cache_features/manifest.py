@@ -4,7 +4,7 @@ A cache directory (a local path or an fsspec URL) holds:
   manifest.json              written last: key, key_fields, counts, layers, dtype, backend, shard list (each
                              shard with its backend layout, shards.LAYOUT)
   build.json                 written first: key and plan parameters, so a rerun resumes or refuses
-  progress/<shard>.json      one record (name, counts, sha256) per finished shard
+  progress/<shard>.json      one record (name, key, counts, sha256, layout) per finished shard
   shards/shard-NNNNN.zarr|.h5  the features (arrays in shards.py)
   .lock                      one build at a time (an flock; on remote URLs a renewed lock object)
 key_fields["format"] is format_version(dtype); a cache of any other format is refused, never converted.
@@ -26,7 +26,7 @@ from prlmfuse.fileio import StatMemo, sha256_file
 from .extract import LayerSelection, parse_layers
 from .codecs import STORAGE_DTYPES, check_dtype, pooled_storage_dtype, side_arrays, token_numpy_dtype
 from .location import Location
-from .shards import BACKENDS, ShardChecksum, ShardHandle
+from .shards import BACKENDS, LAYOUT, ShardChecksum, ShardHandle
 
 FORMAT_VERSION = 1  # bump when what is stored or the key changes: caches of another format are refused, never read
 # (how a backend lays the same arrays on disk has its own number, shards.LAYOUT, and the reader reads every one)
@@ -152,11 +152,15 @@ def load_manifest(path_or_url) -> tuple[Location, dict]:
         bad = [k for k in ("num_sentences", "num_tokens") if not _count(shard.get(k))]
         if not isinstance(shard.get("sha256"), str):
             bad.append("sha256")
-        if "layout" in shard and not _count(shard["layout"]):
+        if "layout" in shard and not (_count(shard["layout"]) and shard["layout"] >= 1):
             bad.append("layout")
         if bad:
             raise UserError(f"{where}: shard {i} ({shard['name']}) has no valid {', '.join(bad)}; "
                             "the manifest is corrupt, rebuild with --force")
+    newer = [s["name"] for s in shards if s.get("layout", 1) > LAYOUT[manifest["backend"]]]
+    if newer:
+        raise UserError(f"{where}: shard {newer[0]} is in a {manifest['backend']} layout newer than this prlmfuse reads "
+                        f"(layout {LAYOUT[manifest['backend']]}); upgrade prlmfuse")
     for k in ("num_sentences", "num_tokens", "hidden_size"):
         if not _count(manifest[k]):
             raise UserError(f"{where}: {k} is not a count ({manifest[k]!r}); the manifest is corrupt, rebuild with --force")

@@ -183,8 +183,9 @@ class CacheReader:
 
         out[k]: [n_layers, >= lengths[i], d], the memory of a `transfer_dtype` tensor as `codecs.numpy_view`
         gives it, e.g. a sentence's row of a padded batch. Where the stored values are the transferred ones
-        (float16, bfloat16, float32) and no rows are asked twice, an HDF5 cache reads each stretch of
-        neighbouring sentences with one scatter read per layer straight into out: no read buffer, no copy.
+        (float16, bfloat16, float32) and no rows are asked twice, an HDF5 cache, or a local zarr cache of layout 2,
+        reads each stretch of neighbouring sentences with one scatter read per layer straight into out: no read
+        buffer, no copy.
         """
         layers = self.layers if rows is None else [self.layers[r] for r in rows]
         direct = not self.in_memory and not self._side

@@ -6,7 +6,8 @@ A shard holds, for a run of sentences in plan order:
   layer_NNN     [N, d]             token features of hidden_states[NNN] (stored dtype)
   quant_NNN     float32 [N, 1+2k]  int8 only: per token its scale, then its k outliers' channels and values
   pooled        [S, P, 2, d]       first-token and mean vectors of the stored layers
-Arrays are written sequentially (rows in order), so a shard's size in memory is one batch, not the shard.
+Arrays are written sequentially (rows in order), so a shard's size in memory is one batch, not the shard
+(on a URL, plus each array's upload buffer: fsspec's block size).
 The checksum is sha256 over each array's values (plus its name, dtype and shape): the same for
 both backends, so `verify_cache` never depends on how a backend lays bytes on disk.
 """
@@ -30,7 +31,7 @@ from .disk_space import HDF5_METADATA_BYTES, reserve_space
 from .location import Location
 
 BACKENDS = ("zarr", "hdf5")
-CHUNK_BYTES = 256 * 1024  # zarr chunk target: a random sentence read touches one or two small files
+CHUNK_BYTES = 256 * 1024  # zarr (inner) chunk target: what a reader through zarr's API fetches for a random sentence
 
 
 def check_backend(backend: str) -> str:
@@ -79,6 +80,8 @@ class ArraySpec:
 class ShardWriter:
     """Sequential row appends into a shard of known array shapes; commit() publishes it."""
 
+    layout: int  # the backend's on-disk layout it writes (LAYOUT)
+
     def __init__(self, specs: dict[str, ArraySpec]):
         self.specs = specs
         self.position = {name: 0 for name in specs}
@@ -117,6 +120,8 @@ def _temp_name(final: Path) -> Path:
 
 class Hdf5ShardWriter(ShardWriter):
     """Contiguous datasets in a temp file; fsync + rename on commit (local paths only)."""
+
+    layout = 1
 
     def __init__(self, location: Location, name: str, specs: dict[str, ArraySpec]):
         import h5py
@@ -199,10 +204,12 @@ class ZarrShardWriter(ShardWriter):
     zarr writes the metadata; the writer streams each array's rows straight into its shard file, since with no
     codec but `bytes` a stored inner chunk is its rows' little-endian bytes and the inner chunks lie back to back.
     At commit it pads the last inner chunk with the fill value and appends the index: the file zarr itself would
-    write for the same rows (with every chunk stored). Memory stays one batch; a shard is a handful of files.
+    write for the same rows (with every chunk stored). A shard is a handful of files.
     Local: built in a temp directory and renamed on commit. URL: written in place; the caller counts it complete
     only once its progress record is written after commit().
     """
+
+    layout = 2
 
     def __init__(self, location: Location, name: str, specs: dict[str, ArraySpec]):
         import zarr
@@ -232,6 +239,9 @@ class ZarrShardWriter(ShardWriter):
                     array, shape=spec.shape, dtype=spec.dtype, chunks=(rows,) + spec.shape[1:],
                     shards=(max(chunks, 1) * rows,) + spec.shape[1:], compressors=None, fill_value=0,
                 )
+                if not _plain_sharding(created):
+                    raise RuntimeError(f"zarr {zarr.__version__} made {array} with codecs this writer does not write: "
+                                       f"{created.metadata.codecs}")
                 self.inner[array] = (rows, chunks)
                 if chunks:  # an array of no rows has no shard file
                     self.files[array] = open_file(f"{array}/{created.metadata.encode_chunk_key((0,) * len(spec.shape))}")
@@ -258,8 +268,8 @@ class ZarrShardWriter(ShardWriter):
             fsync_dir(self.final.parent)
 
     def _close_files(self) -> None:
-        files, self.files = self.files, {}
-        for file in files.values():
+        while self.files:  # one failing close (a full disk) leaves the rest to abort()
+            _, file = self.files.popitem()
             file.close()
 
     @staticmethod
@@ -272,10 +282,11 @@ class ZarrShardWriter(ShardWriter):
             fsync_dir(Path(root))
 
     def abort(self):
-        for file in self.files.values():
+        while self.files:
+            _, file = self.files.popitem()
             with contextlib.suppress(Exception):
-                file.close()
-        self.files = {}
+                # an fsspec upload is thrown away where the filesystem can; closing would finish it
+                file.discard() if self.tmp is None and hasattr(file, "discard") else file.close()
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
 
@@ -445,21 +456,11 @@ def _preadv_all(fd: int, buffers: list[memoryview], offset: int, what: str) -> N
 def _back_to_back(directory: Path, array) -> _FileRegion | None:
     """The region of a local zarr array stored as LAYOUT 2 writes it: one shard file over all rows, uncompressed
     inner chunks back to back from the file's start. None for any other layout (read through zarr's API).
-    Raises OSError when the index fails its crc32c or the file is shorter than its index says."""
-    import sys
-
-    from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec
-
+    Raises OSError when the file is missing (zarr would read the fill value: a shard prlmfuse wrote lacks a file),
+    its index fails its crc32c, or it is shorter than its index says."""
     meta = array.metadata
     shape, dtype = tuple(array.shape), np.dtype(array.dtype)
-    codecs = getattr(meta, "codecs", ())
-    if sys.byteorder != "little" or len(codecs) != 1 or not isinstance(codecs[0], ShardingCodec):
-        return None
-    sharding = codecs[0]
-    plain = lambda c: isinstance(c, BytesCodec) and getattr(c.endian, "value", c.endian) in (None, "little")  # noqa: E731
-    if (len(sharding.codecs) != 1 or not plain(sharding.codecs[0]) or sharding.index_location.value != "end"
-            or len(sharding.index_codecs) != 2 or not plain(sharding.index_codecs[0])
-            or not isinstance(sharding.index_codecs[1], Crc32cCodec)):
+    if not _plain_sharding(array):
         return None
     shard_shape, inner = tuple(array.shards), tuple(array.chunks)
     if shard_shape[0] < shape[0] or shard_shape[1:] != shape[1:] or inner[1:] != shape[1:]:
@@ -479,6 +480,23 @@ def _back_to_back(directory: Path, array) -> _FileRegion | None:
     if len(stored) == len(expected) and _crc_holds(stored):
         return None  # a valid index of another arrangement (e.g. empty chunks left out): zarr's API reads it
     raise OSError(f"{path}: the shard index fails its crc32c; the file is truncated or damaged")
+
+
+def _plain_sharding(array) -> bool:
+    """Whether a zarr array is stored through the sharding codec alone, with uncompressed little-endian inner chunks
+    and a little-endian index with its crc32c at the file's end: the arrangement LAYOUT 2 writes."""
+    import sys
+
+    from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec
+
+    codecs = getattr(array.metadata, "codecs", ())
+    if sys.byteorder != "little" or len(codecs) != 1 or not isinstance(codecs[0], ShardingCodec):
+        return False
+    sharding = codecs[0]
+    plain = lambda c: isinstance(c, BytesCodec) and getattr(c.endian, "value", c.endian) in (None, "little")  # noqa: E731
+    return (len(sharding.codecs) == 1 and plain(sharding.codecs[0]) and sharding.index_location.value == "end"
+            and len(sharding.index_codecs) == 2 and plain(sharding.index_codecs[0])
+            and isinstance(sharding.index_codecs[1], Crc32cCodec))
 
 
 def _crc_holds(index: bytes) -> bool:

@@ -62,3 +62,17 @@ def test_verify_finds_a_flipped_byte_in_every_array_of_every_layout(tmp_path, ba
             target.write_bytes(bytes(data))
             with pytest.raises(UserError, match=shard):
                 verify_cache(cache)
+
+
+@pytest.mark.parametrize("layout, message", [(3, "layout newer than this prlmfuse reads .layout 2.; upgrade prlmfuse"),
+                                             (0, "has no valid layout"), ("2", "has no valid layout")])
+def test_a_shard_layout_this_prlmfuse_does_not_know_is_refused_in_one_line(tmp_path, layout, message):
+    from prlmfuse.cache_features import CacheReader
+    from prlmfuse.errors import UserError
+
+    cache = shutil.copytree(FIXTURES / fixture_name("zarr", 2, "float16"), tmp_path / "cache")
+    manifest = json.loads((cache / "manifest.json").read_text(encoding="utf-8"))
+    manifest["shards"][0]["layout"] = layout
+    (cache / "manifest.json").write_text(json.dumps(manifest), encoding="utf-8")
+    with pytest.raises(UserError, match=message):
+        CacheReader(cache)

@@ -56,13 +56,17 @@ def _shard_index(path: str) -> int | None:
 
 @pytest.fixture
 def disk_full_from_shard(monkeypatch):
-    """Make every write into shard >= N fail with ENOSPC, at the backends' own write calls."""
+    """Make every write into shard >= N fail with ENOSPC, at the backends' own write calls: h5py's, zarr's store (its
+    metadata) and the zarr writer's own shard files."""
     import h5py
     import zarr
+
+    from prlmfuse.cache_features import shards
 
     state = {"from": None}
     original_set = zarr.storage.LocalStore.set
     original_setitem = h5py.Dataset.__setitem__
+    original_open = shards._open_local_file
 
     def full() -> OSError:
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -79,8 +83,21 @@ def disk_full_from_shard(monkeypatch):
             raise full()
         return original_setitem(self, key, value)
 
+    class FullFile:
+        def __init__(self, path):
+            self.file, self.index = original_open(path), _shard_index(str(path))
+
+        def write(self, data):
+            if state["from"] is not None and self.index is not None and self.index >= state["from"]:
+                raise full()
+            return self.file.write(data)
+
+        def close(self):
+            self.file.close()
+
     monkeypatch.setattr(zarr.storage.LocalStore, "set", zarr_set)
     monkeypatch.setattr(h5py.Dataset, "__setitem__", h5_setitem)
+    monkeypatch.setattr(shards, "_open_local_file", FullFile)
     return state
 
 
