@@ -57,6 +57,14 @@ def test_gpu_bench_runs_every_section_on_the_cpu(tmp_path):
         for key in ("naive_tokens_per_s", "bare_tokens_per_s", "build_tokens_per_s", "build_over_naive",
                     "build_over_bare"):
             assert _number(cache[key]) and cache[key] > 0, (prlm, key)
+        # every backend and storage dtype built once, against the bare forward and the disk's raw write
+        assert set(cache["variants"]) == {"hdf5-float16", "hdf5-int8", "zarr-float16", "zarr-int8"}
+        for variant in cache["variants"].values():
+            for key in ("build_tokens_per_s", "build_over_bare", "store_GBps", "build_over_raw_write"):
+                assert _number(variant[key]) and variant[key] > 0, (prlm, key)
+        int8, float16 = cache["variants"]["zarr-int8"], cache["variants"]["zarr-float16"]
+        assert int8["stored_bytes"] < float16["stored_bytes"]  # int8 keeps about half float16's bytes
+    assert _number(sections["cache"]["raw_write_GBps"]) and sections["cache"]["raw_write_GBps"] > 0
 
     train = sections["train"]
     assert set(train["systems"]) == set(SYSTEMS)
@@ -99,7 +107,7 @@ def test_gpu_bench_runs_every_section_on_the_cpu(tmp_path):
         assert len(run["children"]) == int(k) and _number(run["updates_per_s_sum"]) and run["overlap"] > 0
 
     targets = report["targets"]
-    assert len(targets) == 11 + 1 + 3 + 2
+    assert len(targets) == 11 + 1 + 3 + 2 + 2 * 4  # and a build target per PrLM, backend and dtype
     for target in targets:
         # the one GPU-only measure: the GPU kernels' own time, which a CPU has not
         assert isinstance(target["met"], bool) and (_number(target["value"]) or "GPU kernel" in target["target"]), target
