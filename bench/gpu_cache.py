@@ -99,8 +99,15 @@ def cache_one(report: Report, sizes: Sizes, device: torch.device, scratch: Path,
                  f"-> c/a {rate_c / rate_a:.2f}, c/b {rate_c / rate_b:.3f}")
     variants = {}
     for backend, dtype in VARIANTS:  # every backend and storage dtype, one build each
-        built = timed_build(checkpoint, small, corpus, work / f"{backend}-{dtype}", backend, dtype, device)
-        shutil.rmtree(work / f"{backend}-{dtype}", ignore_errors=True)
+        try:
+            built = timed_build(checkpoint, small, corpus, work / f"{backend}-{dtype}", backend, dtype, device)
+        except Exception as e:  # noqa: BLE001 - e.g. a node without zarr: the other builds and the rounds still count
+            variants[f"{backend}-{dtype}"] = {"error": f"{type(e).__name__}: {e}"}
+            report.print(f"   {name} {backend} {dtype} FAILED: {variants[f'{backend}-{dtype}']['error']}")
+            report.log_file.write(traceback.format_exc() + "\n")
+            continue
+        finally:
+            shutil.rmtree(work / f"{backend}-{dtype}", ignore_errors=True)
         rate = built["build_marginal_tokens_per_s"] or built["build_tokens"] / built["build_s"]
         variants[f"{backend}-{dtype}"] = {
             **built, "build_tokens_per_s": rate, "build_over_bare": rate / rate_b,

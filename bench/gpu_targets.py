@@ -25,7 +25,7 @@ def targets(sections: dict, step_configs=()) -> list[dict]:
     for prlm in ("minilm-l6", "bert-random"):
         rows.append((f"cache build >= 3x naive loop [{prlm}]", get("cache", prlm, "build_over_naive"), ">=", 3.0))
         rows.append((f"cache build >= 0.95x bare forward [{prlm}]", get("cache", prlm, "build_over_bare"), ">=", 0.95))
-        # each backend and dtype: 0.95x the bare forward or 0.8x the disk's raw write, whichever bar is lower
+        # each backend and dtype: 0.95x the bare forward or 0.8x the disk's raw write, either bar met
         for variant in ("hdf5-float16", "hdf5-int8", "zarr-float16", "zarr-int8"):
             bare = get("cache", prlm, "variants", variant, "build_over_bare")
             write = get("cache", prlm, "variants", variant, "build_over_raw_write")

@@ -89,7 +89,9 @@ def main() -> None:
         result[f"{name}_GBps"] = round(float(np.median(values_)), 3)
         result[f"{name}_appends_GBps"] = round(float(np.median(append_rates[name])), 3)
         if name != "library":
-            result[f"library_over_{name}"] = round(float(np.median([b / a for a, b in zip(values_, rates["library"])])), 3)
+            ratios = [b / a for a, b in zip(values_, rates["library"])]
+            result[f"library_over_{name}"] = round(float(np.median(ratios)), 3)
+            result[f"library_over_{name}_rounds"] = [round(x, 3) for x in ratios]
         print(f"{name:10s} {result[f'{name}_GBps']:.3f} GB/s, appends alone {result[f'{name}_appends_GBps']:.3f} "
               f"(median of {args.rounds})")
     print("RESULT " + json.dumps(result))

@@ -87,6 +87,8 @@ def test_one_shard_commits_while_the_next_is_written(world, tmp_path, monkeypatc
 class _SlowShard:
     """A shard writer that takes its time over each batch's rows, counting the batches it stored."""
 
+    layout = 1
+
     def __init__(self, stored: list):
         self.stored = stored
 
