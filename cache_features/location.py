@@ -58,13 +58,21 @@ class Location:
                 return f.read()
         return (self.path / name).read_bytes()
 
-    def write_bytes(self, name: str, data: bytes) -> None:
-        """Local: temp + fsync + rename. URL: one object put (whole or absent on object stores)."""
+    def open_for_writing(self, name: str):
+        """A new binary file at `name`, its parent directories made (object stores have none)."""
         if self.url:
             parent = self.full(name).rsplit("/", 1)[0]
             with contextlib.suppress(Exception):
                 self.fs.makedirs(parent, exist_ok=True)
-            with self.fs.open(self.full(name), "wb") as f:
+            return self.fs.open(self.full(name), "wb")
+        path = self.path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "wb")
+
+    def write_bytes(self, name: str, data: bytes) -> None:
+        """Local: temp + fsync + rename. URL: one object put (whole or absent on object stores)."""
+        if self.url:
+            with self.open_for_writing(name) as f:
                 f.write(data)
         else:
             atomic_write_bytes(self.path / name, data)

@@ -189,13 +189,18 @@ def _chunk_rows(spec: ArraySpec) -> int:
 def _shard_index(chunks: int, chunk_bytes: int) -> bytes:
     """The sharding codec's index of `chunks` inner chunks of `chunk_bytes` each, back to back from the file's start,
     with its crc32c: what zarr writes after a shard whose every inner chunk is stored."""
-    import google_crc32c  # zarr's crc32c codec uses it
-
     index = np.empty((chunks, 2), dtype="<u8")
     index[:, 0] = np.arange(chunks, dtype=np.uint64) * np.uint64(chunk_bytes)
     index[:, 1] = chunk_bytes
     data = index.tobytes()
-    return data + np.array([google_crc32c.value(data)], dtype="<u4").tobytes()
+    return data + _crc32c(data)
+
+
+def _crc32c(data: bytes) -> bytes:
+    """The 4 bytes zarr's crc32c codec appends to `data`."""
+    import google_crc32c  # zarr's own crc32c codec uses it
+
+    return np.array([google_crc32c.value(data)], dtype="<u4").tobytes()
 
 
 class ZarrShardWriter(ShardWriter):
@@ -220,7 +225,7 @@ class ZarrShardWriter(ShardWriter):
             location.remove(name)
             self.tmp = None
             store = location.zarr_store(name, read_only=False)
-            open_file = lambda rel: _open_url_file(location, f"{name}/{rel}")  # noqa: E731
+            files_at, prefix = location, f"{name}/"
         else:
             self.final = location.path / name
             self.tmp = _temp_name(self.final)
@@ -228,7 +233,7 @@ class ZarrShardWriter(ShardWriter):
                 shutil.rmtree(self.tmp)
             self.final.parent.mkdir(parents=True, exist_ok=True)
             store = zarr.storage.LocalStore(self.tmp)
-            open_file = lambda rel: _open_local_file(self.tmp / rel)  # noqa: E731
+            files_at, prefix = Location(self.tmp), ""
         self.inner: dict[str, tuple[int, int]] = {}  # array -> (rows of an inner chunk, inner chunks)
         try:
             group = zarr.open_group(store, mode="w")
@@ -244,7 +249,8 @@ class ZarrShardWriter(ShardWriter):
                                        f"{created.metadata.codecs}")
                 self.inner[array] = (rows, chunks)
                 if chunks:  # an array of no rows has no shard file
-                    self.files[array] = open_file(f"{array}/{created.metadata.encode_chunk_key((0,) * len(spec.shape))}")
+                    key = created.metadata.encode_chunk_key((0,) * len(spec.shape))
+                    self.files[array] = files_at.open_for_writing(f"{prefix}{array}/{key}")
         except BaseException:
             self.abort()  # e.g. a full disk: the caller never gets a writer to abort
             raise
@@ -289,18 +295,6 @@ class ZarrShardWriter(ShardWriter):
                 file.discard() if self.tmp is None and hasattr(file, "discard") else file.close()
         if self.tmp is not None:
             shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def _open_local_file(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return open(path, "wb")
-
-
-def _open_url_file(location: Location, name: str):
-    parent = location.full(name).rsplit("/", 1)[0]
-    with contextlib.suppress(Exception):  # object stores have no directories
-        location.fs.makedirs(parent, exist_ok=True)
-    return location.fs.open(location.full(name), "wb")
 
 
 def create_shard(location: Location, backend: str, name: str, specs: dict[str, ArraySpec]) -> ShardWriter:
@@ -477,7 +471,7 @@ def _back_to_back(directory: Path, array) -> _FileRegion | None:
         stored = f.read()
     if stored == expected and size == chunks * chunk_bytes + len(expected):
         return _FileRegion(shape, dtype, 0, str(path))
-    if len(stored) == len(expected) and _crc_holds(stored):
+    if len(stored) == len(expected) and _crc32c(stored[:-4]) == stored[-4:]:
         return None  # a valid index of another arrangement (e.g. empty chunks left out): zarr's API reads it
     raise OSError(f"{path}: the shard index fails its crc32c; the file is truncated or damaged")
 
@@ -499,7 +493,3 @@ def _plain_sharding(array) -> bool:
             and isinstance(sharding.index_codecs[1], Crc32cCodec))
 
 
-def _crc_holds(index: bytes) -> bool:
-    import google_crc32c
-
-    return np.array([google_crc32c.value(index[:-4])], dtype="<u4").tobytes() == index[-4:]

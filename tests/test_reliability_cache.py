@@ -61,12 +61,12 @@ def disk_full_from_shard(monkeypatch):
     import h5py
     import zarr
 
-    from prlmfuse.cache_features import shards
+    from prlmfuse.cache_features.location import Location
 
     state = {"from": None}
     original_set = zarr.storage.LocalStore.set
     original_setitem = h5py.Dataset.__setitem__
-    original_open = shards._open_local_file
+    original_open = Location.open_for_writing
 
     def full() -> OSError:
         return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -84,8 +84,8 @@ def disk_full_from_shard(monkeypatch):
         return original_setitem(self, key, value)
 
     class FullFile:
-        def __init__(self, path):
-            self.file, self.index = original_open(path), _shard_index(str(path))
+        def __init__(self, location, name):
+            self.file, self.index = original_open(location, name), _shard_index(location.full(name))
 
         def write(self, data):
             if state["from"] is not None and self.index is not None and self.index >= state["from"]:
@@ -97,7 +97,7 @@ def disk_full_from_shard(monkeypatch):
 
     monkeypatch.setattr(zarr.storage.LocalStore, "set", zarr_set)
     monkeypatch.setattr(h5py.Dataset, "__setitem__", h5_setitem)
-    monkeypatch.setattr(shards, "_open_local_file", FullFile)
+    monkeypatch.setattr(Location, "open_for_writing", lambda location, name: FullFile(location, name))
     return state
 
 
