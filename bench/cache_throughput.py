@@ -7,11 +7,15 @@
 (c) build_cache (defaults: zarr, float16, layer -2), timed end to end including model load
     (8,000 verses by default: a corpus big enough that the one-time load is not most of the gap)
 (c8) the same build with dtype int8 (quantized on the encoder threads)
-(b), (c) and (c8) run in turn for --rounds rounds, (b) on a freshly loaded model each round as (c) loads
-its own; c_over_b and c8_over_b are the medians of each round's ratio (a noisy neighbour during one
-round then moves one ratio, not the result); the rates printed are medians too.
+(c1) the same build as (c) with zarr's layout 1 (bench/zarr_chunk_files.py: a file per 256 KB chunk), the
+     layout the library wrote before its one file an array; --no-layout1 leaves it out
+Each round runs (b), then (c), (c8) and (c1) in an order rotated by one each round, for --rounds rounds; (b)
+on a freshly loaded model each round as (c) loads its own. c_over_b, c8_over_b, c1_over_b and c_over_c1 are
+the medians of each round's ratio (a noisy neighbour during one round then moves one ratio, not the result);
+the rates printed are medians too.
 (d) training read: every sentence of (c)'s cache read once in shuffled order, 64 at a time through
-CacheReader.features_many(ids, widen=False), as a training DataLoader worker reads a batch (best of --rounds).
+CacheReader.features_many(ids, widen=False), as a training DataLoader worker reads a batch (best of --rounds);
+(d1) the same over (c1)'s cache, (d) and (d1) in turn.
 Then bytes per token of each stored dtype (small caches), and peak RSS of cache builds of 2,000 and
 8,000 sentences in subprocesses (memory must not grow with the corpus). Last line: RESULT {json}.
 """
@@ -19,6 +23,7 @@ Then bytes per token of each stored dtype (small caches), and peak RSS of cache 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import gzip
 import json
@@ -34,6 +39,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from zarr_chunk_files import chunk_file_writes
 
 
 def bible_sentences(n: int) -> list[str]:
@@ -132,7 +139,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", default="minilm-l6")
     parser.add_argument("--sentences", type=int, default=8000)
-    parser.add_argument("--rounds", type=int, default=5, help="rounds of (b), (c) and (c8) in turn")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of (b), (c), (c8) and (c1) in turn")
+    parser.add_argument("--no-layout1", dest="layout1", action="store_false", help="leave out lane (c1)")
     parser.add_argument("--dtype-sentences", type=int, default=1000, help="verses per small cache for bytes/token")
     parser.add_argument("--rss-sizes", default="2000,8000")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
@@ -161,7 +169,9 @@ def main() -> None:
         (tmp / "naive").mkdir()
         seconds_a, tokens_a = naive_loop(model, tokenizer, lines, tmp / "naive", args.device)
         del model
-        rates: dict[str, list[float]] = {"b": [], "c": [], "c8": []}
+        lanes = (("c", "float16"), ("c8", "int8")) + ((("c1", "float16"),) if args.layout1 else ())
+        rates: dict[str, list[float]] = {"b": [], **{lane: [] for lane, _ in lanes}}
+        kept = {}
         for r in range(args.rounds):
             fresh, fresh_tokenizer = load_prlm(info)
             with torch.inference_mode():
@@ -169,30 +179,43 @@ def main() -> None:
             seconds, tokens_b = bare_forward(fresh, fresh_tokenizer, info, lines, args.device)
             rates["b"].append(tokens_b / seconds)
             del fresh
-            for lane, dtype in (("c", "float16"), ("c8", "int8")):
+            for lane, dtype in lanes[r % len(lanes):] + lanes[: r % len(lanes)]:  # each lane in each place
                 start = time.perf_counter()
-                built = build_cache(args.checkpoint, corpus, tmp / f"cache-{lane}-{r}", dtype=dtype, progress=False,
-                                    device=args.device)
+                with chunk_file_writes() if lane == "c1" else contextlib.nullcontext():
+                    built = build_cache(args.checkpoint, corpus, tmp / f"cache-{lane}-{r}", dtype=dtype,
+                                        progress=False, device=args.device)
                 rates[lane].append(int(built.manifest["num_tokens"]) / (time.perf_counter() - start))
-                if lane == "c" and r + 1 == args.rounds:
-                    result = built  # read by (d)
+                if lane in ("c", "c1") and r + 1 == args.rounds:
+                    kept[lane] = built  # read by (d)
                 else:
                     shutil.rmtree(built.path)
             print(f"round {r + 1}: " + ", ".join(f"({k}) {v[-1]:,.0f}" for k, v in rates.items()) + " tokens/s",
                   file=sys.stderr)
         median = lambda values: float(np.median(values))  # noqa: E731
         rate_a, rate_b, rate_c, rate_c8 = tokens_a / seconds_a, median(rates["b"]), median(rates["c"]), median(rates["c8"])
-        c_over_b = median([c / b for c, b in zip(rates["c"], rates["b"])])
-        c8_over_b = median([c / b for c, b in zip(rates["c8"], rates["b"])])
+        per_round = {f"{lane}_over_b": [c / b for c, b in zip(rates[lane], rates["b"])] for lane, _ in lanes}
+        if args.layout1:
+            per_round["c_over_c1"] = [c / c1 for c, c1 in zip(rates["c"], rates["c1"])]
+        c_over_b, c8_over_b = median(per_round["c_over_b"]), median(per_round["c8_over_b"])
         print(f"(a) naive loop      {rate_a:10,.0f} tokens/s  ({tokens_a} tokens, {seconds_a:.1f} s)")
         print(f"(b) bare forward    {rate_b:10,.0f} tokens/s  ({tokens_b} tokens; median of {args.rounds} rounds)")
         print(f"(c) build_cache     {rate_c:10,.0f} tokens/s  (float16, incl. load; c/b {c_over_b:.3f}, "
               f"per round {', '.join(f'{c / b:.3f}' for c, b in zip(rates['c'], rates['b']))})")
         print(f"(c8) build_cache    {rate_c8:10,.0f} tokens/s  (int8, incl. load; c8/b {c8_over_b:.3f}, "
               f"per round {', '.join(f'{c / b:.3f}' for c, b in zip(rates['c8'], rates['b']))})")
-        seconds_d = min(read_all(result.path, seed)[0] for seed in range(args.rounds))
-        rate_d = len(lines) / seconds_d
-        print(f"(d) training read   {rate_d:10,.0f} sentences/s  ({len(lines)} sentences, {seconds_d:.2f} s)")
+        if args.layout1:
+            print(f"(c1) layout 1       {median(rates['c1']):10,.0f} tokens/s  (float16, incl. load; "
+                  f"c1/b {median(per_round['c1_over_b']):.3f}, c/c1 {median(per_round['c_over_c1']):.3f}, "
+                  f"per round {', '.join(f'{x:.3f}' for x in per_round['c_over_c1'])})")
+        read_rates = {lane: [] for lane in kept}
+        for seed in range(args.rounds):  # (d) and (d1) in turn, best of --rounds each
+            for lane, built in kept.items():
+                read_rates[lane].append(len(lines) / read_all(built.path, seed)[0])
+        rate_d = max(read_rates["c"])
+        print(f"(d) training read   {rate_d:10,.0f} sentences/s  ({len(lines)} sentences; best of {args.rounds})")
+        if args.layout1:
+            rate_d1 = max(read_rates["c1"])
+            print(f"(d1) layout 1 read  {rate_d1:10,.0f} sentences/s  (d/d1 {rate_d / rate_d1:.3f})")
 
         small = write_corpus(lines[: args.dtype_sentences], tmp / "small.src")
         per_dtype = {}
@@ -219,11 +242,13 @@ def main() -> None:
         "c_over_a": round(rate_c / rate_a, 3),
         "c_over_b": round(c_over_b, 3),
         "c8_over_b": round(c8_over_b, 3),
+        **({"tokens_per_s_c1": round(median(rates["c1"])), "c1_over_b": round(median(per_round["c1_over_b"]), 3),
+            "c_over_c1": round(median(per_round["c_over_c1"]), 3)} if args.layout1 else {}),
         "rounds": args.rounds,
-        "tokens_per_s_rounds": {lane: [round(x) for x in rates[lane]] for lane in ("b", "c", "c8")},
-        "c_over_b_rounds": [round(c / b, 3) for c, b in zip(rates["c"], rates["b"])],
-        "c8_over_b_rounds": [round(c / b, 3) for c, b in zip(rates["c8"], rates["b"])],
+        "tokens_per_s_rounds": {lane: [round(x) for x in values] for lane, values in rates.items()},
+        **{f"{key}_rounds": [round(x, 3) for x in values] for key, values in per_round.items()},
         "read_sentences_per_s_d": round(rate_d),
+        **({"read_sentences_per_s_d1": round(rate_d1), "d_over_d1": round(rate_d / rate_d1, 3)} if args.layout1 else {}),
         "bytes_per_token_fp16": round(per_dtype["float16"]["bytes_per_token"], 1),
         "bytes_per_token_bf16": round(per_dtype["bfloat16"]["bytes_per_token"], 1),
         "bytes_per_token_fp32": round(per_dtype["float32"]["bytes_per_token"], 1),
