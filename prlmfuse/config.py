@@ -20,6 +20,7 @@ import yaml
 
 from prlmfuse.cache_features import BACKENDS, STORAGE_DTYPES
 from prlmfuse.corpora import TASKS
+from prlmfuse.corpora.bible import BIBLE_LANGS
 from prlmfuse.errors import SettingError, UserError
 from prlmfuse.precision import check_device_text, check_precision_text
 from prlmfuse.evaluate.settings import AVERAGE, AVERAGE_CHOICES, AVERAGE_LAST, DEFAULTS as DECODE_DEFAULTS
@@ -233,6 +234,11 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
             if not p.is_file():
                 raise where.error(("data", "files", f.name), f"file not found: {p}")
 
+    if data.kind == "bible":
+        for side in ("src", "tgt"):
+            check_choice(getattr(data, side), BIBLE_LANGS, ("data", side), where)
+        if data.src == data.tgt:
+            raise where.error(("data", "tgt"), f"src and tgt are both {data.src!r}; the Bible pairs en with ja")
     if data.kind == "hf":
         _check_hf(data, where, base_dir)
     else:
@@ -243,6 +249,9 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
     cache = build(CacheConfig, raw.get("cache"), ("cache",), where, base_dir)
     check_choice(cache.backend, BACKENDS, ("cache", "backend"), where)
     check_choice(cache.dtype, STORAGE_DTYPES, ("cache", "dtype"), where)
+    if cache.max_tokens is not None and cache.max_tokens < 1:
+        raise where.error(("cache", "max_tokens"), f"expected a positive number of tokens per forward pass, got "
+                          f"{cache.max_tokens}; leave it out for the device's default")
     for i, ck in enumerate(cache.checkpoints):
         if isinstance(ck.layers, str) and ck.layers != "all":
             raise where.error(("cache", "checkpoints", i, "layers"), f"expected a list of layer indices or 'all', got {ck.layers!r}")

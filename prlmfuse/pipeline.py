@@ -170,7 +170,6 @@ def cache_jobs(cfg: PipelineConfig, corpus, names: list[str] | None = None, *, p
     hash of everything that goes into the cache key, so a changed corpus or checkpoint gets a new
     cache beside the old one. prepare=False (the plan) writes nothing: an untrained copy not yet made
     is keyed by its source for now."""
-    from prlmfuse.cache_features import parse_layers
     from prlmfuse.prlms import resolve_checkpoint
 
     root = cfg.cache.root
@@ -184,12 +183,7 @@ def cache_jobs(cfg: PipelineConfig, corpus, names: list[str] | None = None, *, p
     for entry in entries:
         checkpoint = entry_checkpoint(cfg, entry, prepare=prepare)
         info = resolve_checkpoint(checkpoint, trust_remote_code=entry.trust_remote_code)
-        try:
-            parse_layers(entry.layers, info.num_layers)
-        except UserError as e:
-            # Checked before any cache is built, naming the entry: a pipeline may list several PrLMs.
-            index = next(i for i, e2 in enumerate(cfg.cache.checkpoints) if e2 is entry)
-            raise UserError(f"{cfg.path}: cache.checkpoints.{index}.layers ({entry.name}): {e}") from None
+        entry_layers(cfg, entry, info.num_layers)
         dtype = entry.dtype or cfg.cache.dtype
         for split in SPLITS:
             fields = {
@@ -251,21 +245,37 @@ def _find_entry(use: PrLMUse, cfg: PipelineConfig) -> CheckpointEntry:
 # ---------------------------------------------------------------------------- model sizes
 
 
+def entry_layers(cfg: PipelineConfig, entry, num_layers: int):
+    """The layers a cache.checkpoints entry stores (a LayerSelection), checked against its model's depth before
+    any cache is built; the error names the entry, since a pipeline may list several PrLMs."""
+    from prlmfuse.cache_features import parse_layers
+
+    try:
+        return parse_layers(entry.layers, num_layers)
+    except UserError as e:
+        index = next(i for i, e2 in enumerate(cfg.cache.checkpoints) if e2 is entry)
+        raise UserError(f"{cfg.path}: cache.checkpoints.{index}.layers ({entry.name}): {e}") from None
+
+
 def planned_specs(cfg: PipelineConfig, run: RunConfig) -> list:
     """Each PrLM branch of `run` shaped from its checkpoint's config and cache entry, as its caches will
     shape it: the model's size is known before any cache exists."""
-    from prlmfuse.cache_features import choose_layers, parse_layers
+    from prlmfuse.cache_features import choose_layers
     from prlmfuse.prlms import resolve_checkpoint
     from prlmfuse.train_fused.branches import branch_spec
 
     specs = []
-    for use in run.prlms:
+    for i, use in enumerate(run.prlms):
         entry = _find_entry(use, cfg)
         info = resolve_checkpoint(entry_checkpoint(cfg, entry, prepare=False), trust_remote_code=entry.trust_remote_code)
-        selection = parse_layers(entry.layers, info.num_layers)
+        selection = entry_layers(cfg, entry, info.num_layers)
         fields = {"layers": list(selection.token_layers), "pooled_layers": list(selection.pooled_layers),
                   "num_layers": info.num_layers}
-        layers, pooled, mode = choose_layers(use.layer, fields, checkpoint=use.checkpoint, where=f"cache of {entry.name}")
+        try:
+            layers, pooled, mode = choose_layers(use.layer, fields, checkpoint=use.checkpoint,
+                                                 where=f"cache of {entry.name}")
+        except UserError as e:
+            raise UserError(f"{cfg.path}: train.runs.{run.name}.prlms.{i}.layer: {e}") from None
         specs.append(branch_spec(use, info.hidden_size, layers, pooled, mode))
     return specs
 

@@ -214,6 +214,21 @@ def test_bad_runtime_settings_are_located_one_line_errors(tmp_path, text, needle
     ("cache: {checkpoints: [{name: minilm-l6, layers: [-2]}]}\ntrain:\n  runs:\n    d: {max_updates: 2, prlms: [{checkpoint: minilm-l6, layer: dyn_cls}]}\n",
      "p.yaml:4:64: train.runs.d.prlms.0.layer: 'dyn_cls' combines the cached layers, but cache.checkpoints.0 (minilm-l6) "
      "stores only [-2]; set its layers: all"),
+    # optimisation numbers torch would refuse, or misuse, only once training starts
+    ("train:\n  runs:\n    b: {max_updates: 2, lr: -1}\n", "p.yaml:3:29: train.runs.b.lr: expected a number > 0, got -1.0"),
+    ("train:\n  defaults: {max_updates: 2, lr: 0.0}\n  runs:\n    b: {}\n", "train.defaults.lr: expected a number > 0"),
+    ("train:\n  runs:\n    b: {max_updates: 2, warmup: -5}\n", "train.runs.b.warmup: expected an integer >= 0, got -5"),
+    ("train:\n  runs:\n    b: {max_updates: 2, keep_last: 0}\n", "train.runs.b.keep_last: expected a positive integer"),
+    ("train:\n  runs:\n    b: {max_updates: 2, label_smoothing: 1.0}\n",
+     "train.runs.b.label_smoothing: expected a number in [0, 1), got 1.0"),
+    ("train:\n  runs:\n    b: {max_updates: 2, weight_decay: -0.1}\n", "train.runs.b.weight_decay: expected a number >= 0"),
+    ("train:\n  runs:\n    b: {max_updates: 2, clip_norm: -1.0}\n", "train.runs.b.clip_norm: expected a number >= 0"),
+    ("train:\n  runs:\n    b: {max_updates: 2, adam_betas: [0.9, 1.5]}\n",
+     "train.runs.b.adam_betas: expected two numbers in [0, 1)"),
+    # data and cache values the later stages would refuse without a place in the file
+    ("data: {kind: bible, src: fr}\n", "p.yaml:1:26: data.src: 'fr' is not one of en, ja"),
+    ("data: {kind: bible, src: ja, tgt: ja}\n", "data.tgt: src and tgt are both 'ja'"),
+    ("cache: {max_tokens: 0}\n", "p.yaml:1:21: cache.max_tokens: expected a positive number of tokens per forward pass"),
     # a run name that is no directory of its own
     ("train:\n  defaults: {max_updates: 1}\n  runs:\n    '..': {}\n", "p.yaml:4:5: train.runs...: '..' cannot name a run directory"),
     ("train:\n  defaults: {max_updates: 1}\n  runs:\n    '.': {}\n", "'.' cannot name a run directory"),

@@ -302,6 +302,17 @@ def test_a_cached_layer_the_prlm_lacks_names_the_entry_before_any_cache_is_built
     assert str(e.value).startswith(f"{other}: cache.checkpoints.1.layers ({second_prlm}): layer index -9 is outside")
     assert "valid range is -3..2" in str(e.value) and "\n" not in str(e.value)
     assert not list((tmp_path / "work").rglob("manifest.json"))  # not even the first entry's caches
+    # the plan (--dry-run) checks the same before it sizes any model, and a run's own layer names the run
+    from prlmfuse.plan import plan_lines
+
+    with pytest.raises(UserError, match=r"cache\.checkpoints\.1\.layers .*layer index -9 is outside"):
+        plan_lines(cfg, None)
+    out_of_range = tmp_path / "run-layer.yaml"
+    out_of_range.write_text(path.read_text(encoding="utf-8").replace("layer: -2}", "layer: 7}")
+                            .replace("workdir: work", f"workdir: {tmp_path / 'work'}"), encoding="utf-8")
+    with pytest.raises(UserError) as e:
+        plan_lines(load_pipeline(out_of_range), None)
+    assert str(e.value).startswith(f"{out_of_range}: train.runs.fused.prlms.0.layer: ") and "-4..3" in str(e.value)
 
 
 def test_a_stage_run_before_the_one_it_needs_names_the_command_and_trains_nothing(tiny_pipeline, tmp_path):

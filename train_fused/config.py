@@ -258,8 +258,12 @@ class PrLMUse:
 
 # The least value of each integer run setting that has one (None stays allowed where the field is optional).
 LEAST_VALUES = {"update_freq": 1, "max_updates": 1, "max_epochs": 1, "save_every": 1, "log_every": 1, "patience": 1,
-                "min_epochs": 0, "keep_last_epochs": 0, "bpe_vocab": MIN_VOCAB, "max_tokens": MIN_BATCH_TOKENS,
-                "read_window": 0}
+                "min_epochs": 0, "keep_last": 1, "keep_last_epochs": 0, "warmup": 0, "bpe_vocab": MIN_VOCAB,
+                "max_tokens": MIN_BATCH_TOKENS, "read_window": 0}
+
+# The range of each number of the optimisation recipe: (least, most, whether the least itself is allowed).
+NUMBER_RANGES = {"lr": (0.0, None, False), "label_smoothing": (0.0, 1.0, True), "clip_norm": (0.0, None, True),
+                 "weight_decay": (0.0, None, True)}
 
 
 @dataclass
@@ -352,6 +356,13 @@ class RunConfig:
         low = self.below_least_value()
         if low is not None:
             raise SettingError(*low)
+        for key, (least, most, least_allowed) in NUMBER_RANGES.items():
+            value = getattr(self, key)
+            if not _in_range(value, least, most, least_allowed):
+                raise SettingError(key, f"expected a number {_range_text(least, most, least_allowed)}, got {value!r}")
+        if (not isinstance(self.adam_betas, (list, tuple)) or len(self.adam_betas) != 2
+                or not all(_in_range(b, 0.0, 1.0, True) for b in self.adam_betas)):
+            raise SettingError("adam_betas", f"expected two numbers in [0, 1), e.g. [0.9, 0.98], got {self.adam_betas!r}")
         if self.max_updates is None and self.max_epochs is None:
             raise SettingError("max_updates", "set max_updates or max_epochs (or both), or training never stops")
         if self.min_epochs is not None and self.max_epochs is not None and self.min_epochs > self.max_epochs:
@@ -394,6 +405,19 @@ class RunConfig:
         if "adam_betas" in d:
             d["adam_betas"] = tuple(d["adam_betas"])
         return cls(**d)
+
+
+def _in_range(value, least: float, most: float | None, least_allowed: bool) -> bool:
+    """Whether `value` is a number (not a bool) from `least` (inclusive when least_allowed) up to `most` (exclusive)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return False
+    return (value >= least if least_allowed else value > least) and (most is None or value < most)
+
+
+def _range_text(least: float, most: float | None, least_allowed: bool) -> str:
+    if most is None:
+        return f"{'>=' if least_allowed else '>'} {least:g}"
+    return f"in {'[' if least_allowed else '('}{least:g}, {most:g})"
 
 
 # Settings a run hands to its ModelConfig under the same name (prlms and the preset are resolved apart).
