@@ -310,23 +310,47 @@ class PageDropper:
                 os.close(fd)
 
 
+class _H5pyShard:
+    """A shard as h5py reads it: each stretch sliced out of its dataset into a buffer, then copied into the
+    targets (where the library's ShardHandle.read_into scatter-reads straight into them)."""
+
+    def __init__(self, datasets: dict):
+        self.datasets = datasets
+
+    def read_into(self, name, start, stop, targets):
+        rows = self.datasets[name][start:stop]
+        for first, target in targets:
+            target[...] = rows[first : first + len(target)]
+
+
 class H5pyReader(CacheReader):
     """The hdf5 lane beside the library's reader (--compare): token rows sliced out of h5py datasets,
-    each shard's file kept open with no chunk cache, as a reader through h5py's API does."""
+    each shard's file kept open with no chunk cache, as a reader through h5py's API does. The index is
+    built through the library's handles; every read after it goes through h5py."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._through_h5py = True
 
     def __getstate__(self):
         state = super().__getstate__()
         state["_h5"] = {}
         return state
 
-    def _read(self, s, name, start, stop):
+    def _datasets(self, s: int) -> dict:
         import h5py
 
         shards = self.__dict__.setdefault("_h5", {})  # shard -> (file, {array name: dataset})
         if s not in shards:
             f = h5py.File(Path(self.location.path) / "shards" / self._shard_names[s], "r", rdcc_nbytes=0)
             shards[s] = (f, {key: f[key] for key in f.keys()})
-        return shards[s][1][name][start:stop]
+        return shards[s][1]
+
+    def _read(self, s, name, start, stop):
+        return self._datasets(s)[name][start:stop]
+
+    def _open(self, s):
+        return _H5pyShard(self._datasets(s)) if getattr(self, "_through_h5py", False) else super()._open(s)
 
     def close(self):
         for f, _datasets in self.__dict__.pop("_h5", {}).values():

@@ -429,7 +429,10 @@ class ShardHandle:
         self.arrays = {}
 
     def __del__(self):
-        self.close()  # a raw descriptor: closing it is safe in any process, a forked child's copy included
+        try:
+            self.close()  # a raw descriptor: closing it is safe in any process, a forked child's copy included
+        except Exception:  # noqa: BLE001 - at interpreter exit the modules close() uses may be gone
+            pass
 
 
 def _preadv_all(fd: int, buffers: list[memoryview], offset: int, what: str) -> None:

@@ -285,3 +285,31 @@ def test_significance_bench_gives_the_reports_p_beside_sacrebleus(capsys):
     assert result["prlmfuse_two_sided"] == round(against["p_value"]["bleu"], 4)
     assert result["prlmfuse_one_sided"] * 2 == pytest.approx(result["prlmfuse_two_sided"], abs=2e-3)
     assert 0 < result["sacrebleu_paired_bs"] < result["prlmfuse_two_sided"]
+
+
+def test_cache_at_scale_h5py_lane_reads_through_h5py_what_the_library_reads(monkeypatch):
+    """--compare's hdf5 lane must stay a reader through h5py however the loader reads (features_into), or the
+    side-by-side compares the library with itself."""
+    import numpy as np
+
+    from prlmfuse.cache_features import CacheReader
+    from prlmfuse.cache_features.shards import ShardHandle
+
+    bench = _module(BENCH / "cache_at_scale.py")
+    fixture = Path(__file__).parent / "fixtures" / "cache-format" / "hdf5-float16"
+    library = CacheReader(fixture)
+    ids = list(range(len(library)))[::-1]
+
+    def rows(reader):
+        out = [np.zeros((len(reader.layers), int(reader.lengths[i]) + 3, reader.hidden_size), np.float16) for i in ids]
+        reader.features_into(ids, None, out)
+        return out
+
+    expected = rows(library)
+    lane = bench.H5pyReader(fixture)
+    monkeypatch.setattr(ShardHandle, "read_into", lambda *a, **k: pytest.fail("the h5py lane read through the library"))
+    monkeypatch.setattr(ShardHandle, "read", lambda *a, **k: pytest.fail("the h5py lane read through the library"))
+    got = rows(lane)
+    assert len(lane.__dict__["_h5"]) == len(lane._shard_names)  # every shard opened by h5py
+    assert all(np.array_equal(a, b) for a, b in zip(expected, got)) and any(a.any() for a in got)
+    lane.close()
