@@ -311,10 +311,12 @@ def create_shard(location: Location, backend: str, name: str, specs: dict[str, A
 @dataclass(frozen=True)
 class _FileRegion(ArraySpec):
     """Where an array's rows lie back to back in a file (offset None: no rows were ever stored): an HDF5 contiguous
-    dataset in the shard's file (path None), or a zarr array's shard file of LAYOUT 2 (path)."""
+    dataset in the shard's file (path None), or a zarr array's shard file of LAYOUT 2 (path; at a URL, fs is the
+    fsspec filesystem that serves it)."""
 
     offset: int | None
     path: str | None = None
+    fs: object | None = None
 
 
 class ShardHandle:
@@ -326,7 +328,8 @@ class ShardHandle:
     stays open per shard in a loader worker. The writer lays every dataset out contiguously and
     uncompressed, which is what makes a row range one byte range. A local zarr array of LAYOUT 2 whose index says
     its inner chunks lie back to back (what the writer writes) is read the same way from its shard file, opened
-    per read; any other zarr array (layout 1, a URL, a file another tool wrote) is read through zarr's array API.
+    per read; at a URL each row range is one ranged read of that file (its index checked once, when the handle
+    opens); any other zarr array (layout 1, a file another tool wrote) is read through zarr's array API.
     Open a handle in the process that reads: zarr arrays are not safe to use across fork.
     """
 
@@ -355,7 +358,7 @@ class ShardHandle:
             self.arrays = {}
             for key in group.array_keys():
                 array = group[key]
-                region = None if location.url else _back_to_back(location.path / name / key, array)
+                region = _back_to_back(location, f"{name}/{key}", array)
                 self.arrays[key] = array if region is None else region
 
     def _region(self, dataset) -> _FileRegion:
@@ -409,6 +412,10 @@ class ShardHandle:
         if any(gap < 0 for gap, _ in pieces):
             raise ValueError(f"read_into {name} {start}:{stop}: targets overlap or lie outside the rows read")
         # rows between targets all land in one scratch buffer, overwritten each time
+        if array.fs is not None:  # at a URL: the stretch in one ranged read, copied into the targets
+            _copy_pieces(_read_range(array, start * row_bytes, stop * row_bytes, f"{name} rows {start}:{stop}"),
+                         pieces, row_bytes)
+            return
         scratch = memoryview(bytearray(max(gap for gap, _ in pieces) * row_bytes))
         buffers = [b for gap, piece in pieces for b in (scratch[: gap * row_bytes], piece) if b is not None and len(b)]
         fd = self.fd if array.path is None else os.open(array.path, os.O_RDONLY)
@@ -450,11 +457,31 @@ def _preadv_all(fd: int, buffers: list[memoryview], offset: int, what: str) -> N
             buffers[i] = buffers[i][count:]
 
 
-def _back_to_back(directory: Path, array) -> _FileRegion | None:
-    """The region of a local zarr array stored as LAYOUT 2 writes it: one shard file over all rows, uncompressed
-    inner chunks back to back from the file's start. None for any other layout (read through zarr's API).
-    Raises OSError when the file is missing (zarr would read the fill value: a shard prlmfuse wrote lacks a file),
-    its index fails its crc32c, or it is shorter than its index says."""
+def _copy_pieces(data: bytes, pieces: list[tuple[int, memoryview | None]], row_bytes: int) -> None:
+    """Fill each piece from `data`, skipping `gap` rows before it (read_into's plan of a stretch)."""
+    position = 0
+    for gap, piece in pieces:
+        position += gap * row_bytes
+        if piece is not None:
+            piece[:] = data[position : position + len(piece)]
+            position += len(piece)
+
+
+def _read_range(region: _FileRegion, begin: int, end: int, what: str) -> bytes:
+    """Bytes begin:end of a region at a URL, in one ranged read (an object store's ranged GET)."""
+    begin, end = region.offset + begin, region.offset + end
+    data = region.fs.cat_file(region.path, start=begin, end=end)
+    if len(data) != end - begin:
+        raise OSError(f"short read of {what} in {region.path}: the file is truncated")
+    return data
+
+
+def _back_to_back(location: Location, name: str, array) -> _FileRegion | None:
+    """The region of a zarr array (`name`, relative to `location`) stored as LAYOUT 2 writes it: one shard file over
+    all rows, uncompressed inner chunks back to back from the file's start. None for any other layout (read through
+    zarr's API). Raises OSError when the file is missing (zarr would read the fill value: a shard prlmfuse wrote
+    lacks a file), its index fails its crc32c, or it is shorter than its index says. At a URL the check costs two
+    requests (the size, the index) once per shard a process opens; each read after it is one ranged read."""
     meta = array.metadata
     shape, dtype = tuple(array.shape), np.dtype(array.dtype)
     if not _plain_sharding(array):
@@ -465,15 +492,19 @@ def _back_to_back(directory: Path, array) -> _FileRegion | None:
     spec = ArraySpec(shape, dtype)
     if shape[0] == 0:
         return _FileRegion(shape, dtype, None)
-    path = directory / meta.encode_chunk_key((0,) * len(shape))
+    path = location.full(f"{name}/{meta.encode_chunk_key((0,) * len(shape))}")
     chunks, chunk_bytes = shard_shape[0] // inner[0], inner[0] * spec.row_bytes()
     expected = _shard_index(chunks, chunk_bytes)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        f.seek(max(size - len(expected), 0))
-        stored = f.read()
+    if location.url:
+        size = int(location.fs.size(path))  # FileNotFoundError (an OSError) when it is missing
+        stored = location.fs.cat_file(path, start=max(size - len(expected), 0), end=size)
+    else:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            f.seek(max(size - len(expected), 0))
+            stored = f.read()
     if stored == expected and size == chunks * chunk_bytes + len(expected):
-        return _FileRegion(shape, dtype, 0, str(path))
+        return _FileRegion(shape, dtype, 0, path, location.fs if location.url else None)
     if len(stored) == len(expected) and _crc32c(stored[:-4]) == stored[-4:]:
         return None  # a valid index of another arrangement (e.g. empty chunks left out): zarr's API reads it
     raise OSError(f"{path}: the shard index fails its crc32c; the file is truncated or damaged")

@@ -313,3 +313,22 @@ def test_cache_at_scale_h5py_lane_reads_through_h5py_what_the_library_reads(monk
     assert len(lane.__dict__["_h5"]) == len(lane._shard_names)  # every shard opened by h5py
     assert all(np.array_equal(a, b) for a, b in zip(expected, got)) and any(a.any() for a in got)
     lane.close()
+
+
+def test_url_read_bench_lanes_read_the_same_values_by_ranged_reads_and_by_zarrs_api():
+    """url_read's zarr_api lane must go through zarr's array API and its library lane through ranged reads, over
+    the same values (a committed layout-2 cache at its file:// URL)."""
+    from prlmfuse.cache_features import CacheReader
+    from prlmfuse.cache_features.shards import _FileRegion
+
+    bench = _module(BENCH / "url_read.py")
+    url = f"file://{(Path(__file__).parent / 'fixtures' / 'cache-format' / 'zarr-layout2-float16').resolve()}"
+    values, kinds = {}, {}
+    for lane, context in bench.LANES.items():
+        with context():
+            reader = CacheReader(url)
+            values[lane] = reader.features_many(range(len(reader)), widen=False)
+            kinds[lane] = {type(a) for h in reader._handles.values() for a in h.arrays.values() if a.shape[0]}
+            reader.close()
+    assert kinds["library"] == {_FileRegion} and _FileRegion not in kinds["zarr_api"]
+    assert all(torch.equal(a, b) for a, b in zip(values["library"], values["zarr_api"]))

@@ -261,6 +261,56 @@ def test_zarr_on_fsspec_urls(tiny, corpus, tmp_path, url_scheme):
         build_cache(str(tiny["distilbert"]), corpus, url + "-h5", backend="hdf5", progress=False)
 
 
+@pytest.mark.parametrize("url_scheme", ["memory", "file"])
+def test_zarr_at_a_url_is_read_by_one_ranged_read_a_stretch_its_index_checked_once(tiny, corpus, tmp_path,
+                                                                                    url_scheme, monkeypatch):
+    """Layout 2 at a URL: each row range one ranged read of the array's shard file (an object store's ranged
+    GET), never zarr's API with its index fetch per read; a damaged index makes the shard unreadable."""
+    import zarr
+
+    from prlmfuse.cache_features.location import Location
+    from prlmfuse.cache_features.shards import ShardHandle
+
+    url = f"memory://prlmfuse-ranged-{tmp_path.name}/cache" if url_scheme == "memory" else f"file://{tmp_path}/remote"
+    local = CacheReader(build_cache(str(tiny["distilbert"]), corpus, tmp_path / "local", progress=False,
+                                    shard_bytes=2048).path)
+    built = build_cache(str(tiny["distilbert"]), corpus, url, progress=False, shard_bytes=2048)
+    reader = CacheReader(url)
+    fs = Location(url).fs
+    reads = []
+    cat_file = type(fs).cat_file
+
+    def counted(self, path, start=None, end=None, **kwargs):
+        reads.append((path, start, end))
+        return cat_file(self, path, start=start, end=end, **kwargs)
+
+    monkeypatch.setattr(type(fs), "cat_file", counted)
+    monkeypatch.setattr(zarr.Array, "__getitem__", lambda *a, **k: pytest.fail("read through zarr's API"))
+    ids = list(range(len(reader)))
+    for i in ids:  # opens every shard: each array's index is checked then, once
+        assert torch.equal(reader.features(i), local.features(i))
+    assert len(reader._handles) == len(built.manifest["shards"])
+    assert all(a.fs is not None for h in reader._handles.values() for a in h.arrays.values() if a.shape[0])
+    reads.clear()
+    for i in ids[::-1]:
+        assert torch.equal(reader.features(i), local.features(i))
+    # float16, one layer: one ranged read of a sentence's rows, no index read
+    assert len(reads) == len(ids) and all(start is not None and end > start for _, start, end in reads)
+    reader.close()
+    monkeypatch.undo()
+    # flip a byte of one array's index (its last bytes): the shard no longer opens, and verify names it
+    shard = built.manifest["shards"][0]["name"]
+    location = Location(url)
+    target = next(p for p in fs.find(location.full(f"shards/{shard}")) if "layer_" in p and p.endswith("/c/0/0"))
+    data = bytearray(fs.cat_file(target))
+    data[-6] ^= 0x01
+    fs.pipe_file(target, bytes(data))
+    with pytest.raises(OSError, match="crc32c"):
+        ShardHandle(location, "zarr", f"shards/{shard}")
+    with pytest.raises(UserError, match=shard):
+        verify_cache(url)
+
+
 def test_hdf5_shards_read_by_file_offset_match_h5py_and_a_truncated_one_is_named(tiny, corpus, tmp_path,
                                                                                   monkeypatch):
     """The reader's preadv path returns exactly what h5py reads, for every array, dtype and row range,
