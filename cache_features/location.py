@@ -20,13 +20,30 @@ class Location:
     def __init__(self, path_or_url: str | os.PathLike):
         self.raw = str(path_or_url)
         self.url = is_url(self.raw)
+        self._fs, self._fs_pid = None, None
         if self.url:
-            import fsspec.core
-
-            self.fs, root = fsspec.core.url_to_fs(self.raw)
-            self.root = root.rstrip("/")
+            self._fs, self.root = self._filesystem()
+            self._fs_pid = os.getpid()
         else:
             self.path = Path(self.raw)
+
+    def _filesystem(self):
+        import fsspec.core
+
+        fs, root = fsspec.core.url_to_fs(self.raw)
+        return fs, root.rstrip("/")
+
+    @property
+    def fs(self):
+        """The URL's fsspec filesystem, made in the process that uses it: async filesystems (s3, gcs, http)
+        refuse to run in a process forked from the one that made them, and a reader is handed to workers."""
+        if self._fs_pid != os.getpid():
+            self._fs, _ = self._filesystem()
+            self._fs_pid = os.getpid()
+        return self._fs
+
+    def __getstate__(self):
+        return {**self.__dict__, "_fs": None, "_fs_pid": None}
 
     def __str__(self) -> str:
         return self.raw

@@ -459,7 +459,7 @@ def _preadv_all(fd: int, buffers: list[memoryview], offset: int, what: str) -> N
 
 def _copy_pieces(data: bytes, pieces: list[tuple[int, memoryview | None]], row_bytes: int) -> None:
     """Fill each piece from `data`, skipping `gap` rows before it (read_into's plan of a stretch)."""
-    position = 0
+    data, position = memoryview(data), 0
     for gap, piece in pieces:
         position += gap * row_bytes
         if piece is not None:
@@ -496,8 +496,10 @@ def _back_to_back(location: Location, name: str, array) -> _FileRegion | None:
     chunks, chunk_bytes = shard_shape[0] // inner[0], inner[0] * spec.row_bytes()
     expected = _shard_index(chunks, chunk_bytes)
     if location.url:
-        size = int(location.fs.size(path))  # FileNotFoundError (an OSError) when it is missing
-        stored = location.fs.cat_file(path, start=max(size - len(expected), 0), end=size)
+        size = location.fs.size(path)  # FileNotFoundError (an OSError) when it is missing
+        if size is None:
+            return None  # a server that names no size (HTTP without Content-Length): zarr's API reads it
+        stored = location.fs.cat_file(path, start=max(int(size) - len(expected), 0), end=int(size))
     else:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size

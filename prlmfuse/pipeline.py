@@ -275,7 +275,7 @@ def planned_specs(cfg: PipelineConfig, run: RunConfig) -> list:
             layers, pooled, mode = choose_layers(use.layer, fields, checkpoint=use.checkpoint,
                                                  where=f"cache of {entry.name}")
         except UserError as e:
-            raise UserError(f"{cfg.path}: train.runs.{run.name}.prlms.{i}.layer: {e}") from None
+            raise UserError(f"{cfg.path}: train.runs.{run.name.split('.')[0]}.prlms.{i}.layer: {e}") from None
         specs.append(branch_spec(use, info.hidden_size, layers, pooled, mode))
     return specs
 

@@ -311,6 +311,68 @@ def test_zarr_at_a_url_is_read_by_one_ranged_read_a_stretch_its_index_checked_on
         verify_cache(url)
 
 
+def _serve_with_ranges(directory):
+    """A local HTTP server over `directory` that answers Range requests (as object stores do); returns it."""
+    import functools
+    import http.server
+    import io
+    import re
+
+    class RangeHandler(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def send_head(self):
+            path = self.translate_path(self.path)
+            if os.path.isdir(path) or "Range" not in self.headers or not os.path.exists(path):
+                return super().send_head()
+            data = open(path, "rb").read()
+            first, last = re.match(r"bytes=(\d+)-(\d*)", self.headers["Range"]).groups()
+            start, end = int(first), int(last) + 1 if last else len(data)
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+            self.send_header("Content-Length", str(end - start))
+            self.end_headers()
+            return io.BytesIO(data[start:end])
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(RangeHandler, directory=str(directory)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def _read_in_child(reader, expected, queue):
+    try:
+        queue.put(all(torch.equal(reader.features(i), expected[i]) for i in range(len(expected))))
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which fails the test with it
+        queue.put(f"{type(e).__name__}: {e}")
+
+
+def test_a_reader_of_an_http_cache_reads_in_a_forked_worker(tiny, corpus, tmp_path):
+    """An async fsspec filesystem (http, s3, gcs) refuses to run in a process forked from the one that made it:
+    a reader handed to a forked DataLoader worker makes its own."""
+    pytest.importorskip("aiohttp")
+    import multiprocessing
+
+    built = build_cache(str(tiny["distilbert"]), corpus, tmp_path / "served" / "cache", progress=False,
+                        shard_bytes=2048)
+    local = CacheReader(built.path)
+    expected = [local.features(i) for i in range(len(local))]
+    server = _serve_with_ranges(tmp_path / "served")
+    try:
+        reader = CacheReader(f"http://127.0.0.1:{server.server_address[1]}/cache")
+        assert torch.equal(reader.features(0), expected[0])  # the parent reads, and keeps its filesystem
+        context = multiprocessing.get_context("fork")
+        queue = context.Queue()
+        child = context.Process(target=_read_in_child, args=(reader, expected, queue))
+        child.start()
+        read = queue.get(timeout=60)
+        assert read is True, read
+        child.join(timeout=60)
+        reader.close()
+    finally:
+        server.shutdown()
+
+
 def test_hdf5_shards_read_by_file_offset_match_h5py_and_a_truncated_one_is_named(tiny, corpus, tmp_path,
                                                                                   monkeypatch):
     """The reader's preadv path returns exactly what h5py reads, for every array, dtype and row range,

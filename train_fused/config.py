@@ -10,6 +10,7 @@ trainer applies the very same rules to a RunConfig made in Python.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 
 from prlmfuse.errors import SettingError, UserError
@@ -408,8 +409,9 @@ class RunConfig:
 
 
 def _in_range(value, least: float, most: float | None, least_allowed: bool) -> bool:
-    """Whether `value` is a number (not a bool) from `least` (inclusive when least_allowed) up to `most` (exclusive)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+    """Whether `value` is a finite number (not a bool) from `least` (inclusive when least_allowed) up to `most`
+    (exclusive)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return False
     return (value >= least if least_allowed else value > least) and (most is None or value < most)
 
