@@ -411,11 +411,11 @@ class ShardHandle:
         pieces.append((stop - start - position, None))
         if any(gap < 0 for gap, _ in pieces):
             raise ValueError(f"read_into {name} {start}:{stop}: targets overlap or lie outside the rows read")
-        # rows between targets all land in one scratch buffer, overwritten each time
         if array.fs is not None:  # at a URL: the stretch in one ranged read, copied into the targets
             _copy_pieces(_read_range(array, start * row_bytes, stop * row_bytes, f"{name} rows {start}:{stop}"),
                          pieces, row_bytes)
             return
+        # rows between targets all land in one scratch buffer, overwritten each time
         scratch = memoryview(bytearray(max(gap for gap, _ in pieces) * row_bytes))
         buffers = [b for gap, piece in pieces for b in (scratch[: gap * row_bytes], piece) if b is not None and len(b)]
         fd = self.fd if array.path is None else os.open(array.path, os.O_RDONLY)
