@@ -215,9 +215,9 @@ def test_bad_runtime_settings_are_located_one_line_errors(tmp_path, text, needle
      "p.yaml:4:64: train.runs.d.prlms.0.layer: 'dyn_cls' combines the cached layers, but cache.checkpoints.0 (minilm-l6) "
      "stores only [-2]; set its layers: all"),
     # optimisation numbers torch would refuse, or misuse, only once training starts
-    ("train:\n  runs:\n    b: {max_updates: 2, lr: -1}\n", "p.yaml:3:29: train.runs.b.lr: expected a number > 0, got -1.0"),
-    ("train:\n  defaults: {max_updates: 2, lr: 0.0}\n  runs:\n    b: {}\n", "train.defaults.lr: expected a number > 0"),
-    ("train:\n  runs:\n    b: {max_updates: 2, lr: .inf}\n", "train.runs.b.lr: expected a number > 0, got inf"),
+    ("train:\n  runs:\n    b: {max_updates: 2, lr: -1}\n", "p.yaml:3:29: train.runs.b.lr: expected a number >= 0, got -1.0"),
+    ("train:\n  defaults: {max_updates: 2, lr: -0.5}\n  runs:\n    b: {}\n", "train.defaults.lr: expected a number >= 0"),
+    ("train:\n  runs:\n    b: {max_updates: 2, lr: .inf}\n", "train.runs.b.lr: expected a number >= 0, got inf"),
     ("train:\n  runs:\n    b: {max_updates: 2, warmup: -5}\n", "train.runs.b.warmup: expected an integer >= 0, got -5"),
     ("train:\n  runs:\n    b: {max_updates: 2, keep_last: 0}\n", "train.runs.b.keep_last: expected a positive integer"),
     ("train:\n  runs:\n    b: {max_updates: 2, label_smoothing: 1.0}\n",

@@ -263,7 +263,7 @@ LEAST_VALUES = {"update_freq": 1, "max_updates": 1, "max_epochs": 1, "save_every
                 "max_tokens": MIN_BATCH_TOKENS, "read_window": 0}
 
 # The range of each number of the optimisation recipe: (least, most, whether the least itself is allowed).
-NUMBER_RANGES = {"lr": (0.0, None, False), "label_smoothing": (0.0, 1.0, True), "clip_norm": (0.0, None, True),
+NUMBER_RANGES = {"lr": (0.0, None, True), "label_smoothing": (0.0, 1.0, True), "clip_norm": (0.0, None, True),
                  "weight_decay": (0.0, None, True)}
 
 
