@@ -146,7 +146,7 @@ def real_lengths() -> np.ndarray:
 
 def corpus_of(size_bytes: int, dtype: str, lengths: np.ndarray, seed: int = 0):
     """An EncodedCorpus of tiled real lengths whose stored features fill about `size_bytes`."""
-    from prlmfuse.cache_features.codecs import pooled_storage_dtype, token_bytes_per_row, token_numpy_dtype
+    from prlmfuse.cache_features.codecs import pooled_storage_dtype, token_bytes_per_row
     from prlmfuse.cache_features.extract import EncodedCorpus
 
     per_sentence = lengths.mean() * token_bytes_per_row(dtype, WIDTH) + \

@@ -25,7 +25,6 @@ import json
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 from unittest import mock
 

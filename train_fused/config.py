@@ -262,9 +262,8 @@ LEAST_VALUES = {"update_freq": 1, "max_updates": 1, "max_epochs": 1, "save_every
                 "min_epochs": 0, "keep_last": 1, "keep_last_epochs": 0, "warmup": 0, "bpe_vocab": MIN_VOCAB,
                 "max_tokens": MIN_BATCH_TOKENS, "read_window": 0}
 
-# The range of each number of the optimisation recipe: (least, most, whether the least itself is allowed).
-NUMBER_RANGES = {"lr": (0.0, None, True), "label_smoothing": (0.0, 1.0, True), "clip_norm": (0.0, None, True),
-                 "weight_decay": (0.0, None, True)}
+# The range [least, most) of each number of the optimisation recipe (most None: no upper bound).
+NUMBER_RANGES = {"lr": (0.0, None), "label_smoothing": (0.0, 1.0), "clip_norm": (0.0, None), "weight_decay": (0.0, None)}
 
 
 @dataclass
@@ -357,12 +356,13 @@ class RunConfig:
         low = self.below_least_value()
         if low is not None:
             raise SettingError(*low)
-        for key, (least, most, least_allowed) in NUMBER_RANGES.items():
+        for key, (least, most) in NUMBER_RANGES.items():
             value = getattr(self, key)
-            if not _in_range(value, least, most, least_allowed):
-                raise SettingError(key, f"expected a number {_range_text(least, most, least_allowed)}, got {value!r}")
+            if not _in_range(value, least, most):
+                wanted = f">= {least:g}" if most is None else f"in [{least:g}, {most:g})"
+                raise SettingError(key, f"expected a number {wanted}, got {value!r}")
         if (not isinstance(self.adam_betas, (list, tuple)) or len(self.adam_betas) != 2
-                or not all(_in_range(b, 0.0, 1.0, True) for b in self.adam_betas)):
+                or not all(_in_range(b, 0.0, 1.0) for b in self.adam_betas)):
             raise SettingError("adam_betas", f"expected two numbers in [0, 1), e.g. [0.9, 0.98], got {self.adam_betas!r}")
         if self.max_updates is None and self.max_epochs is None:
             raise SettingError("max_updates", "set max_updates or max_epochs (or both), or training never stops")
@@ -408,18 +408,11 @@ class RunConfig:
         return cls(**d)
 
 
-def _in_range(value, least: float, most: float | None, least_allowed: bool) -> bool:
-    """Whether `value` is a finite number (not a bool) from `least` (inclusive when least_allowed) up to `most`
-    (exclusive)."""
+def _in_range(value, least: float, most: float | None) -> bool:
+    """Whether `value` is a finite number (not a bool) in [least, most) (most None: no upper bound)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         return False
-    return (value >= least if least_allowed else value > least) and (most is None or value < most)
-
-
-def _range_text(least: float, most: float | None, least_allowed: bool) -> str:
-    if most is None:
-        return f"{'>=' if least_allowed else '>'} {least:g}"
-    return f"in {'[' if least_allowed else '('}{least:g}, {most:g})"
+    return value >= least and (most is None or value < most)
 
 
 # Settings a run hands to its ModelConfig under the same name (prlms and the preset are resolved apart).
