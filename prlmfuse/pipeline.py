@@ -289,15 +289,15 @@ def planned_parameters(cfg: PipelineConfig, run: RunConfig) -> int:
 
 
 def resolve_run(cfg: PipelineConfig, run: RunConfig) -> RunConfig:
-    """The run as it trains: with match_params, the FFN width that brings it within 1% of the named run's
-    trainable parameters, both counted at their configured bpe_vocab (so the width never depends on
-    what the BPE learns). run.json records the width and the trained model's own count."""
+    """The run as it trains: with match_params, the sizes (its match_by's) that bring it within 1% of the
+    named run's trainable parameters, both counted at their configured bpe_vocab (so the sizes never
+    depend on what the BPE learns). run.json records the sizes and the trained model's own count."""
     if run.match_params is None:
         return run
-    from prlmfuse.train_fused.matching import matched_ffn
+    from prlmfuse.train_fused.matching import matched_sizes
 
     target = cfg.run(run.match_params)
-    return dataclasses.replace(run, ffn=matched_ffn(run, planned_parameters(cfg, target), run.bpe_vocab))
+    return dataclasses.replace(run, **matched_sizes(run, planned_parameters(cfg, target), run.bpe_vocab))
 
 
 # ---------------------------------------------------------------------------- training

@@ -99,4 +99,5 @@ def _effective_settings(cfg: PipelineConfig, run: RunConfig) -> str:
     matched = ""
     if run.match_params is not None:
         matched = f", matched to {run.match_params}'s {planned_parameters(cfg, cfg.run(run.match_params)):,}"
+        matched += " by depth" if run.match_by == "depth" else ""
     return f"model {sizes}{fusion}; {count:,} trainable parameters at bpe_vocab {run.bpe_vocab}{matched}"

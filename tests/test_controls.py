@@ -18,7 +18,8 @@ from prlmfuse.fileio import read_lines
 from prlmfuse.train_fused import PrLMUse, train_run
 from prlmfuse.train_fused.branches import shuffled_rows
 from prlmfuse.train_fused.config import ModelConfig
-from prlmfuse.train_fused.matching import MATCH_TOLERANCE, matched_ffn, run_parameters, trainable_parameters
+from prlmfuse.train_fused.matching import (MATCH_TOLERANCE, matched_depth, matched_ffn, run_parameters,
+                                           trainable_parameters)
 from prlmfuse.train_fused.modeling import FusedTransformer
 from prlmfuse.train_fused.run_setup import open_run_branches
 
@@ -148,6 +149,31 @@ def test_a_matched_baseline_lands_within_one_percent(layer, preset):
     assert got == sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+@pytest.mark.parametrize("layer", [-2, "concat"])
+def test_a_deeper_baseline_grows_both_sides_to_the_nearest_depth_then_lands_within_one_percent(layer):
+    from prlmfuse.train_fused.branches import branch_spec
+
+    layers = [5] if layer == -2 else list(range(7))
+    spec = branch_spec(PrLMUse(checkpoint="minilm-l6", layer=layer), 384, layers, [], "fixed" if layer == -2 else layer)
+    fused = small_runs.tiny_run("fused", preset="small", prlms=[PrLMUse("minilm-l6", layer)], side="both")
+    target = run_parameters(fused, 4000, [spec])
+    sizes = matched_depth(small_runs.tiny_run("deeper", preset="small", match_params="fused", match_by="depth"),
+                          target, 4000)
+    n = sizes["enc_layers"] - 3
+    assert n >= 1 and sizes["dec_layers"] == 3 + n and sizes["ffn"] % 8 == 0
+
+    def count(depth: int, ffn: int = 1024) -> int:
+        return run_parameters(small_runs.tiny_run("m", preset="small", enc_layers=3 + depth, dec_layers=3 + depth,
+                                                  ffn=ffn), 4000, [])
+
+    # n is the depth nearest the target at the preset's own FFN; the FFN then closes the rest.
+    assert all(abs(count(n) - target) <= abs(count(other) - target) for other in (n - 1, n + 1) if other >= 1)
+    got = count(n, sizes["ffn"])
+    assert abs(got - target) <= MATCH_TOLERANCE * target
+    model = FusedTransformer(ModelConfig.from_preset("small", vocab_size=4000, **sizes))
+    assert got == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
 def test_matching_a_run_with_prlms_is_refused():
     run = small_runs.tiny_run("x", prlms=[PrLMUse("minilm-l6")])
     with pytest.raises(UserError, match="without PrLMs"):
@@ -161,6 +187,10 @@ def test_matching_a_run_with_prlms_is_refused():
     ("m: {match_params: fusd}", "train.runs.m.match_params: no run named 'fusd'; did you mean 'fused'?"),
     ("m: {match_params: fused}, m2: {match_params: m}", "train.runs.m2.match_params: 'm' is itself matched (to 'fused')"),
     ("m: {match_params: fused, ffn: 512}", "train.runs.m.match_params: chooses this run's ffn"),
+    ("m: {match_params: fused, match_by: depth, dec_layers: 4}",
+     "train.runs.m.match_params: with match_by depth chooses this run's layers, so an explicit dec_layers (4)"),
+    ("m: {match_by: depth}", "train.runs.m.match_by: says how match_params grows a run, and this run has no"),
+    ("m: {match_params: fused, match_by: deep}", "train.runs.m.match_by: 'deep' is not one of ffn, depth"),
 ])
 def test_match_params_refusals_point_at_the_setting(tmp_path, extra, message):
     assert message in refusal(tmp_path, """
@@ -201,21 +231,29 @@ def test_a_matched_run_trains_at_its_width_and_records_its_count(world, tmp_path
     corpus, ckpt, _ = world
     p = _pipeline(tmp_path, ckpt, corpus, f"""
             fused: {{prlms: [{{checkpoint: {ckpt}, layer: -2}}], side: both}}
-            matched: {{match_params: fused}}""")
+            matched: {{match_params: fused}}
+            deeper: {{match_params: fused, match_by: depth}}""")
     cfg = load_pipeline(p)
     ensure_data(cfg)
     target = planned_parameters(cfg, cfg.run("fused"))
     plan = "\n".join(plan_lines(cfg, None))
     assert f"matched to fused's {target:,}" in plan and "ffn 128;" in plan  # the tiny preset's own width for fused
+    assert f"matched to fused's {target:,} by depth" in plan
     build_caches(cfg, ensure_data(cfg, build=False))
-    (run_dir,) = train_runs(cfg, ["matched"])
-    info = json.loads((run_dir / "run.json").read_text())
+    matched_dir, deeper_dir = train_runs(cfg, ["matched", "deeper"])
+    info = json.loads((matched_dir / "run.json").read_text())
     assert info["train"]["match_params"] == "fused" and info["model"]["ffn"] == info["train"]["ffn"] > 128
-    weights = load_file(str(run_dir / "checkpoints" / "update-00000004.safetensors"))
-    assert info["trainable_parameters"] == sum(t.numel() for t in weights.values())
+    assert info["model"]["enc_layers"] == info["model"]["dec_layers"] == 2  # the tiny preset's own depth
+    deeper = json.loads((deeper_dir / "run.json").read_text())
+    assert deeper["train"]["match_by"] == "depth"
+    assert deeper["model"]["enc_layers"] == deeper["model"]["dec_layers"] == deeper["train"]["enc_layers"] > 2
+    for run_dir, record in ((matched_dir, info), (deeper_dir, deeper)):
+        weights = load_file(str(run_dir / "checkpoints" / "update-00000004.safetensors"))
+        assert record["trainable_parameters"] == sum(t.numel() for t in weights.values())
     # Both counted at the configured bpe_vocab; the trained BPE may hold fewer ids, so run.json's count
     # is the model's own and the match holds at the configured size.
-    assert abs(planned_parameters(cfg, cfg.run("matched")) - target) <= MATCH_TOLERANCE * target
+    for name in ("matched", "deeper"):
+        assert abs(planned_parameters(cfg, cfg.run(name)) - target) <= MATCH_TOLERANCE * target
 
 
 # ----------------------------------------------------------------------------- an untrained PrLM

@@ -257,6 +257,9 @@ class PrLMUse:
             _one_of("dtype", self.dtype, STORAGE_DTYPES)
 
 
+# How match_params grows a baseline (train_fused.matching).
+MATCH_BY = ("ffn", "depth")
+
 # The least value of each integer run setting that has one (None stays allowed where the field is optional).
 LEAST_VALUES = {"update_freq": 1, "max_updates": 1, "max_epochs": 1, "save_every": 1, "log_every": 1, "patience": 1,
                 "min_epochs": 0, "keep_last": 1, "keep_last_epochs": 0, "warmup": 0, "bpe_vocab": MIN_VOCAB,
@@ -291,9 +294,12 @@ class RunConfig:
     # model's default (both, source for merge direct).
     side: str | None = None
     dropnet_p: float = 0.5  # merge dropnet only: probability that a layer keeps one side alone
-    # A run without PrLMs widened (its FFN) to the trainable parameters of the run of this name, within
-    # 1% (train_fused.matching); the pipeline resolves it to `ffn` before training.
+    # A run without PrLMs grown to the trainable parameters of the run of this name, within 1%
+    # (train_fused.matching); the pipeline resolves it to sizes before training.
     match_params: str | None = None
+    # How match_params grows the run: ffn (None: widen the FFN) | depth (n more layers on each side,
+    # the DWAtt paper's Base+n, then the FFN width that lands within 1%).
+    match_by: str | None = None
     # Data.
     bpe_vocab: int = 8000
     max_tokens: int = 3500  # per batch, source or target side, whichever is longer
@@ -373,6 +379,8 @@ class RunConfig:
                                            or self.num_workers < 0):
             raise SettingError("num_workers", f"expected a number of worker processes (0 or more) or auto, "
                                f"got {self.num_workers!r}")
+        if self.match_by is not None:
+            _one_of("match_by", self.match_by, MATCH_BY)
         if self.static_shapes and self.read_window:
             raise SettingError("static_shapes", "static_shapes batches the whole split by length class; it cannot be "
                                "combined with read_window (set read_window: 0)")

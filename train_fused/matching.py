@@ -1,10 +1,12 @@
-"""Trainable parameter counts, and the baseline widened to another run's count (`match_params`).
+"""Trainable parameter counts, and the baseline grown to another run's count (`match_params`).
 
 A fused run trains more parameters than its baseline (each PrLM branch adds attentions, and with
 some layer modes a projection of every cached layer), so "is it the PrLM, or just a bigger model?"
 needs a baseline of the same size. `matched_ffn` widens a baseline's FFN, the smallest change to the
-architecture, until its trainable parameters are within MATCH_TOLERANCE of the other run's. Counts
-come from the model built on the meta device, so they are the model's own and cost no memory.
+architecture, until its trainable parameters are within MATCH_TOLERANCE of the other run's;
+`matched_depth` first adds layers, as the DWAtt paper's deeper baseline (Base+n) does, since a wider
+FFN is not the only way a bigger model could spend the parameters. Counts come from the model built
+on the meta device, so they are the model's own and cost no memory.
 """
 
 from __future__ import annotations
@@ -54,5 +56,33 @@ def matched_ffn(run: RunConfig, target: int, vocab_size: int) -> int:
     return width
 
 
+def matched_depth(run: RunConfig, target: int, vocab_size: int) -> dict[str, int]:
+    """The sizes of the PrLM-free `run` grown by n >= 1 layers on each side (encoder and decoder), n the
+    depth whose count at the run's own FFN lies nearest `target`, then the FFN width that brings it
+    within MATCH_TOLERANCE: {"enc_layers", "dec_layers", "ffn"}."""
+    model = run.model_config(vocab_size, [])
+
+    def grown(n: int) -> RunConfig:
+        return _with_sizes(run, enc_layers=model.enc_layers + n, dec_layers=model.dec_layers + n, ffn=model.ffn)
+
+    # The count is linear in n: two depths give its slope and intercept.
+    one, two = (run_parameters(grown(n), vocab_size, []) for n in (1, 2))
+    n = max(1, 1 + round((target - one) / (two - one)))
+    deeper = grown(n)
+    return {"enc_layers": deeper.enc_layers, "dec_layers": deeper.dec_layers,
+            "ffn": matched_ffn(deeper, target, vocab_size)}
+
+
+def matched_sizes(run: RunConfig, target: int, vocab_size: int) -> dict[str, int]:
+    """The model sizes `run` trains at to match `target` trainable parameters, as its match_by says."""
+    if run.match_by == "depth":
+        return matched_depth(run, target, vocab_size)
+    return {"ffn": matched_ffn(run, target, vocab_size)}
+
+
 def _with_ffn(run: RunConfig, width: int) -> RunConfig:
-    return RunConfig.from_dict({**run.to_dict(), "ffn": width, "match_params": None})
+    return _with_sizes(run, ffn=width)
+
+
+def _with_sizes(run: RunConfig, **sizes: int) -> RunConfig:
+    return RunConfig.from_dict({**run.to_dict(), **sizes, "match_params": None, "match_by": None})

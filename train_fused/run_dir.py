@@ -165,6 +165,7 @@ def upgrade_run_info(info: dict) -> dict:
     if isinstance(train, dict):
         train.setdefault("read_window", 0)  # older runs batched the whole split
         train.setdefault("match_params", None)  # older runs could not be matched
+        train.setdefault("match_by", None)  # older matched runs widened their FFN
         train.setdefault("static_shapes", False)  # older runs padded each batch to its longest sentence
         for use in train.get("prlms") or []:
             use.setdefault("control", None)  # older runs read each sentence's own features
