@@ -349,28 +349,37 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
 def _check_matched_runs(runs: list[RunConfig], raw_runs: dict, defaults: dict, where: Where) -> None:
     """match_params names another run of the file, with PrLMs or not, that is itself not matched; the
     matched run has no PrLMs and no ffn (with match_by depth, no layer counts) of its own: the match
-    chooses them. match_by stands only beside match_params."""
+    chooses them. match_by written in a run needs its match_params; one inherited from train.defaults
+    reaches only the matched runs. match_by is settled to None wherever it changes nothing (no match,
+    or ffn), so run.json records one value for one model."""
     by_name = {r.name: r for r in runs}
     for run in runs:
         name = run.name.split(".")[0]
         written = raw_runs.get(name) or {}
+        written = written if isinstance(written, dict) else {}
+
+        def located(key: str) -> tuple:
+            return _run_keypath(("train", "runs", name), defaults, written, key)
+
+        if run.match_params is None and "match_by" in written:
+            raise where.error(located("match_by"), "says how match_params grows a run, and this run has no "
+                              "match_params; add match_params or remove match_by")
+        if run.match_params is None or run.match_by == "ffn":
+            run.match_by = None
         if run.match_params is None:
-            if run.match_by is not None:
-                raise where.error(_run_keypath(("train", "runs", name), defaults, written, "match_by"),
-                                  "says how match_params grows a run, and this run has no match_params; "
-                                  "add match_params or remove match_by")
             continue
-        keypath = _run_keypath(("train", "runs", name), defaults, written, "match_params")
-        explicit_layers = [key for key in ("enc_layers", "dec_layers") if getattr(run, key) is not None]
         target = by_name.get(run.match_params)
-        problem = None
+        explicit_layers = [key for key in ("enc_layers", "dec_layers") if getattr(run, key) is not None]
+        keypath, problem = located("match_params"), None
         if run.prlms:
             problem = "widens a run without PrLMs to another run's size; remove prlms or match_params"
         elif run.ffn is not None:
-            problem = f"chooses this run's ffn, so an explicit ffn ({run.ffn}) cannot stand beside it; remove one"
+            keypath = located("ffn")
+            problem = f"is chosen by match_params ({run.match_params!r}), so an explicit ffn cannot stand beside it; remove one"
         elif run.match_by == "depth" and explicit_layers:
-            problem = (f"with match_by depth chooses this run's layers, so an explicit {explicit_layers[0]} "
-                       f"({getattr(run, explicit_layers[0])}) cannot stand beside it; remove one")
+            keypath = located(explicit_layers[0])
+            problem = (f"is chosen by match_params ({run.match_params!r}) with match_by depth, so an explicit "
+                       f"{explicit_layers[0]} cannot stand beside it; remove one")
         elif run.match_params == run.name:
             problem = "names this run itself; name the run whose trainable parameters to match"
         elif target is None:

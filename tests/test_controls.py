@@ -186,19 +186,48 @@ def test_matching_a_run_with_prlms_is_refused():
     ("m: {match_params: m}", "train.runs.m.match_params: names this run itself"),
     ("m: {match_params: fusd}", "train.runs.m.match_params: no run named 'fusd'; did you mean 'fused'?"),
     ("m: {match_params: fused}, m2: {match_params: m}", "train.runs.m2.match_params: 'm' is itself matched (to 'fused')"),
-    ("m: {match_params: fused, ffn: 512}", "train.runs.m.match_params: chooses this run's ffn"),
+    ("m: {match_params: fused, ffn: 512}", "train.runs.m.ffn: is chosen by match_params ('fused')"),
     ("m: {match_params: fused, match_by: depth, dec_layers: 4}",
-     "train.runs.m.match_params: with match_by depth chooses this run's layers, so an explicit dec_layers (4)"),
+     "train.runs.m.dec_layers: is chosen by match_params ('fused') with match_by depth"),
     ("m: {match_by: depth}", "train.runs.m.match_by: says how match_params grows a run, and this run has no"),
     ("m: {match_params: fused, match_by: deep}", "train.runs.m.match_by: 'deep' is not one of ffn, depth"),
 ])
 def test_match_params_refusals_point_at_the_setting(tmp_path, extra, message):
-    assert message in refusal(tmp_path, """
+    text = refusal(tmp_path, """
         cache: {checkpoints: [{name: minilm-l6}]}
         train:
           defaults: {max_updates: 5}
           runs: {base: {}, fused: {prlms: [{checkpoint: minilm-l6}]}, %s}
     """ % extra)
+    assert message in text
+    # The place is the run's own line, where each of these settings is written.
+    assert text.startswith(f"{tmp_path / 'p.yaml'}:5:")
+
+
+def test_match_by_in_the_defaults_reaches_only_the_matched_runs(tmp_path):
+    text = """
+        cache: {checkpoints: [{name: minilm-l6}]}
+        train:
+          defaults: {max_updates: 5, match_by: BY}
+          runs: {base: {}, fused: {prlms: [{checkpoint: minilm-l6}]}, grown: {match_params: fused}}
+    """
+    p = tmp_path / "p.yaml"
+    p.write_text(textwrap.dedent(text.replace("BY", "depth")))
+    cfg = load_pipeline(p)
+    assert cfg.run("grown").match_by == "depth"
+    assert cfg.run("base").match_by is None and cfg.run("fused").match_by is None
+    # ffn is what no match_by means: one value for one model in run.json.
+    p.write_text(textwrap.dedent(text.replace("BY", "ffn")))
+    assert load_pipeline(p).run("grown").match_by is None
+    # A layer count inherited from the defaults is pointed out where it is written.
+    message = refusal(tmp_path, text.replace("BY", "depth, enc_layers: 4"))
+    assert message.startswith(f"{p}:4:") and "train.defaults.enc_layers: is chosen by match_params" in message
+
+
+def test_a_depth_match_that_cannot_land_says_why():
+    run = small_runs.tiny_run("deeper", preset="small", match_params="fused", match_by="depth")
+    with pytest.raises(UserError, match="match_by depth adds at least one layer on each side \\(4\\+4 layers\\)"):
+        matched_depth(run, 3_000_000, 4000)  # under what one more layer pair leaves at the narrowest FFN
 
 
 def _pipeline(tmp_path: Path, ckpt: Path, corpus, runs: str, entries: str = "") -> Path:

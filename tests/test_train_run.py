@@ -151,8 +151,8 @@ def test_feature_norm_trains_resumes_and_changing_it_is_refused(world, tmp_path)
 
 def test_a_run_json_of_the_older_format_resumes_and_loads(world, tmp_path):
     """run.json files that name the model's attention dropout attn_dropout and lack train.dropnet_p,
-    train.read_window, train.match_params and the PrLM's control (written before they were run settings)
-    resume as the same run and load for decoding."""
+    train.read_window, train.match_params, train.match_by and the PrLM's control (written before they were
+    run settings) resume as the same run and load for decoding."""
     corpus, ckpt, paths = world
     use = PrLMUse(checkpoint=str(ckpt))
     caches = [small_runs.caches_for(use, paths)]
@@ -162,6 +162,7 @@ def test_a_run_json_of_the_older_format_resumes_and_loads(world, tmp_path):
     info = json.loads((run_dir / "run.json").read_text())
     info["model"]["attn_dropout"] = info["model"].pop("attention_dropout")
     del info["train"]["dropnet_p"], info["train"]["read_window"], info["train"]["match_params"]
+    del info["train"]["match_by"]
     del info["train"]["prlms"][0]["control"]
     (run_dir / "run.json").write_text(json.dumps(info))
     train_run(run(6), corpus, caches, run_dir, progress=False)

@@ -69,8 +69,15 @@ def matched_depth(run: RunConfig, target: int, vocab_size: int) -> dict[str, int
     one, two = (run_parameters(grown(n), vocab_size, []) for n in (1, 2))
     n = max(1, 1 + round((target - one) / (two - one)))
     deeper = grown(n)
-    return {"enc_layers": deeper.enc_layers, "dec_layers": deeper.dec_layers,
-            "ffn": matched_ffn(deeper, target, vocab_size)}
+    try:
+        width = matched_ffn(deeper, target, vocab_size)
+    except UserError:
+        raise UserError(
+            f"run {run.name}: match_by depth adds at least one layer on each side ({deeper.enc_layers}+"
+            f"{deeper.dec_layers} layers), and then no FFN width lands within {MATCH_TOLERANCE:.0%} of {target:,} "
+            "trainable parameters; use match_by ffn, or match a larger run"
+        ) from None
+    return {"enc_layers": deeper.enc_layers, "dec_layers": deeper.dec_layers, "ffn": width}
 
 
 def matched_sizes(run: RunConfig, target: int, vocab_size: int) -> dict[str, int]:
