@@ -375,7 +375,8 @@ def _check_matched_runs(runs: list[RunConfig], raw_runs: dict, defaults: dict, w
             problem = "widens a run without PrLMs to another run's size; remove prlms or match_params"
         elif run.ffn is not None:
             keypath = located("ffn")
-            problem = f"is chosen by match_params ({run.match_params!r}), so an explicit ffn cannot stand beside it; remove one"
+            problem = (f"is chosen by match_params ({run.match_params!r}), so an explicit ffn cannot stand beside it; "
+                       "remove one")
         elif run.match_by == "depth" and explicit_layers:
             keypath = located(explicit_layers[0])
             problem = (f"is chosen by match_params ({run.match_params!r}) with match_by depth, so an explicit "
