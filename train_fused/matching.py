@@ -43,11 +43,12 @@ def matched_ffn(run: RunConfig, target: int, vocab_size: int) -> int:
         raise UserError(f"run {run.name}: match_params widens a run without PrLMs; this one fuses "
                         f"{len(run.prlms)}")
     # The count is linear in the FFN width: two widths give its slope and intercept.
-    low, high = (run_parameters(_with_ffn(run, width), vocab_size, []) for width in (FFN_MULTIPLE, 2 * FFN_MULTIPLE))
+    low, high = (run_parameters(_with_sizes(run, ffn=width), vocab_size, [])
+                 for width in (FFN_MULTIPLE, 2 * FFN_MULTIPLE))
     per_width = (high - low) / FFN_MULTIPLE
     exact = FFN_MULTIPLE + (target - low) / per_width
     width = max(FFN_MULTIPLE, FFN_MULTIPLE * round(exact / FFN_MULTIPLE))
-    got = run_parameters(_with_ffn(run, width), vocab_size, [])
+    got = run_parameters(_with_sizes(run, ffn=width), vocab_size, [])
     if abs(got - target) > MATCH_TOLERANCE * target:
         raise UserError(
             f"run {run.name}: no FFN width brings its {got:,} trainable parameters within "
@@ -85,10 +86,6 @@ def matched_sizes(run: RunConfig, target: int, vocab_size: int) -> dict[str, int
     if run.match_by == "depth":
         return matched_depth(run, target, vocab_size)
     return {"ffn": matched_ffn(run, target, vocab_size)}
-
-
-def _with_ffn(run: RunConfig, width: int) -> RunConfig:
-    return _with_sizes(run, ffn=width)
 
 
 def _with_sizes(run: RunConfig, **sizes: int) -> RunConfig:
