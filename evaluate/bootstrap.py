@@ -16,9 +16,9 @@ def matched_baselines(runs: list[RunView], baseline: str | None) -> dict[str, st
     """Run name -> the baseline run it is compared with.
 
     Normally the named baseline. When the baseline was trained with several seeds (a `grid: {seed:
-    [...]}` over it), a fused run is compared with the baseline run of its own seed, so that
-    seed-to-seed noise is not counted as the PrLM's effect; the baseline's other seeds are
-    compared with the named one, which shows that noise.
+    [...]}` over it), every other run (fused, or a baseline of another recipe such as a parameter-matched
+    one) is compared with the baseline run of its own seed, so that seed-to-seed noise is not counted as
+    the setting's effect; the baseline's other seeds are compared with the named one, which shows that noise.
     """
     if baseline is None:
         return {}
@@ -38,7 +38,8 @@ def matched_baselines(runs: list[RunView], baseline: str | None) -> dict[str, st
         if r.name == baseline:
             continue
         seed = (r.record.get("train") or {}).get("seed")
-        out[r.name] = base_by_seed.get(seed, baseline) if r.prlms else baseline
+        own_recipe = not r.prlms and recipe(r) == recipe(base)
+        out[r.name] = baseline if own_recipe else base_by_seed.get(seed, baseline)
     return out
 
 

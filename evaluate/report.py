@@ -20,8 +20,6 @@ import io
 import json
 import logging
 import math
-import re
-import statistics
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -31,6 +29,8 @@ from prlmfuse.evaluate.bootstrap import add_bootstrap
 from prlmfuse.evaluate.metrics import comparison_stats
 from prlmfuse.evaluate.results import (SIGNIFICANCE, EvaluationResults, RunResult, format_parameters, json_safe,
                                        results_csv)
+from prlmfuse.evaluate.seeds import (AgainstSummary, SystemSummary, against_over_seeds, system_of,
+                                     systems_over_seeds)
 from prlmfuse.fileio import atomic_write_json, atomic_write_text, read_json, read_lines, sha256_file
 
 logger = logging.getLogger(__name__)
@@ -47,8 +47,6 @@ REQUIRED_SETTINGS = ("beam", "lenpen", "average_last", "bootstrap_samples", "see
 _WRITTEN_BY_AN_OLDER_PRLMFUSE = ("it was written by an older prlmfuse; evaluate the runs again (their hypotheses "
                                  "are reused) to record what a merge checks")
 SCORE_TOLERANCE = 1e-3  # a stored score and the same hypotheses scored again agree to rounding
-SEED_SUFFIX = re.compile(r"\.seed-[^.]+")
-FILE_LABEL = re.compile(r" \[[^\]]*\]$")
 
 
 @dataclass
@@ -70,25 +68,6 @@ class Evaluation:
 
 
 @dataclass
-class SystemSummary:
-    """One system over its seeds on one test set: mean and sample standard deviation."""
-
-    system: str
-    test_set: str
-    runs: list[str]
-    metric: str
-    mean: float
-    sd: float
-    chrf_mean: float
-    chrf_sd: float
-    delta_mean: float | None = None  # of Δ against each seed's own baseline
-    delta_sd: float | None = None
-    significant: int = 0  # seeds ahead of their baseline with p < SIGNIFICANCE
-    compared: int = 0  # seeds with a Δ
-    left_out: dict[str, str] = field(default_factory=dict)  # run -> the run of its seed that counts instead
-
-
-@dataclass
 class Report:
     out: Path
     inputs: list[Evaluation]
@@ -96,8 +75,10 @@ class Report:
     sources: dict[str, Path]  # run -> results.json it came from
     systems: list[SystemSummary] = field(default_factory=list)
     # each row against a run named with --against: {run, test_set, against, against_run, delta, p_value}
-    # (metric -> value); against_run is the run of that name in the row's own file where several files hold one
+    # (metric -> value); against_run is the run of that name in the row's own file where several files hold one,
+    # and that system's run of the row's own seed where another seed's was named
     against: list[dict] = field(default_factory=list)
+    against_systems: list[AgainstSummary] = field(default_factory=list)
 
     @property
     def files(self) -> dict[str, Path]:
@@ -158,7 +139,8 @@ def merge_evaluations(paths: list[str | Path], out: str | Path, against: list[st
     against: runs every other row is also compared with (Δ and paired-bootstrap p on the same resampled
     test sets), e.g. a table's default setting, so that rows differing from it in one factor are compared directly.
     Where several files each hold their own run of that name (each batch's `fused`), a row is compared with the
-    one of its own file.
+    one of its own file; a row of another seed is compared with that system's run of its own seed (`fused.seed-2`)
+    where one is in the files, as with baselines.
     """
     if not paths:
         raise UserError("no results.json given; pass the results of at least one evaluation")
@@ -215,6 +197,8 @@ def merge_evaluations(paths: list[str | Path], out: str | Path, against: list[st
         refs_sha[(row.run, row.test_set)] = row.ref_sha256
         row.delta, row.p_value, row.compared_with = {}, {}, None
     targets = {name: _against_targets(name, by_key.values(), sources) for name in against}
+    for target_of in targets.values():
+        _pair_with_own_seed(target_of, list(by_key.values()))
     add_bootstrap(rows, sentence_level, refs_sha, baseline_of, n_samples=int(settings["bootstrap_samples"]),
                   seed=int(settings["seed"]))
     compared = []
@@ -234,8 +218,9 @@ def merge_evaluations(paths: list[str | Path], out: str | Path, against: list[st
     compared.sort(key=lambda c: (order_of[(c["run"], c["test_set"])], c["against"]))
     position = {e.path: i for i, e in enumerate(inputs)}
     file_order = {run: position[path] for run, path in sources.items()}
-    report = Report(out=Path(out), inputs=inputs, rows=rows, sources=sources, systems=_systems(rows, file_order),
-                    against=compared)
+    systems = systems_over_seeds(rows, file_order)
+    report = Report(out=Path(out), inputs=inputs, rows=rows, sources=sources, systems=systems, against=compared,
+                    against_systems=against_over_seeds(systems, compared))
     write_report(report)
     return report
 
@@ -271,8 +256,9 @@ def _hypotheses_of(evaluation: Evaluation) -> dict[str, tuple]:
 
 
 def _pair_with_own_seed(baseline_of: dict[str, str], pairs: list[tuple[RunResult, Evaluation]]) -> None:
-    """A run its evaluation compared with another seed's baseline (that evaluation held none of the run's seed)
-    is compared with its own seed's baseline where another file holds one: seed-to-seed spread is not a gain."""
+    """A run compared with another seed's run of a system (the baseline its evaluation named where that evaluation
+    held none of the run's seed, or a run named with --against) is compared with that system's run of its own seed
+    where a file holds one: seed-to-seed spread is not a gain."""
     first = {}
     for row, evaluation in pairs:
         first.setdefault(row.run, (row, evaluation))
@@ -284,8 +270,7 @@ def _pair_with_own_seed(baseline_of: dict[str, str], pairs: list[tuple[RunResult
                if system_of(other.run) == system_of(base) and other.seed == row.seed]
         if own:
             baseline_of[run] = min(own, key=lambda t: t[0])[1]  # the one of the row's own file, else the first file's
-            logger.info("%s: compared with %s, the baseline of its own seed (its evaluation compared it with %s)",
-                        run, baseline_of[run], base)
+            logger.info("%s: compared with %s, of its own seed, where %s was named", run, baseline_of[run], base)
 
 
 def file_name(path: Path) -> str:
@@ -326,48 +311,6 @@ def _first(mapping: dict[str, str], value: str) -> str:
 def _report_order(names: list[str], baselines: set[str]) -> list[str]:
     """Baselines first, then the others, each by system and seed."""
     return sorted(dict.fromkeys(names), key=lambda n: (n not in baselines, system_of(n), n))
-
-
-def system_of(run: str) -> str:
-    """The system a run belongs to: its name without the `.seed-N` a seed grid adds or the `[file]` a merge adds."""
-    return SEED_SUFFIX.sub("", FILE_LABEL.sub("", run))
-
-
-def _mean_sd(values: list[float]) -> tuple[float, float]:
-    values = [v for v in values if v is not None and math.isfinite(v)]
-    if not values:
-        return float("nan"), float("nan")
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else float("nan")
-
-
-def _systems(rows: list[RunResult], file_order: dict[str, int]) -> list[SystemSummary]:
-    """Each system's mean and sd over its seeds, one row per seed: where a seed has several rows (a run decoded
-    again with other hypotheses, or batches that each trained it), the one from the earliest file counts."""
-    out = []
-    for split in dict.fromkeys(r.test_set for r in rows):
-        for system in dict.fromkeys(system_of(r.run) for r in rows if r.test_set == split):
-            candidates = [r for r in rows if r.test_set == split and system_of(r.run) == system]
-            counted: dict[object, RunResult] = {}  # seed -> its row that counts
-            for r in sorted(candidates, key=lambda r: file_order[r.run]):
-                counted.setdefault(r.seed if r.seed is not None else r.run, r)
-            counting = {c.run for c in counted.values()}
-            group = [r for r in candidates if r.run in counting]
-            metric = group[0].main_metric
-            mean, sd = _mean_sd([getattr(r, metric) for r in group])
-            chrf_mean, chrf_sd = _mean_sd([r.chrf for r in group])
-            # Only a comparison with another system counts: an evaluation that named one seed's baseline
-            # also compares the baseline's other seeds with it, which measures seed spread, not a gain.
-            against_other = [r for r in group if metric in r.delta and r.compared_with
-                             and system_of(r.compared_with) != system]
-            deltas = [r.delta[metric] for r in against_other]
-            ahead = sum(1 for r in against_other if r.delta[metric] > 0 and r.p_value.get(metric, 1.0) < SIGNIFICANCE)
-            summary = SystemSummary(system, split, [r.run for r in group], metric, mean, sd, chrf_mean, chrf_sd,
-                                    compared=len(deltas), significant=ahead,
-                                    left_out={r.run: counted[r.seed].run for r in candidates if r.run not in counting})
-            if deltas:
-                summary.delta_mean, summary.delta_sd = _mean_sd(deltas)
-            out.append(summary)
-    return out
 
 
 # ---------------------------------------------------------------------------------------- files
@@ -423,7 +366,7 @@ def report_markdown(report: Report) -> str:
             lines += ["", "Not counted over seeds, since another row of the same seed counts: " + "; ".join(left_out) + "."]
         for other in dict.fromkeys(c["against"] for c in report.against if c["test_set"] == split):
             own = any(c["against_run"] != other for c in report.against if c["against"] == other)
-            lines += ["", f"Against {other}{' (the one of each row’s own file)' if own else ''} (paired bootstrap on the "
+            lines += ["", f"Against {other}{' (the one of each row’s own file or seed)' if own else ''} (paired bootstrap on the "
                           f"same resampled test sets; * p < {SIGNIFICANCE:g}):",
                       "", f"| run | Δ {name} vs {other} | p | Δ chrF vs {other} |", "|---|---|---|---|"]
             for c in report.against:
@@ -432,6 +375,13 @@ def report_markdown(report: Report) -> str:
                     chrf = next(r.chrf for r in rows if r.run == c["run"]) - next(r.chrf for r in rows if r.run == c["against_run"])
                     lines.append(f"| {c['run']} | {c['delta'][metric]:+.2f} | {p_value:.3f}"
                                  f"{'*' if p_value < SIGNIFICANCE else ''} | {_fmt(chrf, 2) if math.isfinite(chrf) else '-'} |")
+            over = [a for a in report.against_systems if a.test_set == split and a.against == other]
+            if any(len(a.runs) > 1 for a in over):
+                lines += ["", f"Over seeds against {system_of(other)} of each row’s seed (mean ± sample sd):", "",
+                          f"| system | seeds | Δ {name} | ahead with p < {SIGNIFICANCE:g} | behind with p < {SIGNIFICANCE:g} |",
+                          "|---|---|---|---|---|"]
+                lines += [f"| {a.system} | {len(a.runs)} | {a.delta_mean:+.2f} ± {_fmt(a.delta_sd)} | {a.ahead} | {a.behind} |"
+                          for a in over]
         signatures = dict.fromkeys(f"{k}: {v}" for r in rows for k, v in sorted(r.signature.items()))
         lines += ["", "Signatures:", ""] + [f"- `{sig}`" for sig in signatures]
     return "\n".join(lines) + "\n"
@@ -460,6 +410,7 @@ def write_report(report: Report) -> None:
                  for r in report.rows],
         "systems": [asdict(m) for m in report.systems],
         "against": report.against,
+        "against_systems": [asdict(a) for a in report.against_systems],
     }))
     plot_scores(as_results, out / "scores.png")
 

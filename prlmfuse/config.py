@@ -320,7 +320,8 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise where.error(("evaluate", "baseline"), f"no run named {evaluate.baseline!r}{hint}")
 
-    _check_matched_runs(runs, raw_train.get("runs") or {}, defaults, where)
+    raw_runs = raw_train.get("runs") or {}
+    _check_matched_runs(runs, raw_runs, defaults, where)
     cached = {ck.name for ck in cache.checkpoints}
     for r_i, run in enumerate(runs):
         for i, use in enumerate(run.prlms):
@@ -328,7 +329,7 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
                 close = difflib.get_close_matches(use.checkpoint, sorted(cached), n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else "; add it to cache.checkpoints"
                 raise where.error(
-                    ("train", "runs", run.name.split(".")[0], "prlms", i, "checkpoint"),
+                    ("train", "runs", _written_key(run.name, raw_runs), "prlms", i, "checkpoint"),
                     f"{use.checkpoint!r} is not in cache.checkpoints{hint}",
                 )
             entries = [(j, ck) for j, ck in enumerate(cache.checkpoints) if ck.name == use.checkpoint
@@ -338,12 +339,19 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
                 # A learned combination of one cached layer would train as that layer alone, silently.
                 j, ck = entries[0]
                 raise where.error(
-                    ("train", "runs", run.name.split(".")[0], "prlms", i, "layer"),
+                    ("train", "runs", _written_key(run.name, raw_runs), "prlms", i, "layer"),
                     f"{use.layer!r} combines the cached layers, but cache.checkpoints.{j} ({ck.name}) stores only "
                     f"{ck.layers}; set its layers: all",
                 )
     return PipelineConfig(path=path, workdir=workdir, data=data, cache=cache, train=train, evaluate=evaluate,
                           device=device, precision=precision)
+
+
+def _written_key(run_name: str, raw_runs: dict) -> str:
+    """The key of train.runs a run was written under: its name, or for a grid's run the name before the
+    `.setting-value`s the grid added."""
+    parts = run_name.split(".")
+    return next((key for key in (".".join(parts[:i]) for i in range(len(parts), 0, -1)) if key in raw_runs), parts[0])
 
 
 def _check_matched_runs(runs: list[RunConfig], raw_runs: dict, defaults: dict, where: Where) -> None:
@@ -354,7 +362,7 @@ def _check_matched_runs(runs: list[RunConfig], raw_runs: dict, defaults: dict, w
     or ffn), so run.json records one value for one model."""
     by_name = {r.name: r for r in runs}
     for run in runs:
-        name = run.name.split(".")[0]
+        name = _written_key(run.name, raw_runs)
         written = raw_runs.get(name) or {}
         written = written if isinstance(written, dict) else {}
 

@@ -313,7 +313,9 @@ def _selected_runs(cfg: PipelineConfig, names: list[str] | None) -> list[RunConf
         return list(cfg.train.runs)
     runs = []
     for n in names:
-        matched = [r for r in cfg.train.runs if r.name == n or r.name.split(".")[0] == n]
+        # A name selects that run, or where no run has it, every run a grid made of it (`fused` -> fused.seed-1, ...).
+        matched = ([r for r in cfg.train.runs if r.name == n]
+                   or [r for r in cfg.train.runs if r.name.startswith(n + ".")])
         if not matched:
             cfg.run(n)  # raises the UserError listing the runs
         runs.extend(r for r in matched if r not in runs)
@@ -490,7 +492,9 @@ def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None, *, sc
                   if r is base or (not r.prlms and recipe_without_seed(r.to_dict()) == base_recipe)]
         selected += [r for r in family if r not in selected and rundir.list_checkpoints(run_path(cfg, r.name))]
         if base not in selected:
-            baseline = None
+            # A batch of another seed (`--runs baseline.seed-2,fused.seed-2`) is compared with its own baseline.
+            own = [r for r in family if r.name in names] or [r for r in family if r in selected]
+            baseline = own[0].name if own else None
     untrained = [r.name for r in selected if not rundir.list_checkpoints(run_path(cfg, r.name))]
     if untrained:
         raise UserError(f"not trained yet: {', '.join(untrained)} (no checkpoint under {cfg.workdir / 'runs'}); "

@@ -71,6 +71,30 @@ def test_grid_expands_to_one_run_per_combination(tmp_path):
     assert runs[3].merge == "gate" and runs[3].side == "both"
 
 
+def test_runs_named_with_a_seed_are_selected_and_located_by_their_own_name(tmp_path):
+    """`fused.seed-2` written as a run of its own: `--runs fused` means the run named fused, not its seeds,
+    and a mistake in it is located at its own key, not at fused's."""
+    from prlmfuse.pipeline import _selected_runs
+
+    text = """
+        cache: {checkpoints: [{name: minilm-l6}]}
+        train:
+          runs:
+            fused: {prlms: [{checkpoint: minilm-l6}]}
+            fused.seed-2: {prlms: [{checkpoint: minilm-l6}], seed: 2}
+            wide:
+              grid: {seed: [1, 2]}
+    """
+    cfg = load_pipeline(write(tmp_path, text))
+    assert [r.name for r in _selected_runs(cfg, ["fused"])] == ["fused"]
+    assert [r.name for r in _selected_runs(cfg, ["fused.seed-2"])] == ["fused.seed-2"]
+    assert [r.name for r in _selected_runs(cfg, ["wide"])] == ["wide.seed-1", "wide.seed-2"]
+    p = write(tmp_path, text.replace("[{checkpoint: minilm-l6}], seed: 2", "[{checkpoint: minilm-l7}], seed: 2"), "b.yaml")
+    msg = error_of(p)
+    assert "train.runs.fused.seed-2.prlms.0.checkpoint: 'minilm-l7' is not in cache.checkpoints" in msg
+    assert msg.startswith(f"{p}:6:")
+
+
 def test_yaml_syntax_error_reports_line_and_column(tmp_path):
     p = write(tmp_path, "data:\n  kind: bible\n  src: [en\n")
     msg = error_of(p)

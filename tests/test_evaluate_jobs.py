@@ -184,7 +184,8 @@ def test_fused_runs_are_compared_with_the_baseline_of_their_own_seed(tmp_path):
         view("baseline.seed-1", 1), view("baseline.seed-2", 2), view("fused.seed-1", 1, [PRLM]),
         view("fused.seed-2", 2, [PRLM]), view("gate", 1, [PRLM], merge="gate"),
         view("fused.seed-3", 3, [PRLM]),  # no baseline of seed 3: the named one
-        view("long-baseline", 2, max_updates=9000),  # another recipe: not a seed sibling
+        view("long-baseline", 2, max_updates=9000),  # another recipe: not a seed sibling, compared with its seed's
+        view("long-baseline.seed-3", 3, max_updates=9000),  # no baseline of seed 3: the named one
     ]
     assert matched_baselines(runs, "baseline.seed-1") == {
         "baseline.seed-2": "baseline.seed-1",
@@ -192,7 +193,8 @@ def test_fused_runs_are_compared_with_the_baseline_of_their_own_seed(tmp_path):
         "fused.seed-2": "baseline.seed-2",
         "gate": "baseline.seed-1",
         "fused.seed-3": "baseline.seed-1",
-        "long-baseline": "baseline.seed-1",
+        "long-baseline": "baseline.seed-2",
+        "long-baseline.seed-3": "baseline.seed-1",
     }
     assert matched_baselines(runs, None) == {}
 

@@ -235,6 +235,28 @@ def test_only_train_and_only_evaluate_say_which_stage_to_run_first(tiny_pipeline
         prlm.with_name("hidden").rename(prlm)
 
 
+def test_a_batch_of_another_seed_is_compared_with_the_baseline_of_that_seed(tiny_pipeline, tmp_path):
+    """evaluate.baseline names seed 1's baseline, which this workdir never trained: `--runs` of seed 2's batch
+    compares each of its runs (fused, and a baseline of another recipe) with seed 2's baseline."""
+    root, path, _ = tiny_pipeline
+    from prlmfuse.config import load_pipeline
+    from prlmfuse.pipeline import run_pipeline
+
+    text = path.read_text().replace("workdir: work", f"workdir: {tmp_path / 'work'}")
+    fused = next(line for line in text.splitlines() if line.startswith("    fused: "))
+    seeds = tmp_path / "pipeline.yaml"
+    seeds.write_text(text.replace(fused, f"{fused}\n    baseline.seed-2: {{seed: 2}}\n    wide.seed-2: {{ffn: 96, seed: 2}}\n"
+                                  + fused.replace("fused:", "fused.seed-2:").replace("]}", "], seed: 2}")),
+                     encoding="utf-8")
+    cfg = load_pipeline(seeds)
+    batch = ["baseline.seed-2", "wide.seed-2", "fused.seed-2"]
+    results = run_pipeline(cfg, names=batch)
+    assert results.baseline == "baseline.seed-2"
+    assert {r.run: r.compared_with for r in results.rows} == {
+        "baseline.seed-2": None, "wide.seed-2": "baseline.seed-2", "fused.seed-2": "baseline.seed-2"}
+    assert not (tmp_path / "work" / "runs" / "baseline").exists()
+
+
 @pytest.mark.slow
 def test_the_same_pipeline_file_runs_under_torchrun(tiny_pipeline, tmp_path):
     root, path, _ = tiny_pipeline

@@ -90,7 +90,8 @@ def test_report_through_the_cli(evaluated, tmp_path):
 
 
 def test_rows_compared_against_a_named_run_match_an_evaluation_that_named_it_its_baseline(evaluated, tmp_path):
-    """--against fused.seed-1: each other run gets the Δ and p an evaluation with fused.seed-1 as its baseline gives."""
+    """--against fused.seed-1: each other run gets the Δ and p an evaluation with fused.seed-1 as its baseline gives,
+    a row of another seed those of that seed's fused run."""
     from prlmfuse.evaluate import evaluate_runs
     from prlmfuse.evaluate.report import merge_evaluations
 
@@ -105,9 +106,24 @@ def test_rows_compared_against_a_named_run_match_an_evaluation_that_named_it_its
     assert compared["fused.seed-2"]["delta"]["bleu"] == pytest.approx(direct.row("fused.seed-2").delta["bleu"])
     assert compared["fused.seed-2"]["p_value"]["bleu"] == pytest.approx(direct.row("fused.seed-2").p_value["bleu"])
     assert compared["baseline.seed-1"]["delta"]["bleu"] == pytest.approx(rows["baseline.seed-1"].bleu - rows["fused.seed-1"].bleu)
+    # Seed 2's baseline is compared with seed 2's fused run, not with seed 1's: seed spread is not a difference.
+    assert compared["baseline.seed-2"]["against_run"] == "fused.seed-2"
+    gaps = [rows[f"baseline.seed-{seed}"].bleu - rows[f"fused.seed-{seed}"].bleu for seed in (1, 2)]
+    assert compared["baseline.seed-2"]["delta"]["bleu"] == pytest.approx(gaps[1])
+    # Over seeds, the baseline's Δ against fused is the mean of each seed's; fused against itself is no row there.
+    [summary] = report.against_systems
+    assert (summary.system, summary.runs) == ("baseline", ["baseline.seed-1", "baseline.seed-2"])
+    significant = [compared[f"baseline.seed-{seed}"]["p_value"]["bleu"] < 0.05 for seed in (1, 2)]
+    assert summary.ahead == sum(sig and gap > 0 for sig, gap in zip(significant, gaps))
+    assert summary.behind == sum(sig and gap < 0 for sig, gap in zip(significant, gaps))
+    assert summary.delta_mean == pytest.approx(sum(gaps) / 2)
+    assert summary.delta_sd == pytest.approx(abs(gaps[0] - gaps[1]) / 2 ** 0.5)
     md = (tmp_path / "merged" / "results.md").read_text()
     assert "Against fused.seed-1" in md and "| fused.seed-2 |" in md.split("Against fused.seed-1")[1]
-    assert json.loads((tmp_path / "merged" / "results.json").read_text())["against"][0]["against"] == "fused.seed-1"
+    assert f"| baseline | 2 | {summary.delta_mean:+.2f} ± " in md.split("Over seeds against fused of each row")[1]
+    saved = json.loads((tmp_path / "merged" / "results.json").read_text())
+    assert saved["against"][0]["against"] == "fused.seed-1"
+    assert saved["against_systems"][0]["runs"] == ["baseline.seed-1", "baseline.seed-2"]
     assert "--against nosuch: no such run" in _refusal([*files, "--against", "nosuch"], tmp_path / "refused")
 
 
@@ -221,7 +237,7 @@ def test_batches_with_runs_of_one_name_are_told_apart_by_their_file(evaluated, t
     md = (tmp_path / "merged" / "results.md").read_text()
     assert "fused.seed-1 [batch-2] (its seed counts as fused.seed-1 [seed-1])" in md
     chrf = rows["baseline.seed-1 [batch-2]"].chrf - second.chrf
-    assert "Against fused.seed-1 (the one of each row’s own file)" in md
+    assert "Against fused.seed-1 (the one of each row’s own file or seed)" in md
     # the Δ the row prints is that comparison's own (negating a Δ of 0.0 would print -0.00 where it prints +0.00)
     against_delta = compared["baseline.seed-1 [batch-2]"]["delta"]["bleu"]
     assert f"| baseline.seed-1 [batch-2] | {against_delta:+.2f} |" in md and f"| {chrf:.2f} |" in md
