@@ -197,8 +197,6 @@ def merge_evaluations(paths: list[str | Path], out: str | Path, against: list[st
         refs_sha[(row.run, row.test_set)] = row.ref_sha256
         row.delta, row.p_value, row.compared_with = {}, {}, None
     targets = {name: _against_targets(name, by_key.values(), sources) for name in against}
-    for target_of in targets.values():
-        _pair_with_own_seed(target_of, list(by_key.values()))
     add_bootstrap(rows, sentence_level, refs_sha, baseline_of, n_samples=int(settings["bootstrap_samples"]),
                   seed=int(settings["seed"]))
     compared = []
@@ -220,7 +218,7 @@ def merge_evaluations(paths: list[str | Path], out: str | Path, against: list[st
     file_order = {run: position[path] for run, path in sources.items()}
     systems = systems_over_seeds(rows, file_order)
     report = Report(out=Path(out), inputs=inputs, rows=rows, sources=sources, systems=systems, against=compared,
-                    against_systems=against_over_seeds(systems, compared))
+                    against_systems=against_over_seeds(systems, compared, {r.run: r.seed for r in rows}))
     write_report(report)
     return report
 
@@ -286,22 +284,32 @@ def _in_file(run: str, label: str) -> str:
     return f"{run} [{label}]"
 
 
-def _against_targets(name: str, rows: Iterable[tuple[RunResult, Evaluation]], sources: dict[str, Path]) -> dict[str, str]:
+def _against_targets(name: str, rows: Iterable[tuple[RunResult, Evaluation]],
+                     sources: dict[str, Path]) -> dict[str, str]:
     """run -> the run `name` it is compared with: the one run of that name, or the one of the row's own file where
-    several files hold their own (a row in a file without one is not compared)."""
-    if name in sources:
-        return {run: name for run in sources if run != name}
+    several files hold their own; a row of another seed, or of a file without one, is compared with the named
+    system's run of its own seed where a file holds one (a row with neither is not compared)."""
     rows = list(rows)
-    in_file = {evaluation.path: _in_file(name, _file_label(evaluation)) for _, evaluation in rows}
-    own = {row.run: in_file[evaluation.path] for row, evaluation in rows
-           if in_file[evaluation.path] in sources and row.run != in_file[evaluation.path]}
-    if not own:
-        raise UserError(f"--against {name}: no such run in the files (runs: {', '.join(sources)})")
-    without = sorted(path.name for path, target in in_file.items() if target not in sources)
-    if without:
-        logger.warning("--against %s: rows of files without a %s of their own are not compared with one: %s",
-                       name, name, ", ".join(without))
-    return own
+    system = system_of(name)
+    if name in sources:
+        target_of = {run: name for run in sources if run != name}
+    else:
+        in_file = {evaluation.path: _in_file(name, _file_label(evaluation)) for _, evaluation in rows}
+        if not any(target in sources for target in in_file.values()):
+            raise UserError(f"--against {name}: no such run in the files (runs: {', '.join(sources)})")
+        target_of = {row.run: in_file[evaluation.path] for row, evaluation in rows
+                     if in_file[evaluation.path] in sources and row.run != in_file[evaluation.path]}
+        for row, evaluation in rows:
+            own_seed = [(other_evaluation is not evaluation, other.run) for other, other_evaluation in rows
+                        if system_of(other.run) == system and other.seed == row.seed and other.run != row.run]
+            if row.run not in target_of and system_of(row.run) != system and row.seed is not None and own_seed:
+                target_of[row.run] = min(own_seed, key=lambda t: t[0])[1]
+        left = sorted({row.run for row, _ in rows if row.run not in target_of and system_of(row.run) != system})
+        if left:
+            logger.warning("--against %s: not compared, since their files hold no %s and none holds one of their "
+                           "seed: %s", name, name, ", ".join(left))
+    _pair_with_own_seed(target_of, rows)
+    return target_of
 
 
 def _first(mapping: dict[str, str], value: str) -> str:
@@ -366,8 +374,8 @@ def report_markdown(report: Report) -> str:
             lines += ["", "Not counted over seeds, since another row of the same seed counts: " + "; ".join(left_out) + "."]
         for other in dict.fromkeys(c["against"] for c in report.against if c["test_set"] == split):
             own = any(c["against_run"] != other for c in report.against if c["against"] == other)
-            lines += ["", f"Against {other}{' (the one of each row’s own file or seed)' if own else ''} (paired bootstrap on the "
-                          f"same resampled test sets; * p < {SIGNIFICANCE:g}):",
+            lines += ["", f"Against {other}{' (the one of each row’s own file or seed)' if own else ''} (paired "
+                          f"bootstrap on the same resampled test sets; * p < {SIGNIFICANCE:g}):",
                       "", f"| run | Δ {name} vs {other} | p | Δ chrF vs {other} |", "|---|---|---|---|"]
             for c in report.against:
                 if c["test_set"] == split and c["against"] == other and metric in c["delta"]:
@@ -375,16 +383,22 @@ def report_markdown(report: Report) -> str:
                     chrf = next(r.chrf for r in rows if r.run == c["run"]) - next(r.chrf for r in rows if r.run == c["against_run"])
                     lines.append(f"| {c['run']} | {c['delta'][metric]:+.2f} | {p_value:.3f}"
                                  f"{'*' if p_value < SIGNIFICANCE else ''} | {_fmt(chrf, 2) if math.isfinite(chrf) else '-'} |")
-            over = [a for a in report.against_systems if a.test_set == split and a.against == other]
-            if any(len(a.runs) > 1 for a in over):
-                lines += ["", f"Over seeds against {system_of(other)} of each row’s seed (mean ± sample sd):", "",
-                          f"| system | seeds | Δ {name} | ahead with p < {SIGNIFICANCE:g} | behind with p < {SIGNIFICANCE:g} |",
-                          "|---|---|---|---|---|"]
-                lines += [f"| {a.system} | {len(a.runs)} | {a.delta_mean:+.2f} ± {_fmt(a.delta_sd)} | {a.ahead} | {a.behind} |"
-                          for a in over]
+            lines += _against_over_seeds_lines(
+                [a for a in report.against_systems if a.test_set == split and a.against == other], other, name)
         signatures = dict.fromkeys(f"{k}: {v}" for r in rows for k, v in sorted(r.signature.items()))
         lines += ["", "Signatures:", ""] + [f"- `{sig}`" for sig in signatures]
     return "\n".join(lines) + "\n"
+
+
+def _against_over_seeds_lines(over: list[AgainstSummary], other: str, metric_name: str) -> list[str]:
+    """The over-seeds table of one --against run, where some system has more than one seed compared with it."""
+    if not any(len(a.runs) > 1 for a in over):
+        return []
+    significant = f"with p < {SIGNIFICANCE:g}"
+    return ["", f"Over seeds against {system_of(other)} of each row’s seed (mean ± sample sd):", "",
+            f"| system | seeds | Δ {metric_name} | ahead {significant} | behind {significant} |", "|---|---|---|---|---|",
+            *(f"| {a.system} | {len(a.runs)} | {a.delta_mean:+.2f} ± {_fmt(a.delta_sd)} | {a.ahead} | {a.behind} |"
+              for a in over)]
 
 
 def write_report(report: Report) -> None:

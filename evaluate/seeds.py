@@ -81,7 +81,7 @@ def systems_over_seeds(rows: list[RunResult], file_order: dict[str, int]) -> lis
             against_other = [r for r in group if metric in r.delta and r.compared_with
                              and system_of(r.compared_with) != system]
             deltas = [r.delta[metric] for r in against_other]
-            ahead = sum(1 for r in against_other if r.delta[metric] > 0 and r.p_value.get(metric, 1.0) < SIGNIFICANCE)
+            ahead, _ = _significant([(r.delta[metric], r.p_value.get(metric, 1.0)) for r in against_other])
             summary = SystemSummary(system, split, [r.run for r in group], metric, mean, sd, chrf_mean, chrf_sd,
                                     compared=len(deltas), significant=ahead,
                                     left_out={r.run: counted[r.seed].run for r in candidates if r.run not in counting})
@@ -91,19 +91,28 @@ def systems_over_seeds(rows: list[RunResult], file_order: dict[str, int]) -> lis
     return out
 
 
-def against_over_seeds(systems: list[SystemSummary], compared: list[dict]) -> list[AgainstSummary]:
-    """Each system's Δ against each --against run over the seeds that count for it; as over the baselines, only a
-    comparison with another system counts."""
+def against_over_seeds(systems: list[SystemSummary], compared: list[dict],
+                       seed_of: dict[str, int | None]) -> list[AgainstSummary]:
+    """Each system's Δ against each --against run over the seeds that count for it. Only a comparison with another
+    system's run of the same seed counts: across systems, as over the baselines, and within a seed, since a row whose
+    seed the compared system lacks is compared with another seed's run."""
     out = []
     for name in dict.fromkeys(c["against"] for c in compared):
         for m in systems:
-            counted = [c for c in compared if c["against"] == name and c["test_set"] == m.test_set and c["run"] in m.runs
-                       and system_of(c["against_run"]) != m.system and m.metric in c["delta"]]
+            counted = [c for c in compared if c["against"] == name and c["test_set"] == m.test_set
+                       and c["run"] in m.runs and system_of(c["against_run"]) != m.system
+                       and seed_of[c["run"]] == seed_of[c["against_run"]] and m.metric in c["delta"]]
             if not counted:
                 continue
-            signed = [(c["delta"][m.metric], c["p_value"][m.metric] < SIGNIFICANCE) for c in counted]
-            mean, sd = mean_sd([d for d, _ in signed])
+            pairs = [(c["delta"][m.metric], c["p_value"][m.metric]) for c in counted]
+            mean, sd = mean_sd([d for d, _ in pairs])
+            ahead, behind = _significant(pairs)
             out.append(AgainstSummary(m.system, m.test_set, name, [c["run"] for c in counted], m.metric, mean, sd,
-                                      ahead=sum(1 for d, sig in signed if sig and d > 0),
-                                      behind=sum(1 for d, sig in signed if sig and d < 0)))
+                                      ahead=ahead, behind=behind))
     return out
+
+
+def _significant(pairs: list[tuple[float, float]]) -> tuple[int, int]:
+    """Of (Δ, p) pairs, how many are ahead and how many behind with p < SIGNIFICANCE."""
+    return (sum(1 for d, p in pairs if d > 0 and p < SIGNIFICANCE),
+            sum(1 for d, p in pairs if d < 0 and p < SIGNIFICANCE))

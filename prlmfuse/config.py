@@ -103,6 +103,8 @@ class TrainConfig:
     runs: list[RunConfig] = field(default_factory=list)
     # Runs trained at once, each in its own process with cores/jobs threads (the CLI's --jobs overrides it).
     jobs: int = 1
+    # run name -> the key of train.runs it was written under (a grid's runs share their key)
+    written_as: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -141,17 +143,19 @@ class PipelineConfig:
         raise UserError(f"{self.path}: no run named {name!r}; runs are {', '.join(r.name for r in self.train.runs)}")
 
 
-def _expand_runs(raw_runs: Any, defaults: dict, where: Where, base_dir: Path) -> list[RunConfig]:
+def _expand_runs(raw_runs: Any, defaults: dict, where: Where,
+                 base_dir: Path) -> tuple[list[RunConfig], dict[str, str]]:
     """`runs` maps a name to overrides of the defaults; an optional `grid` multiplies a run.
 
     grid: {merge: [sum, gate], position: [attn, ffn]} gives fused.merge-sum.position-attn, ... — one run
-    per combination, all reading the same cache.
+    per combination, all reading the same cache. Returns the runs and each run's key (its written name).
     """
     if raw_runs is None:
         raw_runs = {}
     if not isinstance(raw_runs, dict):
         raise where.error(("train", "runs"), "expected a mapping of run name to settings")
     runs: list[RunConfig] = []
+    written_as: dict[str, str] = {}
     for name, overrides in raw_runs.items():
         keypath = ("train", "runs", name)
         if str(name) in (".", "..") or "/" in str(name) or not str(name).strip():
@@ -179,11 +183,12 @@ def _expand_runs(raw_runs: Any, defaults: dict, where: Where, base_dir: Path) ->
                 key = next((k for k in (e.key[0], *e.also) if k in written or k in defaults), e.key[0])
                 raise where.error(_run_keypath(keypath, defaults, written, key) + e.key[1:], e.detail) from None
             runs.append(run)
+            written_as.setdefault(run_name, str(name))
     names = [r.name for r in runs]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup:
         raise where.error(("train", "runs"), f"run name {dup!r} appears twice")
-    return runs
+    return runs, written_as
 
 
 def _run_keypath(keypath: tuple, defaults: dict, written: dict, key: str) -> tuple:
@@ -296,8 +301,8 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise where.error(("train", "defaults", key), f"unknown key{hint}", at_key=True)
         coerce(defaults[key], typing.get_type_hints(RunConfig)[key], ("train", "defaults", key), where, base_dir)
-    runs = _expand_runs(raw_train.get("runs"), defaults, where, base_dir)
-    train = TrainConfig(defaults=defaults, runs=runs, jobs=jobs)
+    runs, written_as = _expand_runs(raw_train.get("runs"), defaults, where, base_dir)
+    train = TrainConfig(defaults=defaults, runs=runs, jobs=jobs, written_as=written_as)
 
     evaluate = build(EvaluateConfig, raw.get("evaluate"), ("evaluate",), where, base_dir)
     check_choice(evaluate.average, AVERAGE_CHOICES, ("evaluate", "average"), where)
@@ -320,8 +325,7 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
         hint = f"; did you mean {close[0]!r}?" if close else ""
         raise where.error(("evaluate", "baseline"), f"no run named {evaluate.baseline!r}{hint}")
 
-    raw_runs = raw_train.get("runs") or {}
-    _check_matched_runs(runs, raw_runs, defaults, where)
+    _check_matched_runs(runs, raw_train.get("runs") or {}, written_as, defaults, where)
     cached = {ck.name for ck in cache.checkpoints}
     for r_i, run in enumerate(runs):
         for i, use in enumerate(run.prlms):
@@ -329,7 +333,7 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
                 close = difflib.get_close_matches(use.checkpoint, sorted(cached), n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else "; add it to cache.checkpoints"
                 raise where.error(
-                    ("train", "runs", _written_key(run.name, raw_runs), "prlms", i, "checkpoint"),
+                    ("train", "runs", written_as[run.name], "prlms", i, "checkpoint"),
                     f"{use.checkpoint!r} is not in cache.checkpoints{hint}",
                 )
             entries = [(j, ck) for j, ck in enumerate(cache.checkpoints) if ck.name == use.checkpoint
@@ -339,7 +343,7 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
                 # A learned combination of one cached layer would train as that layer alone, silently.
                 j, ck = entries[0]
                 raise where.error(
-                    ("train", "runs", _written_key(run.name, raw_runs), "prlms", i, "layer"),
+                    ("train", "runs", written_as[run.name], "prlms", i, "layer"),
                     f"{use.layer!r} combines the cached layers, but cache.checkpoints.{j} ({ck.name}) stores only "
                     f"{ck.layers}; set its layers: all",
                 )
@@ -347,14 +351,8 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
                           device=device, precision=precision)
 
 
-def _written_key(run_name: str, raw_runs: dict) -> str:
-    """The key of train.runs a run was written under: its name, or for a grid's run the name before the
-    `.setting-value`s the grid added."""
-    parts = run_name.split(".")
-    return next((key for key in (".".join(parts[:i]) for i in range(len(parts), 0, -1)) if key in raw_runs), parts[0])
-
-
-def _check_matched_runs(runs: list[RunConfig], raw_runs: dict, defaults: dict, where: Where) -> None:
+def _check_matched_runs(runs: list[RunConfig], raw_runs: dict, written_as: dict[str, str], defaults: dict,
+                        where: Where) -> None:
     """match_params names another run of the file, with PrLMs or not, that is itself not matched; the
     matched run has no PrLMs and no ffn (with match_by depth, no layer counts) of its own: the match
     chooses them. match_by written in a run needs its match_params; one inherited from train.defaults
@@ -362,7 +360,7 @@ def _check_matched_runs(runs: list[RunConfig], raw_runs: dict, defaults: dict, w
     or ffn), so run.json records one value for one model."""
     by_name = {r.name: r for r in runs}
     for run in runs:
-        name = _written_key(run.name, raw_runs)
+        name = written_as[run.name]
         written = raw_runs.get(name) or {}
         written = written if isinstance(written, dict) else {}
 

@@ -275,7 +275,8 @@ def planned_specs(cfg: PipelineConfig, run: RunConfig) -> list:
             layers, pooled, mode = choose_layers(use.layer, fields, checkpoint=use.checkpoint,
                                                  where=f"cache of {entry.name}")
         except UserError as e:
-            raise UserError(f"{cfg.path}: train.runs.{run.name.split('.')[0]}.prlms.{i}.layer: {e}") from None
+            key = cfg.train.written_as.get(run.name, run.name)
+            raise UserError(f"{cfg.path}: train.runs.{key}.prlms.{i}.layer: {e}") from None
         specs.append(branch_spec(use, info.hidden_size, layers, pooled, mode))
     return specs
 
@@ -315,7 +316,7 @@ def _selected_runs(cfg: PipelineConfig, names: list[str] | None) -> list[RunConf
     for n in names:
         # A name selects that run, or where no run has it, every run a grid made of it (`fused` -> fused.seed-1, ...).
         matched = ([r for r in cfg.train.runs if r.name == n]
-                   or [r for r in cfg.train.runs if r.name.startswith(n + ".")])
+                   or [r for r in cfg.train.runs if cfg.train.written_as.get(r.name) == n])
         if not matched:
             cfg.run(n)  # raises the UserError listing the runs
         runs.extend(r for r in matched if r not in runs)
@@ -481,6 +482,7 @@ def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None, *, sc
     ensure_data(cfg, build=False)
     e = cfg.evaluate
     selected = _selected_runs(cfg, names)
+    requested = list(selected)
     baseline = e.baseline
     if names is not None and baseline is not None:
         # `--runs fused` still compares with the baseline (and its other seeds) once they are trained;
@@ -493,7 +495,8 @@ def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None, *, sc
         selected += [r for r in family if r not in selected and rundir.list_checkpoints(run_path(cfg, r.name))]
         if base not in selected:
             # A batch of another seed (`--runs baseline.seed-2,fused.seed-2`) is compared with its own baseline.
-            own = [r for r in family if r.name in names] or [r for r in family if r in selected]
+            seeds = {r.seed for r in requested}
+            own = [r for r in family if r in requested] or [r for r in family if r in selected and r.seed in seeds]
             baseline = own[0].name if own else None
     untrained = [r.name for r in selected if not rundir.list_checkpoints(run_path(cfg, r.name))]
     if untrained:

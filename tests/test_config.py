@@ -89,7 +89,7 @@ def test_runs_named_with_a_seed_are_selected_and_located_by_their_own_name(tmp_p
     assert [r.name for r in _selected_runs(cfg, ["fused"])] == ["fused"]
     assert [r.name for r in _selected_runs(cfg, ["fused.seed-2"])] == ["fused.seed-2"]
     assert [r.name for r in _selected_runs(cfg, ["wide"])] == ["wide.seed-1", "wide.seed-2"]
-    p = write(tmp_path, text.replace("[{checkpoint: minilm-l6}], seed: 2", "[{checkpoint: minilm-l7}], seed: 2"), "b.yaml")
+    p = write(tmp_path, text.replace("minilm-l6}], seed: 2", "minilm-l7}], seed: 2"), "b.yaml")
     msg = error_of(p)
     assert "train.runs.fused.seed-2.prlms.0.checkpoint: 'minilm-l7' is not in cache.checkpoints" in msg
     assert msg.startswith(f"{p}:6:")

@@ -144,7 +144,7 @@ def test_jobs_trains_runs_in_their_own_processes_and_names_the_one_that_failed(t
     assert failed.stderr.count("(own process, 1 thread(s);") == 2 and "baseline finished in" in failed.stderr
     runs = tmp_path / "work" / "runs"
     assert latest_trainer_state(runs / "baseline").update == 6
-    assert f"train: baseline -> " in (runs / "baseline" / "train.log").read_text(encoding="utf-8")
+    assert "train: baseline -> " in (runs / "baseline" / "train.log").read_text(encoding="utf-8")
 
     shutil.rmtree(train_cache)
     shutil.copytree(tmp_path / "intact", train_cache)
@@ -235,26 +235,35 @@ def test_only_train_and_only_evaluate_say_which_stage_to_run_first(tiny_pipeline
         prlm.with_name("hidden").rename(prlm)
 
 
+@pytest.mark.slow
 def test_a_batch_of_another_seed_is_compared_with_the_baseline_of_that_seed(tiny_pipeline, tmp_path):
     """evaluate.baseline names seed 1's baseline, which this workdir never trained: `--runs` of seed 2's batch
-    compares each of its runs (fused, and a baseline of another recipe) with seed 2's baseline."""
+    compares each of its runs (fused, and a baseline of another recipe) with seed 2's baseline, and a later
+    `--runs fused.seed-3` with seed 3's, though seed 2's is trained too."""
     root, path, _ = tiny_pipeline
     from prlmfuse.config import load_pipeline
     from prlmfuse.pipeline import run_pipeline
 
     text = path.read_text().replace("workdir: work", f"workdir: {tmp_path / 'work'}")
     fused = next(line for line in text.splitlines() if line.startswith("    fused: "))
+    batch = [fused, "    wide.seed-2: {ffn: 96, seed: 2}"]
+    for seed in (2, 3):
+        batch += [f"    baseline.seed-{seed}: {{seed: {seed}}}",
+                  fused.replace("fused:", f"fused.seed-{seed}:").replace("]}", f"], seed: {seed}}}")]
     seeds = tmp_path / "pipeline.yaml"
-    seeds.write_text(text.replace(fused, f"{fused}\n    baseline.seed-2: {{seed: 2}}\n    wide.seed-2: {{ffn: 96, seed: 2}}\n"
-                                  + fused.replace("fused:", "fused.seed-2:").replace("]}", "], seed: 2}")),
-                     encoding="utf-8")
+    seeds.write_text(text.replace(fused, "\n".join(batch)), encoding="utf-8")
     cfg = load_pipeline(seeds)
-    batch = ["baseline.seed-2", "wide.seed-2", "fused.seed-2"]
-    results = run_pipeline(cfg, names=batch)
+    results = run_pipeline(cfg, names=["baseline.seed-2", "wide.seed-2", "fused.seed-2"])
     assert results.baseline == "baseline.seed-2"
     assert {r.run: r.compared_with for r in results.rows} == {
         "baseline.seed-2": None, "wide.seed-2": "baseline.seed-2", "fused.seed-2": "baseline.seed-2"}
     assert not (tmp_path / "work" / "runs" / "baseline").exists()
+
+    run_pipeline(cfg, only="train", names=["baseline.seed-3"])
+    results = run_pipeline(cfg, names=["fused.seed-3"])
+    assert results.baseline == "baseline.seed-3"
+    assert {r.run: r.compared_with for r in results.rows} == {
+        "baseline.seed-3": None, "baseline.seed-2": "baseline.seed-3", "fused.seed-3": "baseline.seed-3"}
 
 
 @pytest.mark.slow

@@ -243,6 +243,46 @@ def test_batches_with_runs_of_one_name_are_told_apart_by_their_file(evaluated, t
     assert f"| baseline.seed-1 [batch-2] | {against_delta:+.2f} |" in md and f"| {chrf:.2f} |" in md
 
 
+def test_against_a_run_each_batch_holds_its_own_of_pairs_a_seed_file_with_its_seed(evaluated, tmp_path):
+    """Two batches of seed 1, each with its own `baseline` and `fused` (told apart by file), and a seed-2 file
+    of `baseline.seed-2` and `fused.seed-2`: --against fused compares seed 2's baseline with seed 2's fused."""
+    from prlmfuse.evaluate.report import merge_evaluations
+
+    folder = _copy_inputs(evaluated, tmp_path / "in")
+    for source, batch in (("seed-1.json", "batch-1.json"), ("seed-2.json", "batch-2.json")):
+        data = json.loads((folder / source).read_text())
+        for row in data["rows"]:
+            row["run"], row["seed"] = row["run"].split(".")[0], 1
+            row["compared_with"] = row["compared_with"] and row["compared_with"].split(".")[0]
+        data["baseline"] = "baseline"
+        (folder / batch).write_text(json.dumps(data))
+    report = merge_evaluations([folder / "batch-1.json", folder / "batch-2.json", folder / "seed-2.json"],
+                               tmp_path / "merged", against=["fused"])
+    compared = {c["run"]: c["against_run"] for c in report.against}
+    assert compared == {"baseline [batch-1]": "fused [batch-1]", "baseline [batch-2]": "fused [batch-2]",
+                        "baseline.seed-2": "fused.seed-2"}
+    [summary] = report.against_systems
+    assert summary.runs == ["baseline [batch-1]", "baseline.seed-2"]  # seed 1 counts once, from the first file
+
+
+def test_over_seeds_against_a_run_counts_only_rows_of_its_seed(evaluated, tmp_path):
+    """--against fused.seed-1 where no file holds a fused run of seed 2: seed 2's baseline is compared with seed 1's
+    fused in the table, but over seeds only seed 1's comparison counts."""
+    from prlmfuse.evaluate.report import merge_evaluations
+
+    folder = _copy_inputs(evaluated, tmp_path / "in")
+    data = json.loads((folder / "seed-2.json").read_text())
+    data["rows"] = [row for row in data["rows"] if row["run"] != "fused.seed-2"]
+    (folder / "seed-2.json").write_text(json.dumps(data))
+    report = merge_evaluations([folder / "seed-1.json", folder / "seed-2.json"], tmp_path / "merged",
+                               against=["fused.seed-1"])
+    assert {c["run"]: c["against_run"] for c in report.against} == {
+        "baseline.seed-1": "fused.seed-1", "baseline.seed-2": "fused.seed-1"}
+    [summary] = report.against_systems
+    assert summary.runs == ["baseline.seed-1"]
+    assert "Over seeds against" not in (tmp_path / "merged" / "results.md").read_text()
+
+
 def test_a_baseline_seed_compared_with_another_seed_of_the_baseline_counts_as_no_gain(evaluated, tmp_path):
     # `prlmfuse run --runs baseline.seed-2,fused.seed-2` with `evaluate.baseline: baseline.seed-1` evaluates
     # baseline.seed-1 beside the pair and compares baseline.seed-2 with it: that row keeps its Δ, but the

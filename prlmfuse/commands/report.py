@@ -12,8 +12,8 @@ from prlmfuse.commands._common import creatable_dir
 @click.option("--out", required=True, type=click.Path(file_okay=False), callback=creatable_dir, help="Where the merged results.md/csv/json and scores.png go.")
 @click.option("--against", "against", multiple=True, metavar="RUN",
               help="Also compare every run with RUN (Δ and paired-bootstrap p), e.g. a table's default setting; where "
-                   "several files hold their own RUN, the one of the row's file, and of its seed where RUN has one (fused.seed-2); "
-                   "repeatable.")
+                   "several files hold their own RUN, the one of the row's file, and of its seed where RUN has one "
+                   "(fused.seed-2); repeatable.")
 def report(files: tuple[str, ...], out: str, against: tuple[str, ...]) -> None:
     """Merge FILES (results.json of `evaluate`, each with its hyp.* and ref.* files beside it) into one table.
 
