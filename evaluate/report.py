@@ -264,11 +264,18 @@ def _pair_with_own_seed(baseline_of: dict[str, str], pairs: list[tuple[RunResult
         row, evaluation = first[run]
         if row.seed is None or first[base][0].seed == row.seed or system_of(base) == system_of(run):
             continue
-        own = [(other_evaluation is not evaluation, other.run) for other, other_evaluation in first.values()
-               if system_of(other.run) == system_of(base) and other.seed == row.seed]
+        own = _run_of_seed(system_of(base), row, evaluation, first.values())
         if own:
-            baseline_of[run] = min(own, key=lambda t: t[0])[1]  # the one of the row's own file, else the first file's
-            logger.info("%s: compared with %s, of its own seed, where %s was named", run, baseline_of[run], base)
+            baseline_of[run] = own
+            logger.info("%s: compared with %s, of its own seed, where %s was named", run, own, base)
+
+
+def _run_of_seed(system: str, row: RunResult, evaluation: Evaluation,
+                 pairs: Iterable[tuple[RunResult, Evaluation]]) -> str | None:
+    """`system`'s run of the row's seed: the one of the row's own file, else the first file's; None if none."""
+    own = [(other_evaluation is not evaluation, other.run) for other, other_evaluation in pairs
+           if system_of(other.run) == system and other.seed == row.seed]
+    return min(own, key=lambda t: t[0])[1] if own else None
 
 
 def file_name(path: Path) -> str:
@@ -300,10 +307,10 @@ def _against_targets(name: str, rows: Iterable[tuple[RunResult, Evaluation]],
         target_of = {row.run: in_file[evaluation.path] for row, evaluation in rows
                      if in_file[evaluation.path] in sources and row.run != in_file[evaluation.path]}
         for row, evaluation in rows:
-            own_seed = [(other_evaluation is not evaluation, other.run) for other, other_evaluation in rows
-                        if system_of(other.run) == system and other.seed == row.seed and other.run != row.run]
-            if row.run not in target_of and system_of(row.run) != system and row.seed is not None and own_seed:
-                target_of[row.run] = min(own_seed, key=lambda t: t[0])[1]
+            if row.run not in target_of and system_of(row.run) != system and row.seed is not None:
+                own = _run_of_seed(system, row, evaluation, rows)
+                if own:
+                    target_of[row.run] = own
         left = sorted({row.run for row, _ in rows if row.run not in target_of and system_of(row.run) != system})
         if left:
             logger.warning("--against %s: not compared, since their files hold no %s and none holds one of their "

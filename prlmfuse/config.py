@@ -183,7 +183,7 @@ def _expand_runs(raw_runs: Any, defaults: dict, where: Where,
                 key = next((k for k in (e.key[0], *e.also) if k in written or k in defaults), e.key[0])
                 raise where.error(_run_keypath(keypath, defaults, written, key) + e.key[1:], e.detail) from None
             runs.append(run)
-            written_as.setdefault(run_name, str(name))
+            written_as[run_name] = str(name)
     names = [r.name for r in runs]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup:
