@@ -295,15 +295,17 @@ def _against_targets(name: str, rows: Iterable[tuple[RunResult, Evaluation]],
                      sources: dict[str, Path]) -> dict[str, str]:
     """run -> the run `name` it is compared with: the one run of that name, or the one of the row's own file where
     several files hold their own; a row of another seed, or of a file without one, is compared with the named
-    system's run of its own seed where a file holds one (a row with neither is not compared)."""
+    system's run of its own seed where a file holds one (a row with neither is not compared). A system's name
+    (`fused` where the files hold `fused.seed-1`, `fused.seed-2`) names its run of each row's seed."""
     rows = list(rows)
     system = system_of(name)
     if name in sources:
         target_of = {run: name for run in sources if run != name}
     else:
         in_file = {evaluation.path: _in_file(name, _file_label(evaluation)) for _, evaluation in rows}
-        if not any(target in sources for target in in_file.values()):
-            raise UserError(f"--against {name}: no such run in the files (runs: {', '.join(sources)})")
+        if not any(target in sources for target in in_file.values()) and not any(
+                system_of(run) == name for run in sources):
+            raise UserError(f"--against {name}: no such run or system in the files (runs: {', '.join(sources)})")
         target_of = {row.run: in_file[evaluation.path] for row, evaluation in rows
                      if in_file[evaluation.path] in sources and row.run != in_file[evaluation.path]}
         for row, evaluation in rows:

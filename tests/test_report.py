@@ -265,6 +265,26 @@ def test_against_a_run_each_batch_holds_its_own_of_pairs_a_seed_file_with_its_se
     assert summary.runs == ["baseline [batch-1]", "baseline.seed-2"]  # seed 1 counts once, from the first file
 
 
+def test_against_a_system_compares_each_row_with_its_run_of_the_rows_seed(evaluated, tmp_path):
+    """--against fused where the files hold fused.seed-1 and fused.seed-2 but no run named fused: each baseline
+    seed is compared with fused of its seed, with the Δ of --against fused.seed-N for that seed."""
+    from prlmfuse.evaluate.report import merge_evaluations
+
+    files = [evaluated["in"] / "seed-1.json", evaluated["in"] / "seed-2.json"]
+    report = merge_evaluations(files, tmp_path / "merged", against=["fused"])
+    compared = {c["run"]: c for c in report.against}
+    assert {run: c["against_run"] for run, c in compared.items()} == {
+        "baseline.seed-1": "fused.seed-1", "baseline.seed-2": "fused.seed-2"}
+    by_seed = merge_evaluations(files, tmp_path / "by-seed", against=["fused.seed-2"])
+    [seed_2] = [c for c in by_seed.against if c["run"] == "baseline.seed-2"]
+    assert compared["baseline.seed-2"]["delta"]["bleu"] == pytest.approx(seed_2["delta"]["bleu"])
+    [summary] = report.against_systems
+    assert summary.runs == ["baseline.seed-1", "baseline.seed-2"]
+    assert "Over seeds against fused of each row" in (tmp_path / "merged" / "results.md").read_text()
+    with pytest.raises(UserError, match="--against fused.seed-3: no such run or system"):
+        merge_evaluations(files, tmp_path / "refused", against=["fused.seed-3"])
+
+
 def test_over_seeds_against_a_run_counts_only_rows_of_its_seed(evaluated, tmp_path):
     """--against fused.seed-1 where no file holds a fused run of seed 2: seed 2's baseline is compared with seed 1's
     fused in the table, but over seeds only seed 1's comparison counts."""
