@@ -140,7 +140,8 @@ def merge_evaluations(paths: list[str | Path], out: str | Path, against: list[st
     test sets), e.g. a table's default setting, so that rows differing from it in one factor are compared directly.
     Where several files each hold their own run of that name (each batch's `fused`), a row is compared with the
     one of its own file; a row of another seed is compared with that system's run of its own seed (`fused.seed-2`)
-    where one is in the files, as with baselines.
+    where one is in the files, as with baselines. A system's name (`fused` for runs `fused.seed-N`) names its run of
+    each row's seed; rows of a seed it has no run of are not compared.
     """
     if not paths:
         raise UserError("no results.json given; pass the results of at least one evaluation")
@@ -314,6 +315,9 @@ def _against_targets(name: str, rows: Iterable[tuple[RunResult, Evaluation]],
                 if own:
                     target_of[row.run] = own
         left = sorted({row.run for row, _ in rows if row.run not in target_of and system_of(row.run) != system})
+        if not target_of:
+            raise UserError(f"--against {name}: no row's file or seed has a run of {name} "
+                            f"(runs: {', '.join(sources)}); add the results.json that holds one of their seed")
         if left:
             logger.warning("--against %s: not compared, since their files hold no %s and none holds one of their "
                            "seed: %s", name, name, ", ".join(left))

@@ -283,6 +283,14 @@ def test_against_a_system_compares_each_row_with_its_run_of_the_rows_seed(evalua
     assert "Over seeds against fused of each row" in (tmp_path / "merged" / "results.md").read_text()
     with pytest.raises(UserError, match="--against fused.seed-3: no such run or system"):
         merge_evaluations(files, tmp_path / "refused", against=["fused.seed-3"])
+    # seed 1's fused beside seed 2's baseline alone: no row has a fused run of its seed to be compared with
+    folder = _copy_inputs(evaluated, tmp_path / "in")
+    for source, keep in (("seed-1.json", "fused.seed-1"), ("seed-2.json", "baseline.seed-2")):
+        data = json.loads((folder / source).read_text())
+        data["rows"] = [dict(row, compared_with=None) for row in data["rows"] if row["run"] == keep]
+        (folder / source).write_text(json.dumps(data))
+    with pytest.raises(UserError, match="--against fused: no row's file or seed has a run of fused"):
+        merge_evaluations([folder / "seed-1.json", folder / "seed-2.json"], tmp_path / "none", against=["fused"])
 
 
 def test_over_seeds_against_a_run_counts_only_rows_of_its_seed(evaluated, tmp_path):

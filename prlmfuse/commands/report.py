@@ -14,7 +14,7 @@ from prlmfuse.commands._common import creatable_dir
               help="Also compare every run with RUN (Δ and paired-bootstrap p), e.g. a table's default setting; where "
                    "several files hold their own RUN, the one of the row's file, and of its seed where RUN has one "
                    "(fused.seed-2); a system's name (fused, where the files hold fused.seed-N) names its run of "
-                   "each row's seed; repeatable.")
+                   "each row's seed, and rows of a seed it lacks are not compared; repeatable.")
 def report(files: tuple[str, ...], out: str, against: tuple[str, ...]) -> None:
     """Merge FILES (results.json of `evaluate`, each with its hyp.* and ref.* files beside it) into one table.
 
