@@ -70,15 +70,18 @@ class BackgroundWriter:
     """Encodes and writes the shards of a build while the model thread computes.
 
     After a shard is renamed into place, its progress record is written: only then does the shard
-    count as complete (the rule that also makes fsspec URLs, which cannot rename, safe). The first
-    error of any thread is raised in the model thread at its next call.
+    count as complete (the rule that also makes fsspec URLs, which cannot rename, safe). An error of any
+    thread is raised in the model thread at its next call; once close() has drained every writer, the
+    error it raises is the earliest shard's, whichever writer failed first, so that a full disk names the
+    shard a rerun resumes from.
     """
 
     def __init__(self, location: Location, backend: str, key: str, layers: tuple[int, ...], dtype: str, *,
                  writers: int = WRITERS, encoders: int | None = None):
         self.location, self.backend, self.key = location, backend, key
         self.layers, self.dtype = layers, dtype
-        self.error: BaseException | None = None
+        self.failures: dict[int, BaseException] = {}  # shard's open order -> its first error
+        self.failures_lock = threading.Lock()
         self.records: list[dict] = []
         self.slots = threading.BoundedSemaphore(IN_FLIGHT)
         self.encoders = ThreadPoolExecutor(encoders or default_encoders(), thread_name_prefix="prlmfuse-cache-encode")
@@ -90,15 +93,26 @@ class BackgroundWriter:
         self.opened = 0  # shards opened so far: shard n goes to writer n % writers
         self.current: queue.Queue | None = None
 
+    @property
+    def error(self) -> BaseException | None:
+        with self.failures_lock:
+            return self.failures[min(self.failures)] if self.failures else None
+
+    def raised(self, error: BaseException) -> bool:
+        """Whether `error` is one of this writer's threads' errors (not the model thread's own)."""
+        with self.failures_lock:
+            return any(error is failure for failure in self.failures.values())
+
     def _check(self) -> None:
-        if self.error is not None:
-            raise self.error
+        error = self.error
+        if error is not None:
+            raise error
 
     def open(self, name: str, specs: dict[str, ArraySpec], first_rows: dict[str, np.ndarray], meta: dict) -> None:
         self._check()
         self.current = self.queues[self.opened % len(self.queues)]
+        self.current.put(("open", self.opened, name, specs, first_rows, meta))
         self.opened += 1
-        self.current.put(("open", name, specs, first_rows, meta))
 
     def append(self, take: Callable[[], HostBatch]) -> None:
         """Queue one batch for encoding and writing: take() hands it over once a slot is free, so that
@@ -128,16 +142,17 @@ class BackgroundWriter:
         self._check()
         return self.records
 
-    def _fail(self, error: BaseException, name: str | None) -> None:
-        if self.error is None:  # the first error is the one to report
-            self.error = disk_full_error(f"shard {name}", self.location) if is_disk_full(error) else error
+    def _fail(self, error: BaseException, order: int, name: str | None) -> None:
+        error = disk_full_error(f"shard {name}", self.location) if is_disk_full(error) else error
+        with self.failures_lock:
+            self.failures.setdefault(order, error)
 
     def _run(self, items: queue.Queue) -> None:
         # A writer whose own work failed drains its queue. Another thread's error does not stop it: the
         # shard it holds was queued whole (its commit before the next shard's first rows), so it finishes
         # it, and a rerun rebuilds no shard it need not; an incomplete one is aborted at the sentinel.
         writer = None
-        name = meta = None
+        order, name, meta = -1, None, None
         failed = False
         while True:
             item = items.get()
@@ -155,7 +170,7 @@ class BackgroundWriter:
                 elif failed:
                     pass  # drain: the model thread never blocks on a dead writer
                 elif item[0] == "open":
-                    _, name, specs, first_rows, meta = item
+                    _, order, name, specs, first_rows, meta = item
                     writer = create_shard(self.location, self.backend, f"{SHARD_DIR}/{name}", specs)
                     for array, values in first_rows.items():
                         writer.append(array, values)
@@ -167,7 +182,7 @@ class BackgroundWriter:
                     self.records.append(record)
             except BaseException as e:  # noqa: BLE001 - re-raised in the model thread
                 failed = True
-                self._fail(e, name)
+                self._fail(e, order, name)
                 if writer is not None:
                     writer.abort()
                     writer = None

@@ -20,7 +20,6 @@ hold a renewed lock object, and a second build is refused while it is live.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -364,9 +363,13 @@ def write_shards(spec: BuildSpec, corpus: EncodedCorpus, todo: list[ShardPlan], 
                 if on_batch is not None:
                     on_batch(batch, int(attention_mask.sum()))
             writer.commit()
-    except BaseException:
-        with contextlib.suppress(BaseException):  # the first error is the one to report
+    except BaseException as e:
+        from_writer = writer.raised(e)
+        try:
             writer.close()
+        except BaseException as drained:  # noqa: BLE001 - the model thread's own error is the one to report
+            if from_writer:
+                raise drained from None  # every writer has stopped: the earliest shard's error
         raise
     writer.close()
 

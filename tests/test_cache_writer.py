@@ -4,7 +4,9 @@ stay bounded; an encoder's error reaches the caller and leaves no shard counted 
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import threading
 import time
 
@@ -118,6 +120,32 @@ def test_batches_between_the_model_and_the_disk_stay_bounded(tmp_path, monkeypat
     writer.close()
     assert len(stored) == 30
     assert 2 <= max(held) <= background_writer.IN_FLIGHT, held  # the bound held, and the slow disk reached it
+
+
+def test_a_full_disk_names_the_earliest_shard_whichever_writer_fails_first(world, tmp_path, monkeypatch):
+    """Shards 5 and 6 sit on the two writer threads; 6 meets the full disk first, 5 only after. The build
+    names shard 5, the one a rerun resumes from, and the rerun completes the cache."""
+    _, checkpoint, corpus = world
+    create, later_failed = background_writer.create_shard, threading.Event()
+
+    def full_disk_create(location, backend, name, specs):
+        index = int(name.split("shard-")[1][:5])  # shards/shard-00005.h5 -> 5
+        if index == 6:
+            later_failed.set()
+        elif index == 5:
+            assert later_failed.wait(timeout=10.0), "shard 6 never reached its writer"
+        if index >= 5:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return create(location, backend, name, specs)
+
+    monkeypatch.setattr(background_writer, "create_shard", full_disk_create)
+    out = tmp_path / "cache"
+    with pytest.raises(UserError) as failed:
+        build_cache(checkpoint, corpus, out, backend="hdf5", **BUILD_ARGS)
+    assert str(failed.value) == f"disk full while writing shard shard-00005.h5 in {out}; free space and rerun to resume"
+    assert sorted(p.name for p in (out / "progress").iterdir()) == [f"shard-{i:05d}.h5.json" for i in range(5)]
+    monkeypatch.setattr(background_writer, "create_shard", create)
+    verify_cache(build_cache(checkpoint, corpus, out, backend="hdf5", **BUILD_ARGS).path)
 
 
 @pytest.mark.parametrize("backend", ["zarr", "hdf5"])
