@@ -143,7 +143,9 @@ class BackgroundWriter:
         return self.records
 
     def _fail(self, error: BaseException, order: int, name: str | None) -> None:
-        error = disk_full_error(f"shard {name}", self.location) if is_disk_full(error) else error
+        if is_disk_full(error):
+            cause, error = error, disk_full_error(f"shard {name}", self.location)
+            error.__cause__ = cause  # the OSError's traceback, for a debugger; the CLI prints the one line
         with self.failures_lock:
             self.failures.setdefault(order, error)
 

@@ -368,8 +368,8 @@ def write_shards(spec: BuildSpec, corpus: EncodedCorpus, todo: list[ShardPlan], 
         try:
             writer.close()
         except BaseException as drained:  # noqa: BLE001 - the model thread's own error is the one to report
-            if from_writer:
-                raise drained from None  # every writer has stopped: the earliest shard's error
+            if from_writer and drained is not e and writer.raised(drained):
+                raise drained  # every writer has stopped: an earlier shard's error than the one first seen
         raise
     writer.close()
 

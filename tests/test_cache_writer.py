@@ -126,25 +126,33 @@ def test_a_full_disk_names_the_earliest_shard_whichever_writer_fails_first(world
     """Shards 5 and 6 sit on the two writer threads; 6 meets the full disk first, 5 only after. The build
     names shard 5, the one a rerun resumes from, and the rerun completes the cache."""
     _, checkpoint, corpus = world
-    create, later_failed = background_writer.create_shard, threading.Event()
+    create, fail = background_writer.create_shard, background_writer.BackgroundWriter._fail
+    later_failed = threading.Event()
 
     def full_disk_create(location, backend, name, specs):
         index = int(name.split("shard-")[1][:5])  # shards/shard-00005.h5 -> 5
-        if index == 6:
-            later_failed.set()
-        elif index == 5:
-            assert later_failed.wait(timeout=10.0), "shard 6 never reached its writer"
+        if index == 5:
+            # Shard 6 opens while this waits: BUILD_ARGS give one batch per shard, fewer than IN_FLIGHT.
+            reached = later_failed.wait(timeout=60.0)
+            assert reached, "shard 6 never failed on its writer"
         if index >= 5:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return create(location, backend, name, specs)
 
+    def recording_fail(self, error, order, name):
+        fail(self, error, order, name)
+        if name == "shard-00006.h5":
+            later_failed.set()  # shard 6's error is recorded before shard 5 meets the full disk
+
     monkeypatch.setattr(background_writer, "create_shard", full_disk_create)
+    monkeypatch.setattr(background_writer.BackgroundWriter, "_fail", recording_fail)
     out = tmp_path / "cache"
     with pytest.raises(UserError) as failed:
         build_cache(checkpoint, corpus, out, backend="hdf5", **BUILD_ARGS)
     assert str(failed.value) == f"disk full while writing shard shard-00005.h5 in {out}; free space and rerun to resume"
     assert sorted(p.name for p in (out / "progress").iterdir()) == [f"shard-{i:05d}.h5.json" for i in range(5)]
     monkeypatch.setattr(background_writer, "create_shard", create)
+    monkeypatch.setattr(background_writer.BackgroundWriter, "_fail", fail)
     verify_cache(build_cache(checkpoint, corpus, out, backend="hdf5", **BUILD_ARGS).path)
 
 
