@@ -20,6 +20,7 @@ hold a renewed lock object, and a second build is refused while it is live.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -364,12 +365,11 @@ def write_shards(spec: BuildSpec, corpus: EncodedCorpus, todo: list[ShardPlan], 
                     on_batch(batch, int(attention_mask.sum()))
             writer.commit()
     except BaseException as e:
-        from_writer = writer.raised(e)
-        try:
+        from_writer = writer.raised(e)  # else the model thread's own error, the one to report
+        with contextlib.suppress(BaseException):
             writer.close()
-        except BaseException as drained:  # noqa: BLE001 - the model thread's own error is the one to report
-            if from_writer and drained is not e and writer.raised(drained):
-                raise drained  # every writer has stopped: an earlier shard's error than the one first seen
+        if from_writer and writer.error is not e:
+            raise writer.error  # every writer has stopped: an earlier shard's error than the one first seen
         raise
     writer.close()
 
