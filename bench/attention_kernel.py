@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from prlmfuse.precision import autocast, compute_dtype
-from prlmfuse.train_fused import modeling
+from prlmfuse.train_fused import blocks, modeling
 
 
 def main() -> None:
@@ -36,7 +36,7 @@ def main() -> None:
     tgt = torch.randint(3, 8000, (batch, tgt_len))
     feats = [modeling.PrLMFeatures(torch.randn(batch, 1, prlm_len, 384), torch.ones(batch, prlm_len, dtype=torch.bool))]
     dtype = compute_dtype("cpu")
-    written_out = modeling.cpu_training_attention
+    written_out = blocks.cpu_training_attention
 
     def via_sdpa(q, k, v, mask, dropout_p):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
@@ -54,11 +54,11 @@ def main() -> None:
     variants = [("sdpa", via_sdpa), ("written_out", written_out)]
     for i in range(args.updates + 2):
         for name, fn in variants if i % 2 else variants[::-1]:
-            modeling.cpu_training_attention = fn
+            blocks.cpu_training_attention = fn
             elapsed = update()
             if i >= 2:
                 times[name].append(elapsed)
-    modeling.cpu_training_attention = written_out
+    blocks.cpu_training_attention = written_out
     sdpa, written = statistics.median(times["sdpa"]), statistics.median(times["written_out"])
     print(f"update: SDPA {sdpa * 1000:.0f} ms, written out {written * 1000:.0f} ms (precision {dtype})")
     print("RESULT " + json.dumps({"sdpa_ms": round(sdpa * 1000, 1), "written_out_ms": round(written * 1000, 1),

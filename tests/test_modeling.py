@@ -12,16 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from prlmfuse.errors import UserError
 from prlmfuse.train_fused.config import LAYER_MODES, PRESETS, SIDES
-from prlmfuse.train_fused.modeling import (
-    DecoderLayer,
-    EncoderLayer,
-    EncoderOut,
-    FlowMerge,
-    FusedTransformer,
-    ModelConfig,
-    PrLMFeatures,
-    PrLMSpec,
-)
+from prlmfuse.train_fused.blocks import FlowMerge
+from prlmfuse.train_fused.config import ModelConfig, PrLMSpec
+from prlmfuse.train_fused.modeling import DecoderLayer, EncoderLayer, EncoderOut, FusedTransformer, PrLMFeatures
 from prlmfuse.train_fused.trainer import label_smoothed_sums
 
 torch.set_num_threads(1)
@@ -601,7 +594,7 @@ def test_training_dropout_follows_torchs_seed_and_eval_is_deterministic():
 
 def test_activation_dropout_drops_the_ffns_hidden_activations():
     """activation_dropout sits between the FFN's activation and fc2, as fairseq's."""
-    from prlmfuse.train_fused.modeling import FeedForward
+    from prlmfuse.train_fused.blocks import FeedForward
 
     torch.manual_seed(0)
     ffn = FeedForward(16, 64, "relu", activation_dropout=0.3)
@@ -655,7 +648,7 @@ def test_new_dropouts_are_validated(name):
 
 def test_cpu_training_attention_equals_sdpa():
     """The written-out CPU training attention computes what SDPA does, masks and causality included."""
-    from prlmfuse.train_fused.modeling import cpu_training_attention
+    from prlmfuse.train_fused.blocks import cpu_training_attention
 
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))

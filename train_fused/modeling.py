@@ -1,9 +1,10 @@
 """The fused Transformer: a Transformer encoder-decoder with one PrLM branch per frozen PrLM.
 
 Park & Zhao (2021) add to every encoder layer an attention over the cached PrLM states H_P and
-a PrLM feed-forward, and merge that flow with the layer's source flow. This file is the whole
-model: layer selection over cached PrLM layers, encoder and decoder layers and the incremental
-decoding API used by `prlmfuse.evaluate.decode`; its configuration and rules are
+a PrLM feed-forward, and merge that flow with the layer's source flow. This file is the model's
+equations, its encoder and decoder layers and the incremental decoding API used by
+`prlmfuse.evaluate.decode`; its parts are blocks.py's (positions, attention, FFN, the merge of flows)
+and layer_selection.py's (the cached PrLM layers a branch reads); its configuration and rules are
 `train_fused.config`'s (ModelConfig, PrLMSpec).
 
 Notation for one encoder layer with input H, PrLM features Z_1..Z_k (after layer selection,
@@ -70,23 +71,8 @@ above, the encoder attention in the role of SelfAttn (e.g. `ffn`: x_E = LN2(x1 +
 x_j = LN2_j(x1 + drop(PrLMAttn_j)); H' = LN3(x_E + Merge(drop(FFN(x_E)), drop(FFN_j(x_j))..))).
 With position `attn` the two sides coincide.
 
-Layer selection (`PrLMSpec.layer_mode`) turns the cached states [B, n, M, d_p] into Z [B, M, d_p]
-in the PrLM's own width, before the branch's key/value projections:
-
-    fixed:     n must be 1; Z = states[:, 0]
-    dyn_cls / dyn_aver (Park & Zhao, Table 3a, scored as the authors' fairseq fork does): over the
-               transformer layers 1..L only (never the embedding layer), per sentence,
-               s = W [p_1; ..; p_L] + c  (one Linear from the L concatenated sentence vectors to L
-               logits), p_n the first-token (dyn_cls) or mean (dyn_aver) vector of layer n from
-               `pooled`;  alpha = softmax(s);  Z = sum_n alpha_n states_n
-    dwatt      (ElNokrashy et al. 2022, eqs. 3-10): per token,
-               k_n = W_K kpos_n (kpos_n ~ U(0,1), fixed, 24 dims);  v_n = LN_n(f_V,n(z_n));
-               q = 1 + elu(z_L + f_Q(z_L)), z_L the last cached layer;  f(z) = W LN(gelu(U z))
-               with a bottleneck of d_p/2;  Z = z_L + sum_n softmax_n(q . k_n) v_n
-               (unscaled dot product, as in the paper's eq. 7)
-    concat:    Z = sum_n W_n z_n + b (one Linear over the concatenated layers)
-
-DWAtt and Concat read every cached layer, the embedding layer included (unmeasured whether dropping it helps).
+Layer selection (fixed, Dyn[CLS]/Dyn[Aver], DWAtt, Concat) turns a branch's cached layers into Z_j;
+layer_selection.py's docstring gives its equations.
 
 Initialisation is fairseq 0.12's transformer's: attention q, k, v xavier-uniform with gain
 1/sqrt(2) when keys have the query's width (plain xavier for a PrLM branch's wider or narrower
@@ -109,12 +95,17 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from prlmfuse.errors import UserError
+from prlmfuse.train_fused.blocks import (
+    FeedForward,
+    FlowMerge,
+    MultiheadAttention,
+    SinusoidalPositions,
+    positions_from_mask,
+    xavier_linear,
+)
 # The model's configuration lives in its own module, as Hugging Face's configuration_*.py files do.
-from prlmfuse.train_fused.config import ModelConfig, PrLMSpec
-
-# DWAtt hyper-parameters from ElNokrashy et al. (2022), Table 4.
-DWATT_BOTTLENECK = 0.5
-DWATT_KEY_POS_DIM = 24
+from prlmfuse.train_fused.config import ModelConfig, PrLMSpec  # noqa: F401  (PrLMSpec: read beside the model)
+from prlmfuse.train_fused.layer_selection import build_layer_selection
 
 
 # ----------------------------------------------------------------------------- inputs and outputs
@@ -156,293 +147,6 @@ class EncoderOut:
             prlm_kv=[[(pick(k), pick(v)) for k, v in layer] for layer in self.prlm_kv],
             prlm_masks=[pick(m) for m in self.prlm_masks],
         )
-
-
-# ----------------------------------------------------------------------------- building blocks
-
-
-class SinusoidalPositions(nn.Module):
-    """Fixed sin/cos position embeddings (fairseq layout: all sines, then all cosines)."""
-
-    def __init__(self, dim: int):
-        super().__init__()
-        self.dim = dim
-        half = dim // 2
-        inv_freq = torch.exp(torch.arange(half, dtype=torch.float32) * -(math.log(10000.0) / max(half - 1, 1)))
-        # Not persistent: recomputed from dim, so it never enters checkpoints.
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-
-    def forward(self, positions: Tensor) -> Tensor:
-        angles = positions.to(torch.float32).unsqueeze(-1) * self.inv_freq
-        emb = torch.cat([angles.sin(), angles.cos()], dim=-1)
-        if self.dim % 2:
-            emb = F.pad(emb, (0, 1))
-        return emb
-
-
-def positions_from_mask(mask: Tensor) -> Tensor:
-    """0, 1, 2, .. over the real tokens of each row, whichever side the padding is on."""
-    return (mask.long().cumsum(dim=1) - 1).clamp(min=0)
-
-
-def xavier_linear(in_features: int, out_features: int, bias: bool = True) -> nn.Linear:
-    """nn.Linear initialised as fairseq's `Linear` helper: xavier-uniform weight, zero bias."""
-    linear = nn.Linear(in_features, out_features, bias)
-    nn.init.xavier_uniform_(linear.weight)
-    if bias:
-        nn.init.zeros_(linear.bias)
-    return linear
-
-
-def cpu_training_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, dropout_p: float) -> Tensor:
-    """softmax(q k^T / sqrt(head_dim) + mask) v through plain matmuls, for CPU training steps.
-
-    Why: autograd through these matmuls trains faster on CPU than SDPA's kernels, whose backward is
-    the slower part (`python bench/attention_kernel.py` times the two side by side).
-    """
-    scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-2, -1))
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    weights = F.dropout(torch.softmax(scores, dim=-1), dropout_p, training=dropout_p > 0)
-    return torch.matmul(weights, v)
-
-
-class MultiheadAttention(nn.Module):
-    """Scaled dot-product attention with separate projections; keys/values may have another width.
-
-    Initialised as fairseq's MultiheadAttention.reset_parameters (see there).
-    """
-
-    def __init__(self, d_model: int, heads: int, attn_dropout: float, kv_width: int | None = None):
-        super().__init__()
-        self.heads = heads
-        self.head_dim = d_model // heads
-        self.attn_dropout = attn_dropout
-        kv_width = kv_width or d_model
-        self.q_proj = nn.Linear(d_model, d_model)
-        self.k_proj = nn.Linear(kv_width, d_model)
-        self.v_proj = nn.Linear(kv_width, d_model)
-        self.out_proj = nn.Linear(d_model, d_model)
-        self.qkv_same_dim = kv_width == d_model
-        self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        """fairseq's init: q, k, v xavier-uniform (gain 1/sqrt(2) when keys have the query's width,
-        fairseq's `qkv_same_dim`), their biases left at nn.Linear's default; out_proj xavier, bias 0."""
-        gain = 1 / math.sqrt(2) if self.qkv_same_dim else 1.0
-        for proj in (self.k_proj, self.v_proj, self.q_proj):
-            nn.init.xavier_uniform_(proj.weight, gain=gain)
-        nn.init.xavier_uniform_(self.out_proj.weight)
-        nn.init.zeros_(self.out_proj.bias)
-
-    def _split_heads(self, x: Tensor) -> Tensor:
-        batch, length, _ = x.shape
-        return x.view(batch, length, self.heads, self.head_dim).transpose(1, 2)
-
-    def project_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
-        """Keys and values [B, heads, S, head_dim] of `memory` [B, S, kv_width]."""
-        return self._split_heads(self.k_proj(memory)), self._split_heads(self.v_proj(memory))
-
-    def attend(
-        self, query_states: Tensor, keys: Tensor, values: Tensor, key_mask: Tensor | None = None, causal: bool = False
-    ) -> Tensor:
-        """Attend from query_states [B, T, d] over projected keys/values.
-
-        key_mask [B, S] (True = real key). causal: the T queries are the last T positions of the
-        S keys (full prefix when T == S, one new step when T == 1).
-        """
-        batch, q_len, d_model = query_states.shape
-        k_len = keys.shape[2]
-        q = self._split_heads(self.q_proj(query_states))
-        attn_mask, empty_rows = None, None
-        if key_mask is not None:
-            # A row with no real key would softmax over nothing (NaN); it attends to everything and
-            # its output is zeroed below, so it contributes nothing. Done for every row, since asking
-            # whether any row is empty would wait for the device (and break a compiled graph).
-            empty_rows = ~key_mask.any(dim=-1)
-            key_mask = key_mask | empty_rows[:, None]
-            attn_mask = key_mask[:, None, None, :]
-        written_out = q.device.type == "cpu" and q.requires_grad
-        is_causal = False
-        if causal and q_len > 1:
-            if attn_mask is None and q_len == k_len and not written_out:
-                is_causal = True
-            else:
-                causal_mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril(diagonal=k_len - q_len)
-                attn_mask = causal_mask if attn_mask is None else attn_mask & causal_mask
-        dropout_p = self.attn_dropout if self.training else 0.0
-        if written_out:
-            out = cpu_training_attention(q, keys, values, attn_mask, dropout_p)
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
-        out = self.out_proj(out.transpose(1, 2).reshape(batch, q_len, d_model))
-        if empty_rows is not None:
-            out = out.masked_fill(empty_rows[:, None, None], 0.0)
-        return out
-
-    def forward(self, query_states: Tensor, memory: Tensor, key_mask: Tensor | None = None) -> Tensor:
-        keys, values = self.project_kv(memory)
-        return self.attend(query_states, keys, values, key_mask)
-
-
-class FeedForward(nn.Module):
-    """fc2(act(fc1(x))); both Linears keep nn.Linear's default init, as fairseq's build_fc1/build_fc2."""
-
-    def __init__(self, d_model: int, ffn: int, activation: str, activation_dropout: float = 0.0):
-        super().__init__()
-        self.fc1 = nn.Linear(d_model, ffn)
-        self.fc2 = nn.Linear(ffn, d_model)
-        self.activation = F.relu if activation == "relu" else F.gelu
-        self.activation_dropout = nn.Dropout(activation_dropout)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc2(self.activation_dropout(self.activation(self.fc1(x))))
-
-
-class FlowMerge(nn.Module):
-    """Merge the source flow flows[0] with the PrLM flows flows[1:] (see the module docstring)."""
-
-    def __init__(self, strategy: str, d_model: int, num_prlms: int, dropnet_p: float):
-        super().__init__()
-        self.strategy = strategy
-        self.dropnet_p = dropnet_p
-        self.num_prlms = num_prlms
-        if strategy == "gate":
-            # One logit vector per PrLM flow; the source flow is the reference class at 0.
-            # fairseq has no gate; its `Linear` helper is what its other learned projections get.
-            self.gate_proj = xavier_linear((num_prlms + 1) * d_model, num_prlms * d_model)
-
-    def forward(self, flows: list[Tensor]) -> Tensor:
-        if self.strategy == "sum":
-            return _sum(flows)
-        if self.strategy == "average":
-            return _sum(flows) / len(flows)
-        if self.strategy == "gate":
-            logits = self.gate_proj(torch.cat(flows, dim=-1)).unflatten(-1, (self.num_prlms, -1))
-            logits = torch.cat([torch.zeros_like(logits[..., :1, :]), logits], dim=-2)
-            weights = torch.softmax(logits.float(), dim=-2).to(logits.dtype)
-            return (weights * torch.stack(flows, dim=-2)).sum(dim=-2)
-        if self.strategy == "dropnet":
-            if self.training and self.dropnet_p > 0:
-                draw = float(torch.rand(()))
-                if draw < self.dropnet_p / 2:
-                    return flows[0]
-                if draw < self.dropnet_p:
-                    return _sum(flows[1:]) / (len(flows) - 1)
-            return _sum(flows) / len(flows)
-        raise AssertionError(f"merge {self.strategy!r} has no PrLM branch to merge")
-
-
-def _sum(tensors: list[Tensor]) -> Tensor:
-    out = tensors[0]
-    for t in tensors[1:]:
-        out = out + t
-    return out
-
-
-# ----------------------------------------------------------------------------- PrLM layer selection
-
-
-class FixedLayer(nn.Module):
-    """The cache holds exactly the wanted layer."""
-
-    def __init__(self, spec: PrLMSpec):
-        super().__init__()
-
-    def forward(self, features: PrLMFeatures) -> Tensor:
-        return features.states[:, 0]
-
-
-class DynamicLayerWeights(nn.Module):
-    """Dyn[CLS] / Dyn[Aver]: a per-sentence softmax over layers scored from all layers' sentence vectors."""
-
-    def __init__(self, spec: PrLMSpec):
-        super().__init__()
-        self.pooled_row = 0 if spec.layer_mode == "dyn_cls" else 1
-        self.register_buffer("pooled_index", torch.tensor(spec.pooled_index, dtype=torch.long), persistent=False)
-        # The authors' fork scores with a plain nn.Linear (torch's default init) over the concatenation.
-        self.score = nn.Linear(spec.num_layers * spec.width, spec.num_layers)
-
-    def layer_weights(self, pooled: Tensor) -> Tensor:
-        """alpha [B, n_layers] from pooled [B, n_pooled, 2, d]."""
-        sentence_vectors = pooled.index_select(1, self.pooled_index)[:, :, self.pooled_row]
-        return torch.softmax(self.score(sentence_vectors.flatten(1)).float(), dim=-1)
-
-    def forward(self, features: PrLMFeatures) -> Tensor:
-        alpha = self.layer_weights(features.pooled).to(features.states.dtype)
-        return torch.einsum("bn,bnmd->bmd", alpha, features.states)
-
-
-class DepthWiseAttention(nn.Module):
-    """DWAtt (ElNokrashy et al. 2022): per-token attention over layers, query from the last layer."""
-
-    def __init__(self, spec: PrLMSpec):
-        super().__init__()
-        n, d = spec.num_layers, spec.width
-        hidden = max(1, int(d * DWATT_BOTTLENECK))
-        # kpos_n ~ U(0, 1) are fixed, not learned (paper section 9.2); persistent so a checkpoint
-        # reproduces the same keys.
-        self.register_buffer("key_positions", torch.rand(n, DWATT_KEY_POS_DIM))
-        # The paper gives no init; its Linears get fairseq's `Linear` helper init, as the stacked
-        # per-layer weights below do.
-        self.key_proj = xavier_linear(DWATT_KEY_POS_DIM, d)
-        # f_Q(z) = W LN(gelu(U z))
-        self.query_down = xavier_linear(d, hidden)
-        self.query_norm = nn.LayerNorm(hidden)
-        self.query_up = xavier_linear(hidden, d)
-        # f_V,n: one bottleneck MLP and one output LN per layer, nothing shared; stacked over n.
-        self.value_down_weight = nn.Parameter(torch.empty(n, hidden, d))
-        self.value_down_bias = nn.Parameter(torch.zeros(n, hidden))
-        self.value_mid_norm_weight = nn.Parameter(torch.ones(n, hidden))
-        self.value_mid_norm_bias = nn.Parameter(torch.zeros(n, hidden))
-        self.value_up_weight = nn.Parameter(torch.empty(n, d, hidden))
-        self.value_up_bias = nn.Parameter(torch.zeros(n, d))
-        self.value_norm_weight = nn.Parameter(torch.ones(n, d))
-        self.value_norm_bias = nn.Parameter(torch.zeros(n, d))
-        for i in range(n):
-            nn.init.xavier_uniform_(self.value_down_weight.data[i])
-            nn.init.xavier_uniform_(self.value_up_weight.data[i])
-
-    @staticmethod
-    def _per_layer_norm(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-        # x [B, n, M, h]; weight/bias [n, h]
-        x = F.layer_norm(x, x.shape[-1:])
-        return x * weight[None, :, None, :] + bias[None, :, None, :]
-
-    def forward(self, features: PrLMFeatures) -> Tensor:
-        z = features.states  # [B, n, M, d]
-        z_last = z[:, -1]
-        query = 1.0 + F.elu(z_last + self.query_up(self.query_norm(F.gelu(self.query_down(z_last)))))
-        keys = self.key_proj(self.key_positions)  # [n, d]
-        hidden = torch.einsum("bnmd,nhd->bnmh", z, self.value_down_weight) + self.value_down_bias[None, :, None, :]
-        hidden = self._per_layer_norm(F.gelu(hidden), self.value_mid_norm_weight, self.value_mid_norm_bias)
-        values = torch.einsum("bnmh,ndh->bnmd", hidden, self.value_up_weight) + self.value_up_bias[None, :, None, :]
-        values = self._per_layer_norm(values, self.value_norm_weight, self.value_norm_bias)
-        scores = torch.softmax((query @ keys.transpose(0, 1)).float(), dim=-1).to(values.dtype)  # [B, M, n]
-        return z_last + torch.einsum("bmn,bnmd->bmd", scores, values)
-
-
-class LayerConcat(nn.Module):
-    """Concat (ElNokrashy et al. 2022): sum_n W_n z_n, i.e. one Linear over the concatenated layers."""
-
-    def __init__(self, spec: PrLMSpec):
-        super().__init__()
-        # A learned projection with no fairseq counterpart: fairseq's `Linear` helper init.
-        self.proj = xavier_linear(spec.num_layers * spec.width, spec.width)
-
-    def forward(self, features: PrLMFeatures) -> Tensor:
-        z = features.states  # [B, n, M, d]
-        return self.proj(z.permute(0, 2, 1, 3).flatten(2))
-
-
-def build_layer_selection(spec: PrLMSpec) -> nn.Module:
-    return {
-        "fixed": FixedLayer,
-        "dyn_cls": DynamicLayerWeights,
-        "dyn_aver": DynamicLayerWeights,
-        "dwatt": DepthWiseAttention,
-        "concat": LayerConcat,
-    }[spec.layer_mode](spec)
 
 
 # ----------------------------------------------------------------------------- layers
