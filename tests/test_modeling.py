@@ -11,9 +11,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from prlmfuse.errors import UserError
-from prlmfuse.train_fused.config import LAYER_MODES, PRESETS, SIDES
 from prlmfuse.train_fused.blocks import FlowMerge
-from prlmfuse.train_fused.config import ModelConfig, PrLMSpec
+from prlmfuse.train_fused.config import LAYER_MODES, PRESETS, SIDES, ModelConfig, PrLMSpec
 from prlmfuse.train_fused.modeling import DecoderLayer, EncoderLayer, EncoderOut, FusedTransformer, PrLMFeatures
 from prlmfuse.train_fused.trainer import label_smoothed_sums
 

@@ -151,7 +151,7 @@ class FeedForward(nn.Module):
 
 
 class FlowMerge(nn.Module):
-    """Merge the source flow flows[0] with the PrLM flows flows[1:] (see the module docstring)."""
+    """Merge the source flow flows[0] with the PrLM flows flows[1:] (see modeling.py's docstring)."""
 
     def __init__(self, strategy: str, d_model: int, num_prlms: int, dropnet_p: float):
         super().__init__()

@@ -1,8 +1,8 @@
 """The fused Transformer: a Transformer encoder-decoder with one PrLM branch per frozen PrLM.
 
 Park & Zhao (2021) add to every encoder layer an attention over the cached PrLM states H_P and
-a PrLM feed-forward, and merge that flow with the layer's source flow. This file is the model's
-equations, its encoder and decoder layers and the incremental decoding API used by
+a PrLM feed-forward, and merge that flow with the layer's source flow. This file gives the model's
+equations and holds its encoder and decoder layers and the incremental decoding API used by
 `prlmfuse.evaluate.decode`; its parts are blocks.py's (positions, attention, FFN, the merge of flows)
 and layer_selection.py's (the cached PrLM layers a branch reads); its configuration and rules are
 `train_fused.config`'s (ModelConfig, PrLMSpec).
@@ -104,7 +104,7 @@ from prlmfuse.train_fused.blocks import (
     xavier_linear,
 )
 # The model's configuration lives in its own module, as Hugging Face's configuration_*.py files do.
-from prlmfuse.train_fused.config import ModelConfig, PrLMSpec  # noqa: F401  (PrLMSpec: read beside the model)
+from prlmfuse.train_fused.config import ModelConfig, PrLMSpec  # noqa: F401  (PrLMSpec re-exported beside the model)
 from prlmfuse.train_fused.layer_selection import build_layer_selection
 
 
