@@ -7,7 +7,7 @@ import numpy as np
 from prlmfuse.evaluate.metrics import bootstrap_scores, confidence_interval, paired_p_value
 from prlmfuse.evaluate.results import RunResult
 from prlmfuse.evaluate.runs import RunView
-from prlmfuse.train_fused.config import recipe_without_seed
+from prlmfuse.train_fused.config import is_baseline_seed
 
 BOOTSTRAP_SAMPLES = 1000
 
@@ -25,21 +25,17 @@ def matched_baselines(runs: list[RunView], baseline: str | None) -> dict[str, st
     by_name = {r.name: r for r in runs}
     base = by_name[baseline]
 
-    def recipe(run: RunView) -> dict:
-        return recipe_without_seed(run.record.get("train") or {})
+    def in_family(run: RunView) -> bool:
+        return not run.prlms and is_baseline_seed(run.record.get("train") or {}, base.record.get("train") or {})
 
-    base_by_seed = {
-        (r.record.get("train") or {}).get("seed"): r.name
-        for r in runs if not r.prlms and recipe(r) == recipe(base)
-    }
+    base_by_seed = {(r.record.get("train") or {}).get("seed"): r.name for r in runs if in_family(r)}
     base_by_seed[(base.record.get("train") or {}).get("seed")] = baseline
     out = {}
     for r in runs:
         if r.name == baseline:
             continue
         seed = (r.record.get("train") or {}).get("seed")
-        own_recipe = not r.prlms and recipe(r) == recipe(base)
-        out[r.name] = baseline if own_recipe else base_by_seed.get(seed, baseline)
+        out[r.name] = baseline if in_family(r) else base_by_seed.get(seed, baseline)
     return out
 
 

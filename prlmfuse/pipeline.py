@@ -29,7 +29,7 @@ from prlmfuse.config import CheckpointEntry, PipelineConfig
 from prlmfuse.distributed import barrier, is_main_process, rank_world
 from prlmfuse.errors import UserError
 from prlmfuse.train_fused import run_dir as rundir
-from prlmfuse.train_fused.config import PrLMUse, RunConfig, recipe_without_seed
+from prlmfuse.train_fused.config import PrLMUse, RunConfig, is_baseline_seed
 
 logger = logging.getLogger(__name__)
 
@@ -489,9 +489,7 @@ def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None, *, sc
         # their hypotheses are reused, so this costs no decoding.
         base = cfg.run(baseline)
 
-        base_recipe = recipe_without_seed(base.to_dict())
-        family = [r for r in cfg.train.runs
-                  if r is base or (not r.prlms and recipe_without_seed(r.to_dict()) == base_recipe)]
+        family = [r for r in cfg.train.runs if r is base or is_baseline_seed(r.to_dict(), base.to_dict())]
         selected += [r for r in family if r not in selected and rundir.list_checkpoints(run_path(cfg, r.name))]
         if base not in selected:
             # A batch of another seed (`--runs baseline.seed-2,fused.seed-2`) is compared with its own baseline.

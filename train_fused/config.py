@@ -447,3 +447,10 @@ def recipe_without_seed(train: dict) -> dict:
     equal for the runs of one `grid: {seed: [...]}`, whichever loader or logging each had."""
     return {k: v for k, v in defining_settings(train, bool(train.get("prlms"))).items()
             if k not in ("name", "seed") and k not in FEEDING_FIELDS}
+
+
+def is_baseline_seed(train: dict, baseline_train: dict) -> bool:
+    """Whether a run (its `train` settings, as run.json stores them) is the baseline's recipe at some seed:
+    no PrLMs and every other defining setting equal. Such runs are the baseline's family, each compared
+    with the named baseline; every other run is compared with the family member of its own seed."""
+    return not train.get("prlms") and recipe_without_seed(train) == recipe_without_seed(baseline_train)
