@@ -25,17 +25,16 @@ def matched_baselines(runs: list[RunView], baseline: str | None) -> dict[str, st
     by_name = {r.name: r for r in runs}
     base = by_name[baseline]
 
-    def in_family(run: RunView) -> bool:
-        return not run.prlms and is_baseline_seed(run.record.get("train") or {}, base.record.get("train") or {})
-
-    base_by_seed = {(r.record.get("train") or {}).get("seed"): r.name for r in runs if in_family(r)}
-    base_by_seed[(base.record.get("train") or {}).get("seed")] = baseline
+    base_train = base.record.get("train") or {}
+    family = {r.name for r in runs if not r.prlms and is_baseline_seed(r.record.get("train") or {}, base_train)}
+    base_by_seed = {(r.record.get("train") or {}).get("seed"): r.name for r in runs if r.name in family}
+    base_by_seed[base_train.get("seed")] = baseline
     out = {}
     for r in runs:
         if r.name == baseline:
             continue
         seed = (r.record.get("train") or {}).get("seed")
-        out[r.name] = baseline if in_family(r) else base_by_seed.get(seed, baseline)
+        out[r.name] = baseline if r.name in family else base_by_seed.get(seed, baseline)
     return out
 
 

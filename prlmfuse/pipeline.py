@@ -489,7 +489,8 @@ def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None, *, sc
         # their hypotheses are reused, so this costs no decoding.
         base = cfg.run(baseline)
 
-        family = [r for r in cfg.train.runs if r is base or is_baseline_seed(r.to_dict(), base.to_dict())]
+        base_train = base.to_dict()
+        family = [r for r in cfg.train.runs if r is base or is_baseline_seed(r.to_dict(), base_train)]
         selected += [r for r in family if r not in selected and rundir.list_checkpoints(run_path(cfg, r.name))]
         if base not in selected:
             # A batch of another seed (`--runs baseline.seed-2,fused.seed-2`) is compared with its own baseline.
