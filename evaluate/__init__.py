@@ -17,7 +17,8 @@
 
 Modules: settings (decode settings and defaults), runs (a run directory as evaluation reads it),
 corpus_decode (decoding a whole test set), decode (beam search), metrics (scores, bootstrap
-statistics), bootstrap (comparisons between runs), results (result rows and files), plots,
+statistics), bootstrap (comparisons between runs), results (result rows, what their hypotheses show: distinct share,
+most frequent hypothesis, copy share; and the files), plots,
 evaluation (evaluate_runs), scoring (score_evaluation), report (merge_evaluations), summary (the printed
 summary), live (translate).
 Everything is imported on first use, so `import prlmfuse.evaluate` stays cheap.

@@ -27,7 +27,7 @@ from prlmfuse.evaluate.bootstrap import BOOTSTRAP_SAMPLES, add_bootstrap, matche
 from prlmfuse.evaluate.corpus_decode import decode_corpus, encode_sources, note_truncated
 from prlmfuse.evaluate.metrics import DEFAULT_SEED, comparison_stats, corpus_scores
 from prlmfuse.evaluate.plots import plot_dev_loss, plot_scores
-from prlmfuse.evaluate.results import EvaluationResults, RunResult, stable_order, write_results
+from prlmfuse.evaluate.results import EvaluationResults, RunResult, hypothesis_figures, stable_order, write_results
 from prlmfuse.evaluate.runs import RunView, load_model, open_run, select_weights, weights_fingerprint
 from prlmfuse.evaluate.settings import AVERAGE, AVERAGE_LAST, BATCH_TOKENS, DEFAULTS, DecodeSettings
 from prlmfuse.fileio import atomic_write_json, atomic_write_text, read_lines, sha256_file
@@ -208,7 +208,7 @@ def evaluate_runs(
                     decode_seconds=float(meta.get("seconds", float("nan"))),
                     checkpoints=[Path(p).name for p in meta.get("checkpoints", [])],
                     hyp_file=hyp_path.name, reused=reused is not None, signature=scores["signature"],
-                    distinct_hypotheses=len(set(hyps)),
+                    **hypothesis_figures(hyps, src_lines, task=run.task),
                     main_metric=main_metric, **run.budget(),
                     seed=(run.record.get("train") or {}).get("seed"), tgt_lang=run.tgt_lang,
                     trainable_parameters=run.record.get("trainable_parameters"),

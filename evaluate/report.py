@@ -27,7 +27,8 @@ from pathlib import Path
 from prlmfuse.errors import UserError
 from prlmfuse.evaluate.bootstrap import add_bootstrap
 from prlmfuse.evaluate.metrics import comparison_stats
-from prlmfuse.evaluate.results import (SIGNIFICANCE, EvaluationResults, RunResult, format_parameters, json_safe,
+from prlmfuse.evaluate.results import (SIGNIFICANCE, EvaluationResults, RunResult, format_parameters,
+                                       hypothesis_cells, hypothesis_headers, json_safe, refresh_hypothesis_figures,
                                        results_csv)
 from prlmfuse.evaluate.seeds import (AgainstSummary, SystemSummary, against_over_seeds, system_of,
                                      systems_over_seeds)
@@ -194,6 +195,7 @@ def merge_evaluations(paths: list[str | Path], out: str | Path, against: list[st
                 raise UserError(f"{evaluation.path}: run {row.run} records {metric} {stored:.4f}, but its hypotheses score "
                                 f"{computed.score:.4f} here (another sacrebleu or tokenizer version, or an edited file); "
                                 "merge results scored with this installation's metrics")
+        refresh_hypothesis_figures(row, hyps)
         sentence_level[(row.run, row.test_set)] = stats
         refs_sha[(row.run, row.test_set)] = row.ref_sha256
         row.delta, row.p_value, row.compared_with = {}, {}, None
@@ -356,23 +358,21 @@ def report_markdown(report: Report) -> str:
         rows = [r for r in report.rows if r.test_set == split]
         metric = rows[0].main_metric
         name = {"bleu": "BLEU", "rougeL": "ROUGE-L"}.get(metric, metric)
-        distinct = metric == "rougeL"  # a summarizer that does not read its input repeats a few synopses
+        copies = metric == "rougeL"  # a copy share is measured for summaries only
+        header = ["run", "file", name, "Δ", "p", "vs", "chrF", *hypothesis_headers(copies), "params", "updates",
+                  "epochs", "stopped by", "dev loss, last 3 epoch ends"]
         lines += ["", f"## {split} ({rows[0].num_sentences} sentences)", "",
-                  f"| run | file | {name} | Δ | p | vs | chrF | {'distinct hyps | ' if distinct else ''}params | updates | "
-                  "epochs | stopped by | dev loss, last 3 epoch ends |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if distinct else "")]
+                  "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
         for r in rows:
             delta, p = r.delta.get(metric), r.p_value.get(metric)
             mark = "*" if p is not None and p < SIGNIFICANCE else ""
             last3 = ", ".join(f"{x:.3f}" for x in r.epoch_dev_losses[-3:]) or "-"
-            count = ("-" if r.distinct_hypotheses is None else f"{r.distinct_hypotheses}") + " | " if distinct else ""
-            lines.append(
-                f"| {r.run} | {file_name(report.sources[r.run])} | {_fmt(getattr(r, metric))} | "
-                f"{'-' if delta is None else f'{delta:+.2f}'} | {'-' if p is None else f'{p:.3f}{mark}'} | "
-                f"{r.compared_with or '-'} | {_fmt(r.chrf)} | {count}{format_parameters(r.trainable_parameters)} | "
-                f"{r.updates} | {len(r.epoch_dev_losses)} | "
-                f"{r.stopped_by or 'unfinished'} | {last3} |"
-            )
+            cells = [r.run, file_name(report.sources[r.run]), _fmt(getattr(r, metric)),
+                     "-" if delta is None else f"{delta:+.2f}", "-" if p is None else f"{p:.3f}{mark}",
+                     r.compared_with or "-", _fmt(r.chrf), *hypothesis_cells(r, copies),
+                     format_parameters(r.trainable_parameters), str(r.updates), str(len(r.epoch_dev_losses)),
+                     r.stopped_by or "unfinished", last3]
+            lines.append("| " + " | ".join(cells) + " |")
         systems = [m for m in report.systems if m.test_set == split]
         lines += ["", f"Over seeds ({name}: mean ± sample sd, n − 1; sd needs two seeds or more; one row per seed):", "",
                   f"| system | seeds | {name} | chrF | Δ vs own seed's baseline | seeds ahead with p < {SIGNIFICANCE:g} |",

@@ -5,8 +5,11 @@ from __future__ import annotations
 import csv
 import io
 import math
+import re
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 from prlmfuse.fileio import atomic_write_json, atomic_write_text
 
@@ -62,9 +65,13 @@ class RunResult:
     ref_file: str = ""
     ref_sha256: str = ""
     corpus_sha256: str = ""
-    # How many different hypotheses the run wrote: a summarizer that has not learned to read its input
-    # writes the same few synopses for every document.
+    # What the hypotheses show without references (`hypothesis_figures`): a model that has not learned to
+    # read its input writes the same few lines for every input, and a summarizer that copies its input
+    # writes mostly source words. None in rows written before they were recorded.
     distinct_hypotheses: int | None = None
+    distinct_share: float | None = None
+    top_hypothesis_count: int | None = None
+    copy_share: float | None = None  # summarization only
 
     def to_dict(self) -> dict:
         # `reused` says how this call got the hypotheses, not what they score: it stays out of the
@@ -72,6 +79,54 @@ class RunResult:
         d = asdict(self)
         del d["reused"]
         return d
+
+
+# Hypothesis words for the copy share: unicode-aware casefolding, then runs of word characters, so that
+# Cyrillic or Greek words count and "image." in a synopsis matches "image" in its description.
+_WORD = re.compile(r"\w+")
+
+
+def hypothesis_figures(hyps: Sequence[str], sources: Sequence[str] | None = None, *, task: str) -> dict:
+    """What a run's outputs show without references, as the RunResult fields of the same names.
+
+    distinct_hypotheses: how many different lines the run wrote; distinct_share: that over the number of
+    hypotheses; top_hypothesis_count: how often it wrote its most frequent line. copy_share: of all hypothesis
+    words (casefolded runs of unicode word characters), the share found among the words of the hypothesis's
+    own source line. The copy share is computed for summarization runs (the ones ROUGE scores) and only where
+    their sources are given (`evaluate` gives them; a results folder that `report` merges holds none); it is
+    None otherwise, since a translation's words are of another language, and a Japanese target has no
+    spaces that would mark its words (a summary in such a language counts each run of characters between
+    spaces and punctuation as one word, so its share is coarse). Shares are None for no hypotheses.
+    """
+    counts = Counter(hyps)
+    copies = task == "summarization" and sources is not None
+    return {
+        "distinct_hypotheses": len(counts),
+        "distinct_share": len(counts) / len(hyps) if hyps else None,
+        "top_hypothesis_count": max(counts.values(), default=0),
+        "copy_share": _copy_share(hyps, sources) if copies else None,
+    }
+
+
+def _copy_share(hyps: Sequence[str], sources: Sequence[str]) -> float | None:
+    if len(hyps) != len(sources):
+        raise ValueError(f"{len(hyps)} hypotheses for {len(sources)} sources")
+    copied = total = 0
+    for hyp, src in zip(hyps, sources):
+        words, source_words = _WORD.findall(hyp.casefold()), set(_WORD.findall(src.casefold()))
+        copied += sum(w in source_words for w in words)
+        total += len(words)
+    return copied / total if total else None
+
+
+def refresh_hypothesis_figures(row: RunResult, hyps: Sequence[str]) -> None:
+    """Set a row read back from results.json to what its (checked) hypothesis file gives, so that files
+    written before the figures were recorded show them too. The copy share stays as stored: it needs the
+    sources, which a results folder does not hold."""
+    figures = hypothesis_figures(hyps, task=row.task)
+    del figures["copy_share"]
+    for name, value in figures.items():
+        setattr(row, name, value)
 
 
 @dataclass
@@ -133,6 +188,21 @@ def _fmt(x: float, digits: int = 2) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
+def format_share(share: float | None) -> str:
+    return "-" if share is None else f"{share:.2f}"
+
+
+def hypothesis_cells(row: RunResult, copies: bool) -> list[str]:
+    """A table row's distinct share and most frequent hypothesis's count, and its copy share where the
+    table has that column (summarization tables)."""
+    top = "-" if row.top_hypothesis_count is None else str(row.top_hypothesis_count)
+    return [format_share(row.distinct_share), top] + ([format_share(row.copy_share)] if copies else [])
+
+
+def hypothesis_headers(copies: bool) -> list[str]:
+    return ["distinct share", "top hyp count"] + (["copy share"] if copies else [])
+
+
 def format_parameters(count: int | None) -> str:
     """Trainable parameters in millions, two decimals ("-" where a run did not record them)."""
     return "-" if count is None else f"{count / 1e6:.2f}M"
@@ -167,15 +237,16 @@ def results_markdown(results: EvaluationResults) -> str:
         lines += ["", f"## {split} ({rows[0].num_sentences} sentences)", ""]
         header = ["run", "PrLM", "layer", "merge", "position", "side", "BLEU (Δ, p)", "chrF"]
         if summarization:
-            header += ["R-1", "R-2", "R-L (Δ, p)", "distinct hyps"]
+            header += ["R-1", "R-2", "R-L (Δ, p)"]
+        header += hypothesis_headers(summarization)
         header += ["params", "sentences/s", "tokens/s", "95% CI", "updates", "train tokens", "train min"]
         lines.append("| " + " | ".join(header) + " |")
         lines.append("|" + "|".join("---" for _ in header) + "|")
         for r in rows:
             cells = [r.run, r.prlm, r.layer, r.merge, r.position, r.side, _with_delta(r, "bleu", results.baseline), _fmt(r.chrf)]
             if summarization:
-                cells += [_fmt(r.rouge1), _fmt(r.rouge2), _with_delta(r, "rougeL", results.baseline),
-                          "-" if r.distinct_hypotheses is None else str(r.distinct_hypotheses)]
+                cells += [_fmt(r.rouge1), _fmt(r.rouge2), _with_delta(r, "rougeL", results.baseline)]
+            cells += hypothesis_cells(r, summarization)
             ci = f"{r.main_metric} [{_fmt(r.ci_low)}, {_fmt(r.ci_high)}]"
             cells += [format_parameters(r.trainable_parameters), _fmt(r.sentences_per_s, 1), _fmt(r.tokens_per_s, 0), ci, str(r.updates),
                       f"{r.train_tokens / 1e6:.2f}M", _fmt(r.train_seconds / 60, 1)]
@@ -189,7 +260,7 @@ _CSV_COLUMNS = [
     "test_set", "run", "prlm", "layer", "merge", "position", "side", "num_sentences", "bleu", "bleu_delta",
     "bleu_p", "chrf", "rouge1", "rouge2", "rougeL", "rougeL_delta", "rougeL_p", "compared_with", "main_metric", "ci_low",
     "ci_high", "trainable_parameters", "sentences_per_s", "tokens_per_s", "decode_seconds", "updates", "train_tokens", "train_seconds", "checkpoints", "hyp_file", "run_dir",
-    "distinct_hypotheses",
+    "distinct_hypotheses", "distinct_share", "top_hypothesis_count", "copy_share",
 ]
 
 

@@ -16,7 +16,7 @@ from prlmfuse.evaluate.bootstrap import add_bootstrap
 from prlmfuse.evaluate.evaluation import score_hypotheses
 from prlmfuse.evaluate.plots import plot_scores
 from prlmfuse.evaluate.report import read_evaluation
-from prlmfuse.evaluate.results import EvaluationResults, write_results
+from prlmfuse.evaluate.results import EvaluationResults, refresh_hypothesis_figures, write_results
 from prlmfuse.fileio import read_lines
 from prlmfuse.precision import machine_line
 
@@ -41,6 +41,7 @@ def score_evaluation(path: str | Path) -> EvaluationResults:
         scores, stats = score_hypotheses(hyps, refs, tgt_lang=row.tgt_lang, task=row.task, bleu_tokenize=bleu_tokenize)
         for metric in ("bleu", "chrf", "rouge1", "rouge2", "rougeL", "signature"):
             setattr(row, metric, scores[metric])
+        refresh_hypothesis_figures(row, hyps)
         sentence_level[(row.run, row.test_set)] = stats
         refs_sha[(row.run, row.test_set)] = row.ref_sha256
         row.delta, row.p_value, row.compared_with = {}, {}, None

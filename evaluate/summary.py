@@ -1,12 +1,13 @@
 """The few lines a person reads after an evaluation: where the results are, each run's score with its
-delta and p against the baseline, two test sentences translated by every run beside the reference, and
-the plots. The library returns the text; the CLI prints it."""
+delta and p against the baseline, a warning for each run that writes few distinct outputs, two test
+sentences translated by every run beside the reference, and the plots. The library returns the text;
+the CLI prints it."""
 
 from __future__ import annotations
 
 from prlmfuse.corpora import load_corpus
 from prlmfuse.errors import UserError
-from prlmfuse.evaluate.results import SIGNIFICANCE, EvaluationResults, is_significant, row_label
+from prlmfuse.evaluate.results import SIGNIFICANCE, EvaluationResults, RunResult, is_significant, row_label
 from prlmfuse.fileio import read_lines
 from prlmfuse.train_fused import run_dir as rundir
 
@@ -15,6 +16,9 @@ from prlmfuse.train_fused import run_dir as rundir
 _EXAMPLE_WORDS = (6, 25)
 _EXAMPLES = 2
 _SHOWN_CHARS = 220
+# A run that writes fewer distinct outputs than this share of its inputs gets a warning: a model that
+# ignores its input writes the same few lines for every input, which a score alone does not show.
+COLLAPSE_SHARE = 0.5
 
 
 def _clip(text: str) -> str:
@@ -27,8 +31,21 @@ def _example_lines(sources: list[str]) -> list[int]:
     return (typical or list(range(len(sources))))[:_EXAMPLES]
 
 
+def collapse_warnings(rows: list[RunResult]) -> list[str]:
+    """One line for each run and test set with fewer distinct hypotheses than COLLAPSE_SHARE of its inputs."""
+    lines = []
+    for r in rows:
+        if r.distinct_hypotheses is None or r.distinct_hypotheses >= COLLAPSE_SHARE * r.num_sentences:
+            continue
+        top = "" if r.top_hypothesis_count is None else f", one of them {r.top_hypothesis_count} times"
+        lines.append(f"warning: {r.run} wrote {r.distinct_hypotheses}/{r.num_sentences} distinct outputs on "
+                     f"{r.test_set}{top}: it may ignore its input")
+    return lines
+
+
 def summary_lines(results: EvaluationResults) -> list[str]:
-    """Results file, scores with delta and p, two examples side by side with the reference, plot paths."""
+    """Results file, scores with delta and p, a warning for each run that writes few distinct outputs,
+    two examples side by side with the reference, plot paths."""
     files = results.files
     lines = [f"results: {files['results.md']}"]
     if not results.rows:
@@ -42,7 +59,7 @@ def summary_lines(results: EvaluationResults) -> list[str]:
     if results.settings.get("scored") is False:
         lines.append(f"decoded {split} ({rows[0].num_sentences} sentences) without scoring: "
                      f"prlmfuse score {results.out}")
-        return lines
+        return lines + collapse_warnings(results.rows)
     lines.append(f"{metric_name} on {split} ({rows[0].num_sentences} sentences):")
     for r in rows:
         score = f"  {labels[r.run]:<{width}}  {getattr(r, metric):6.2f}"
@@ -54,6 +71,7 @@ def summary_lines(results: EvaluationResults) -> list[str]:
         lines.append(score)
     if any(metric in r.delta for r in rows):
         lines.append(f"  * p < {SIGNIFICANCE:g} (paired bootstrap against the baseline)")
+    lines += collapse_warnings(results.rows)
 
     plots = ", ".join(str(files[name]) for name in ("scores.png", "dev_loss.png") if files[name].is_file())
     try:

@@ -121,6 +121,10 @@ def test_evaluate_runs_writes_every_file_and_skips_unchanged_runs(world):
     md = (out / "results.md").read_text()
     assert "| fused |" in md and "| baseline |" in md and "tok:13a" in md
     assert not any(r.reused for r in results.rows)
+    for row in results.rows:  # what the hypotheses show, recorded for translation too (no copy share)
+        hyps = read_lines(out / row.hyp_file, check_text=False)
+        assert row.distinct_share == len(set(hyps)) / 10 and row.distinct_hypotheses == len(set(hyps))
+        assert row.top_hypothesis_count == max(hyps.count(h) for h in hyps) and row.copy_share is None
 
     hyp_before = (out / "hyp.fused.test.txt").read_bytes()
     again = evaluate_runs([world["baseline"], world["fused"]], out=out, beam=2, average_last=3, progress=False)
@@ -131,6 +135,21 @@ def test_evaluate_runs_writes_every_file_and_skips_unchanged_runs(world):
     # A decode setting that changes hypotheses is a new key: decoded again.
     third = evaluate_runs([world["fused"]], out=out, beam=1, average_last=3, progress=False)
     assert not third.row("fused").reused
+
+
+def test_a_summarization_run_records_the_share_of_its_words_found_in_its_source(world, monkeypatch):
+    from prlmfuse.evaluate import evaluate_runs
+    from prlmfuse.evaluate.results import hypothesis_figures
+    from prlmfuse.evaluate.runs import RunView
+    from prlmfuse.fileio import read_lines
+
+    monkeypatch.setattr(RunView, "task", property(lambda self: "summarization"))
+    out = world["root"] / "eval-summarization"
+    row = evaluate_runs([world["baseline"]], out=out, beam=1, average_last=3, progress=False).row("baseline")
+    hyps, sources = read_lines(out / row.hyp_file, check_text=False), read_lines(world["corpus"].src_path("test"))
+    assert row.main_metric == "rougeL" and row.copy_share is not None
+    assert row.copy_share == hypothesis_figures(hyps, sources, task="summarization")["copy_share"]
+    assert json.loads((out / "results.json").read_text())["rows"][0]["copy_share"] == row.copy_share
 
 
 def test_live_features_give_the_same_hypotheses_as_the_cache(world):
