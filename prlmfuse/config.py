@@ -27,7 +27,7 @@ from prlmfuse.evaluate.settings import AVERAGE, AVERAGE_CHOICES, AVERAGE_LAST, D
 from prlmfuse.train_fused.config import RunConfig
 from prlmfuse.yaml_fields import Where, build, check_choice, coerce
 
-CORPUS_KINDS = ("bible", "debian-descriptions", "text", "hf")
+CORPUS_KINDS = ("bible", "debian-descriptions", "debian-translations", "text", "hf")
 CHECKPOINT_INITS = ("pretrained", "random")
 
 
@@ -45,12 +45,12 @@ class TextFiles:
 
 @dataclass
 class DataConfig:
-    kind: str = "bible"  # bible | debian-descriptions | text | hf
+    kind: str = "bible"  # bible | debian-descriptions | debian-translations | text | hf
     src: str = "en"
     tgt: str = "ja"
     task: str = "translation"  # translation | summarization (text and hf corpora; the others know theirs)
     files: TextFiles | None = None
-    # Where the debian-descriptions builder keeps apt's Translation-en lists (default: a private dir).
+    # Where the debian-* builders keep (or find) apt's Translation and Packages lists (default: a private dir).
     lists_dir: Path | None = None
     # kind hf (prlmfuse.corpora.hf.build_hf): hub id, save_to_disk directory or data files, a local
     # path resolved against the pipeline file; which columns; which splits.
@@ -244,6 +244,12 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
             check_choice(getattr(data, side), BIBLE_LANGS, ("data", side), where)
         if data.src == data.tgt:
             raise where.error(("data", "tgt"), f"src and tgt are both {data.src!r}; the Bible pairs en with ja")
+    if data.kind == "debian-translations":
+        from prlmfuse.corpora.debian import check_translation_languages
+
+        problem = check_translation_languages(data.src, data.tgt)
+        if problem is not None:
+            raise where.error(("data", "tgt" if data.src == "en" else "src"), problem)
     if data.kind == "hf":
         _check_hf(data, where, base_dir)
     else:

@@ -62,7 +62,8 @@ def corpus_dir(cfg: PipelineConfig) -> Path:
         fields = {k: getattr(d, k) for k in ("dataset", "subset", "revision", "src_field", "tgt_field",
                                                "translation_field", "splits", "src", "tgt", "task")}
         return cfg.workdir / "data" / f"hf-{hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:10]}"
-    name = {"bible": f"bible-{d.src}-{d.tgt}", "debian-descriptions": "debian-descriptions"}.get(d.kind, "text")
+    name = {"bible": f"bible-{d.src}-{d.tgt}", "debian-descriptions": "debian-descriptions",
+            "debian-translations": f"debian-translations-{d.src}-{d.tgt}"}.get(d.kind, "text")
     return cfg.workdir / "data" / name
 
 
@@ -109,6 +110,8 @@ def ensure_data(cfg: PipelineConfig, *, build: bool = True):
             corpora.build_bible(root, src=d.src, tgt=d.tgt)
         elif d.kind == "debian-descriptions":
             corpora.build_debian_descriptions(root, lists_dir=d.lists_dir)
+        elif d.kind == "debian-translations":
+            corpora.build_debian_translations(root, src=d.src, tgt=d.tgt, lists_dir=d.lists_dir)
         elif d.kind == "hf":
             corpora.build_hf(
                 root, dataset=d.dataset, src_lang=d.src, tgt_lang=d.tgt, src_field=d.src_field, tgt_field=d.tgt_field,

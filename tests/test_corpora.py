@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ from prlmfuse.corpora import (
     SPLITS,
     build_bible,
     build_debian_descriptions,
+    build_debian_translations,
     load_corpus,
     normalize_text,
     register_text,
@@ -427,3 +429,285 @@ def test_debian_real_apt_update(tmp_path):
     assert len(set(src)) == len(src)
     # Lists already there: no second update, the same corpus.
     assert build_debian_descriptions(tmp_path / "debian", lists_dir=lists) == c
+
+
+# ----------------------------------------------------------------------------- Debian lists: the committed sample
+
+# tests/fixtures/debian-lists: apt lists in the real format (Description-md5s as apt computes them) for
+# fictional packages. libkestrel's binaries (libkestrel3, libkestrel-dev, libkestrel-doc, python3-kestrel)
+# share a paragraph and their source hashes to test, though each binary name alone hashes to train; stork
+# and stork-data share one and their source hashes to dev; heron and heron-common share one in train.
+# wren (train) repeats libkestrel's paragraph, and wren-doc's synopsis is libkestrel-doc's. marmot's French
+# merges its two paragraphs into one; ibis's French is of an older description; gecko-firmware is in no
+# Packages list (arm64 only) and is split by its binary name; tern has no translation.
+DEBIAN_LISTS = Path(__file__).parent / "fixtures" / "debian-lists"
+DEBIAN_BROKEN_LISTS = Path(__file__).parent / "fixtures" / "debian-lists-broken"
+KESTREL_EN = ("Kestrel is a small library that decodes PNG, JPEG and WebP images into plain pixel buffers. It is "
+              "written in C, needs nothing beyond zlib, and is meant to be embedded in games and other programs that "
+              "have to load many images quickly.")
+KESTREL_SYNOPSES = ["fast image decoding library - development files", "documentation and examples",
+                    "fast image decoding library - shared library", "fast image decoding library - Python 3 bindings"]
+
+
+def _meta(corpus) -> dict:
+    return json.loads((corpus.root / CORPUS_JSON).read_text(encoding="utf-8"))
+
+
+def _english_sides(corpus) -> dict[str, list[str]]:
+    side = 0 if corpus.src_lang == "en" else 1
+    return {split: _lines(corpus, split)[side] for split in SPLITS}
+
+
+def _assert_no_held_out_english_in_train(corpus) -> None:
+    en = _english_sides(corpus)
+    assert not set(en["train"]) & (set(en["dev"]) | set(en["test"]))
+    assert not set(en["dev"]) & set(en["test"])
+    for split in SPLITS:
+        pairs = list(zip(*_lines(corpus, split)))
+        assert len(set(pairs)) == len(pairs), f"duplicate pairs in {split}"
+
+
+@pytest.fixture(scope="module")
+def debian_en_fr(tmp_path_factory):
+    return build_debian_translations(tmp_path_factory.mktemp("dt") / "en-fr", src="en", tgt="fr", lists_dir=DEBIAN_LISTS)
+
+
+def test_debian_translations_sibling_packages_share_a_split_by_source(debian_en_fr):
+    c = debian_en_fr
+    assert (c.name, c.task, c.src_lang, c.tgt_lang) == ("debian-translations-en-fr", "translation", "en", "fr")
+    train, dev, test = (dict(zip(*_lines(c, s))) for s in SPLITS)
+    # Each binary name alone would put libkestrel's siblings in train; their source puts all four in test.
+    assert {debian._debian_split(p) for p in ("libkestrel3", "libkestrel-dev", "libkestrel-doc", "python3-kestrel")} == {"train"}
+    assert debian._debian_split("libkestrel") == "test" and debian._debian_split("stork") == "dev"
+    assert all(s in test for s in KESTREL_SYNOPSES)
+    assert test[KESTREL_EN].startswith("Kestrel est une petite bibliothèque qui décode")
+    assert test["This package contains the shared library."] == "Ce paquet contient la bibliothèque partagée."
+    assert {"simple backup scheduler", "simple backup scheduler - data files"} <= set(dev)
+    assert debian._debian_split("stork-data") == "train"  # its own name would have split it from stork
+    # gecko-firmware is in no Packages list: split by its binary name (test), and recorded as such.
+    assert test["firmware for Gecko boards"] == "micrologiciel pour les cartes Gecko"
+    # The shared paragraph is in its split once; wren (train) repeats it in other French words: dropped all the same.
+    assert _lines(c, "test")[0].count(KESTREL_EN) == 1
+    assert KESTREL_EN not in train and not any(t.startswith("Kestrel est une petite") for t in train.values())
+    assert "documentation and examples" not in train  # wren-doc's synopsis is libkestrel-doc's (test)
+    assert train["image viewer using Kestrel"] == "visionneuse d'images utilisant Kestrel"
+    _assert_no_held_out_english_in_train(c)
+
+
+def test_debian_translations_segments_lists_and_counts(debian_en_fr):
+    c = debian_en_fr
+    train, dev, _ = (dict(zip(*_lines(c, s))) for s in SPLITS)
+    # Wrapped lines are joined; list items are segments of their own where both sides hold the same items.
+    assert train["Heron is an engine for text adventure games. Games are written in a simple scripting language and "
+                 "can be played in a terminal or in a web browser."].startswith("Heron est un moteur pour jeux")
+    assert train["Main features:"] == "Principales fonctionnalités :"
+    assert train["per-program history for the last thirty days"] == "un historique par programme pour les trente derniers jours ;"
+    assert dev["a dry-run mode that shows what would be copied"] == "un mode d'essai qui montre ce qui serait copié."
+    every = [line for s in SPLITS for line in _lines(c, s)[0] + _lines(c, s)[1]]
+    assert not any(line.startswith(("*", "—", ".")) or line != line.strip() for line in every)
+    # marmot's French merges its two paragraphs: skipped; ibis's French is of another md5: unaligned.
+    assert "disk usage analyzer" not in every and "tiling window manager" not in every
+    stats = _meta(c)["stats"]
+    assert {k: stats[k] for k in ("descriptions_en", "descriptions_fr", "descriptions_fr_without_english",
+                                  "descriptions_aligned", "descriptions_skipped_paragraph_counts_differ",
+                                  "segment_pairs_read", "duplicates_dropped", "leak_drops")} == {
+        "descriptions_en": 15, "descriptions_fr": 14, "descriptions_fr_without_english": 1, "descriptions_aligned": 13,
+        "descriptions_skipped_paragraph_counts_differ": 1, "segment_pairs_read": 40,
+        # libkestrel's paragraph 3 times more in test, stork's once in dev, heron's once in train
+        "duplicates_dropped": 5,
+        # wren's copy of libkestrel's paragraph and wren-doc's synopsis
+        "leak_drops": {"train": 2, "dev": 0}}
+    assert 40 - 5 - 2 == sum(stats["splits"][s]["pairs"] for s in SPLITS)
+    assert {s: stats["splits"][s]["pairs"] for s in SPLITS} == {s: c.num_pairs(s) for s in SPLITS} == {
+        "train": 14, "dev": 8, "test": 11}
+    assert stats["splits"]["test"]["en_words"] == sum(len(x.split()) for x in _lines(c, "test")[0])
+    sources = stats["sources"]
+    assert sources["split_by"] == "source package"
+    assert sources["packages_lists"] == ["deb.example.org_debian_dists_bookworm_main_binary-amd64_Packages"]
+    assert (sources["descriptions_split_by_source"], sources["descriptions_split_by_binary_name"]) == (11, 1)
+    assert sources["binary_names_without_source_examples"] == ["gecko-firmware"]
+    assert (sources["binary_packages_with_source"], sources["source_packages"]) == (14, 8)
+    assert "Translation-fr" in _meta(c)["source"]
+
+
+def test_debian_translations_german_and_the_reverse_direction(tmp_path):
+    en_de = build_debian_translations(tmp_path / "en-de", src="en", tgt="de", lists_dir=DEBIAN_LISTS)
+    de_en = build_debian_translations(tmp_path / "de-en", src="de", tgt="en", lists_dir=DEBIAN_LISTS)
+    assert (de_en.name, de_en.src_lang, de_en.tgt_lang) == ("debian-translations-de-en", "de", "en")
+    # In German marmot keeps both paragraphs: aligned.
+    train = dict(zip(*_lines(en_de, "train")))
+    assert train["Scans can be saved and compared later, to see what has grown since the last time."].startswith("Analysen")
+    assert {s: en_de.num_pairs(s) for s in SPLITS} == {"train": 6, "dev": 6, "test": 3}
+    assert _meta(en_de)["stats"]["descriptions_skipped_paragraph_counts_differ"] == 0
+    for split in SPLITS:
+        en_src, de_tgt = _lines(en_de, split)
+        de_src, en_tgt = _lines(de_en, split)
+        assert (de_src, en_tgt) == (de_tgt, en_src)
+    _assert_no_held_out_english_in_train(de_en)
+    for src, tgt in (("en", "en"), ("fr", "de"), ("en", "fr-CA")):
+        with pytest.raises(UserError, match="English with another language|not a language code"):
+            build_debian_translations(tmp_path / "x", src=src, tgt=tgt, lists_dir=DEBIAN_LISTS)
+    assert not (tmp_path / "x").exists()
+
+
+def test_debian_descriptions_split_by_source_drop_held_out_text_from_train(tmp_path):
+    c = build_debian_descriptions(tmp_path / "desc", lists_dir=DEBIAN_LISTS)
+    train, dev, test = (_lines(c, s) for s in SPLITS)
+    assert sorted(test[1]) == sorted(KESTREL_SYNOPSES)
+    assert sorted(dev[1]) == ["simple backup scheduler", "simple backup scheduler - data files"]
+    # wren-doc's synopsis is libkestrel-doc's: dropped from train; wren's description only begins like theirs.
+    assert train[1] == ["text adventure engine - common files", "tiling window manager", "disk usage analyzer",
+                        "network traffic monitor", "image viewer using Kestrel"]
+    assert not (set(train[0]) | set(train[1])) & (set(dev[0]) | set(dev[1]) | set(test[0]) | set(test[1]))
+    stats = _meta(c)["stats"]
+    assert (stats["descriptions_read"], stats["descriptions_too_short"]) == (15, 3)  # gecko-firmware, heron, tern
+    assert stats["leak_drops"] == {"train": 1, "dev": 0} and stats["duplicates_dropped"] == 0
+    assert stats["sources"]["split_by"] == "source package"
+    assert {s: stats["splits"][s]["pairs"] for s in SPLITS} == {"train": 5, "dev": 2, "test": 4}
+
+
+def test_debian_without_packages_lists_splits_by_binary_name_and_says_so(tmp_path, monkeypatch, caplog):
+    lists = tmp_path / "lists"
+    lists.mkdir()
+    for path in DEBIAN_LISTS.glob("*_i18n_Translation-*"):
+        shutil.copy(path, lists / path.name)
+    calls = _fake_apt_get(tmp_path, monkeypatch, fail=True)
+    with caplog.at_level("WARNING", logger="prlmfuse"):
+        c = build_debian_translations(tmp_path / "en-fr", src="en", tgt="fr", lists_dir=lists)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "no Packages lists" in warnings[0] and "binary package name" in warnings[0]
+    assert not calls.exists()  # a directory the user gave that holds the translations is never fetched into
+    sources = _meta(c)["stats"]["sources"]
+    assert sources["split_by"].startswith("binary package name") and sources["packages_lists"] == []
+    assert sources["descriptions_split_by_source"] == 0
+    # By binary name libkestrel's siblings fall in train, and the held-out check still keeps train clean.
+    assert "fast image decoding library - shared library" in _lines(c, "train")[0]
+    _assert_no_held_out_english_in_train(c)
+
+
+def _fake_apt_get(tmp_path: Path, monkeypatch, *, fail: bool = False) -> Path:
+    """An apt-get on PATH that logs its arguments to the returned file and, unless `fail`, "fetches" the
+    committed sample's Packages list and the Translation lists of Acquire::Languages into Dir::State::Lists."""
+    fake_bin = tmp_path / "fake-bin"
+    fake_bin.mkdir(exist_ok=True)
+    calls = tmp_path / "apt-calls.jsonl"
+    script = fake_bin / "apt-get"
+    script.write_text(f"""#!{sys.executable}
+import json, shutil, sys
+from pathlib import Path
+args = sys.argv[1:]
+with open({str(calls)!r}, "a") as f:
+    f.write(json.dumps(args) + "\\n")
+if {fail!r}:
+    print("E: Could not resolve 'deb.debian.org'", file=sys.stderr)
+    sys.exit(100)
+opts = dict(a.split("=", 1) for a in args if "=" in a)
+out = Path(opts["Dir::State::Lists"])
+for path in Path({str(DEBIAN_LISTS)!r}).iterdir():
+    lang = path.name.rpartition("Translation-")[2] if "_i18n_" in path.name else None
+    if lang is None or lang in opts["Acquire::Languages"].split(","):
+        shutil.copy(path, out / path.name)
+""")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
+    return calls
+
+
+def test_debian_own_lists_dir_is_fetched_with_packages_and_keeps_its_languages(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("PRLMFUSE_HOME", str(tmp_path / "home"))
+    calls = _fake_apt_get(tmp_path, monkeypatch)
+    own = tmp_path / "home" / "apt-lists"
+    build_debian_translations(tmp_path / "en-fr", src="en", tgt="fr")
+    build_debian_translations(tmp_path / "en-de", src="en", tgt="de")  # de missing: fetched, fr kept
+    c = build_debian_descriptions(tmp_path / "desc")  # everything there: no fetch
+    runs = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert len(runs) == 2 and all(r[-1] == "update" for r in runs)
+    assert "Acquire::Languages=en,fr" in runs[0] and "Acquire::Languages=en,de,fr" in runs[1]
+    assert f"Dir::State::Lists={own.resolve()}" in runs[0]
+    assert not any("Packages" in arg for r in runs for arg in r)  # the Packages lists are not switched off
+    assert _meta(c)["stats"]["sources"]["split_by"] == "source package"
+    # An own directory an older prlmfuse filled without Packages lists gets them; where that fails, a warning.
+    (own / "deb.example.org_debian_dists_bookworm_main_binary-amd64_Packages").unlink()
+    build_debian_descriptions(tmp_path / "desc")
+    assert len(calls.read_text().splitlines()) == 3 and _meta(c)["stats"]["sources"]["split_by"] == "source package"
+    (own / "deb.example.org_debian_dists_bookworm_main_binary-amd64_Packages").unlink()
+    _fake_apt_get(tmp_path, monkeypatch, fail=True)
+    with caplog.at_level("WARNING", logger="prlmfuse"):
+        c = build_debian_translations(tmp_path / "en-fr", src="en", tgt="fr", force=True)
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "no Packages lists" in warning and "failed (exit 100: E: Could not resolve 'deb.debian.org')" in warning
+    assert len(calls.read_text().splitlines()) == 4 and _meta(c)["stats"]["sources"]["split_by"].startswith("binary")
+
+
+def test_debian_translations_through_the_cli_and_a_broken_list(tmp_path, capsys, monkeypatch):
+    from helpers.reliability import assert_one_line_error, run_cli
+
+    code, out, err = run_cli(["data", "debian-translations", tmp_path / "ok", "--tgt", "de", "--lists-dir", DEBIAN_LISTS],
+                             capsys, monkeypatch)
+    assert code == 0, err
+    assert "corpus debian-translations-en-de (translation, en->de)" in out and "test         3 pairs" in out
+    broken = DEBIAN_BROKEN_LISTS / "deb.example.org_debian_dists_bookworm_main_i18n_Translation-fr"
+    result = run_cli(["data", "debian-translations", tmp_path / "bad", "--tgt", "fr", "--lists-dir", DEBIAN_BROKEN_LISTS],
+                     capsys, monkeypatch)
+    assert_one_line_error(result, f"{broken}:11: not an apt list line", "'Description-md5 9282", "delete it")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_pipeline_debian_translations_kind(tmp_path):
+    from prlmfuse.config import load_pipeline
+    from prlmfuse.pipeline import corpus_dir, ensure_data
+
+    path = tmp_path / "pipeline.yaml"
+    for data, needles in (
+        ("data: {kind: debian-translations, src: en, tgt: en}", [":2:", "data.tgt", "only English"]),
+        ("data:\n  kind: debian-translations\n  src: fr\n  tgt: de\n", [":4:", "data.src", "no English"]),
+        ("data: {kind: debian-translations, src: en, tgt: fr_fr}", ["data.tgt", "not a language code"]),
+    ):
+        path.write_text(f"workdir: work\n{data}\n", encoding="utf-8")
+        with pytest.raises(UserError) as e:
+            load_pipeline(path)
+        assert str(e.value).startswith(str(path)) and all(n in str(e.value) for n in needles), str(e.value)
+    path.write_text(f"workdir: work\ndata: {{kind: debian-translations, src: en, tgt: fr, lists_dir: {DEBIAN_LISTS}}}\n",
+                    encoding="utf-8")
+    cfg = load_pipeline(path)
+    assert corpus_dir(cfg) == tmp_path / "work" / "data" / "debian-translations-en-fr"
+    corpus = ensure_data(cfg)
+    assert corpus.name == "debian-translations-en-fr" and corpus.num_pairs("test") == 11
+
+
+def test_debian_translations_corpus_travels_in_a_bundle(debian_en_fr, tmp_path):
+    import tarfile
+
+    from prlmfuse.bundle import write_corpora
+
+    (archive,) = write_corpora([Path(debian_en_fr.root)], tmp_path / "bundle")
+    with tarfile.open(archive) as tar:
+        tar.extractall(tmp_path / "node", filter="data")
+    unpacked = load_corpus(tmp_path / "node" / debian_en_fr.root.name, verify=True)
+    assert (unpacked.name, unpacked.src_sha256("test")) == (debian_en_fr.name, debian_en_fr.src_sha256("test"))
+    assert _meta(unpacked)["stats"] == _meta(debian_en_fr)["stats"]
+
+
+@pytest.mark.parametrize("lines, blocks", [
+    # wrapped prose: one block
+    (["Some text that", "wraps."], ["Some text that wraps."]),
+    # items at the margin wrapped at the margin; items indented with their lines indented under them
+    (["Lead:", "* one", "* two that", "wraps", "* three"], ["Lead:", "one", "two that wraps", "three"]),
+    ([" Lead:", "  - one", "  - two that", "    wraps", " and text after the list."],
+     ["Lead:", "one", "two that wraps", "and text after the list."]),
+    # French dashes; an indented "o" bullet; a number starting a wrapped line of prose is no item
+    (["  — un ;", "  — deux."], ["un ;", "deux."]),
+    ([" o first", " o second"], ["first", "second"]),
+    (["released in", "2. then"], ["released in 2. then"]),
+])
+def test_debian_description_blocks(lines, blocks):
+    assert debian._blocks(lines) == blocks
+
+
+def test_debian_paragraphs_ignore_a_no_break_space_line_as_a_stanza_end():
+    # A translator's " \u00a0" line stands where " ." belongs: it separates paragraphs, it does not end the stanza.
+    text = ("Package: p\nDescription-md5: " + "a" * 32 + "\nDescription-fr: synopsis\n un\n \u00a0\n deux\n\n"
+            "Package: q\nDescription-md5: " + "b" * 32 + "\nDescription-fr: autre\n trois\n")
+    parsed = list(debian.parse_translation(text, "fr"))
+    assert [d.package for d in parsed] == ["p", "q"]
+    assert debian._paragraphs(parsed[0].body) == [["un"], ["deux"]]

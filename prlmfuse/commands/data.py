@@ -31,11 +31,32 @@ def data_bible(out: str, src: str, tgt: str, force: bool) -> None:
 
 @data.command("debian-descriptions")
 @click.argument("out", type=click.Path(file_okay=False), callback=creatable_parent)
-@click.option("--lists-dir", type=click.Path(file_okay=False), help="Keep apt's Translation-en lists here (default: a private dir).")
+@click.option("--lists-dir", type=click.Path(file_okay=False),
+              help="Keep apt's Translation-en and Packages lists here, or read them from here (default: a private dir).")
 @click.option("--force", is_flag=True, help="Replace a different corpus already in OUT.")
 def data_debian(out: str, lists_dir: str | None, force: bool) -> None:
-    """Summarization: Debian long package descriptions -> their one-line synopsis."""
+    """Summarization: Debian long package descriptions -> their one-line synopsis.
+
+    Split by source package (from apt's Packages lists); train keeps no description or synopsis of dev or test.
+    """
     _print_corpus(corpora.build_debian_descriptions(out, lists_dir=lists_dir, force=force))
+
+
+@data.command("debian-translations")
+@click.argument("out", type=click.Path(file_okay=False), callback=creatable_parent)
+@click.option("--src", default="en", show_default=True, help="Source language: en, or a Debian translation language.")
+@click.option("--tgt", required=True,
+              help="Target language: a language Debian's descriptions are translated into (fr, de, ja, pt_BR, ...), or en.")
+@click.option("--lists-dir", type=click.Path(file_okay=False),
+              help="Keep apt's Translation and Packages lists here, or read them from here (default: a private dir).")
+@click.option("--force", is_flag=True, help="Replace a different corpus already in OUT.")
+def data_debian_translations(out: str, src: str, tgt: str, lists_dir: str | None, force: bool) -> None:
+    """Translation: Debian's package descriptions in English and another language (DDTP).
+
+    Aligned by Description-md5, one pair per synopsis, paragraph or list item; split by source
+    package, and train keeps no English segment of dev or test.
+    """
+    _print_corpus(corpora.build_debian_translations(out, src=src, tgt=tgt, lists_dir=lists_dir, force=force))
 
 
 _TASK_HELP = "summarization adds ROUGE and blocks repeated trigrams when decoding."

