@@ -148,11 +148,9 @@ def open_cache(
     (`check_cache`: a stat per file when nothing changed since the cache last passed);
     verify=True re-hashes every shard whatever was remembered.
     """
-    if verify:
-        verify_cache(path)
-    else:
-        check_cache(path)
-    reader = CacheReader(path, in_memory=in_memory)
+    # The path is parsed and the manifest read once, here, and the reader opened on what was checked.
+    location, manifest = verify_cache(path) if verify else check_cache(path)
+    reader = CacheReader(location, in_memory=in_memory, manifest=manifest)
     fields = dict(reader.manifest["key_fields"])
     if fields.get(_CORPUS_FIELD) != source_sha256:
         raise UserError(

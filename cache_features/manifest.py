@@ -193,8 +193,11 @@ def expected_arrays(manifest: dict, shard: dict) -> dict[str, tuple[tuple[int, .
     return arrays
 
 
-def verify_cache(path) -> None:
-    """Re-hash every shard against the manifest; a missing, truncated or altered shard is a UserError naming it."""
+def verify_cache(path) -> tuple[Location, dict]:
+    """Re-hash every shard against the manifest; a missing, truncated or altered shard is a UserError naming it.
+
+    Returns (location, manifest) as `load_manifest` read them, the manifest the shards were checked against,
+    so that a reader can be opened on them without parsing the path or reading the manifest again."""
     location, manifest = load_manifest(path)
     block_rows = 1 << 16
     for shard in manifest["shards"]:
@@ -225,22 +228,27 @@ def verify_cache(path) -> None:
             handle.close()
         if checksum.hexdigest() != shard["sha256"]:
             raise UserError(f"cache {location}: shard {name} fails its sha256 check (corrupt); rebuild with --force")
+    return location, manifest
 
 
-def check_cache(path) -> None:
+def check_cache(path) -> tuple[Location, dict]:
     """The check every reader runs before it trusts a cache: `verify_cache`, skipped when neither the
     manifest nor any shard file changed (size, mtime) since the cache last passed it on this machine
-    (remembered in $PRLMFUSE_HOME). URLs have no cheap stamp, so they are re-hashed every time."""
+    (remembered in $PRLMFUSE_HOME). URLs have no cheap stamp, so they are re-hashed every time.
+
+    Returns (location, manifest): the path parsed once and the manifest read once (by `verify_cache`, or by
+    `load_manifest` alone when the shards are known unchanged), for `CacheReader(location, manifest=...)`."""
     location = path if isinstance(path, Location) else Location(path)
     stamp = None if location.url else _local_stamp(location.path)
     memo = StatMemo("verified_caches.json")
     key = os.path.realpath(location.path) if stamp else ""
     if stamp and memo.get(key, stamp[0]):
-        return
-    verify_cache(location)
+        return load_manifest(location)
+    checked = verify_cache(location)
     if stamp:
         memo.put(key, stamp[0], True, newest_mtime=stamp[1])
         memo.save()
+    return checked
 
 
 def _local_stamp(root) -> tuple[str, float] | None:

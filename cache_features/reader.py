@@ -37,8 +37,16 @@ def in_memory_bytes(path_or_url) -> int:
 
 
 class CacheReader:
-    def __init__(self, path_or_url, *, in_memory: bool = False):
-        self.location, self.manifest = load_manifest(Location(path_or_url))
+    def __init__(self, path_or_url, *, in_memory: bool = False, manifest: dict | None = None):
+        """The cache at `path_or_url` (a directory, an fsspec URL or a Location).
+
+        manifest: the cache's manifest as `load_manifest` (or `check_cache` / `verify_cache`, which return
+        the Location and manifest they checked) read it from this location; None reads it here.
+        """
+        location = path_or_url if isinstance(path_or_url, Location) else Location(path_or_url)
+        if manifest is None:
+            location, manifest = load_manifest(location)
+        self.location, self.manifest = location, manifest
         m = self.manifest
         self.path = str(path_or_url)
         self.key: str = m["key"]

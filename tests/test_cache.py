@@ -659,6 +659,54 @@ def test_verify_names_bad_shard_and_truncated_manifest(tiny, corpus, tmp_path):
     shutil.rmtree(tmp_path / "zarr")
 
 
+def test_open_cache_parses_the_path_and_reads_the_manifest_once(tiny, corpus, tmp_path, monkeypatch):
+    """open_cache checks a cache and opens its reader on one Location and one reading of manifest.json,
+    whichever check runs: a full verify, check_cache re-hashing the shards, or check_cache trusting its memo."""
+    from prlmfuse import fileio
+    from prlmfuse.cache_features import manifest as manifest_module
+    from prlmfuse.cache_features import open_cache
+    from prlmfuse.cache_features.location import Location
+
+    out = tmp_path / "c"
+    build_cache(str(tiny["bert"]), corpus, out, progress=False, shard_bytes=2048)
+    monkeypatch.setenv("PRLMFUSE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(fileio, "RACY_SECONDS", -1.0)  # the memo keeps the cache just built
+    counts = {"locations": 0, "manifest reads": 0, "shard checks": 0}
+    init, read_bytes, verify = Location.__init__, Location.read_bytes, manifest_module.verify_cache
+
+    def counting_init(self, path_or_url):
+        counts["locations"] += 1
+        init(self, path_or_url)
+
+    def counting_read(self, name):
+        counts["manifest reads"] += name == manifest_module.MANIFEST
+        return read_bytes(self, name)
+
+    def counting_verify(path):
+        counts["shard checks"] += 1
+        return verify(path)
+
+    monkeypatch.setattr(Location, "__init__", counting_init)
+    monkeypatch.setattr(Location, "read_bytes", counting_read)
+    monkeypatch.setattr(manifest_module, "verify_cache", counting_verify)  # what check_cache calls
+    source = dict(source=str(corpus), source_name="train source", source_sha256=fileio.sha256_file(corpus),
+                  source_lines=len(corpus.read_text(encoding="utf-8").splitlines()))
+    # verify=True; then check_cache without a memo (it re-hashes and remembers); then with it (no re-hash)
+    for verify_all, shard_checks in ((True, 0), (False, 1), (False, 0)):
+        counts.update({k: 0 for k in counts})
+        reader = open_cache(str(out), expected_fields=None, verify=verify_all, **source)
+        assert counts == {"locations": 1, "manifest reads": 1, "shard checks": shard_checks}, verify_all
+        assert reader.num_sentences == source["source_lines"] and reader.path == str(out)
+        assert torch.equal(reader.features(1), CacheReader(out).features(1))
+    # the reader of a Location and its manifest handed over serves what a reader of the path does
+    location, manifest = manifest_module.load_manifest(out)
+    counts.update({k: 0 for k in counts})
+    handed = CacheReader(location, manifest=manifest, in_memory=True)
+    assert counts["manifest reads"] == 0 and counts["locations"] == 0
+    assert handed.manifest is manifest and handed.location is location
+    assert torch.equal(handed.features(2), CacheReader(out).features(2))
+
+
 def test_manifest_shard_names_cannot_escape(tiny, corpus, tmp_path):
     out = tmp_path / "c"
     build_cache(str(tiny["bert"]), corpus, out, progress=False)
