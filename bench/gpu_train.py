@@ -102,7 +102,7 @@ def train_section(report: Report, sizes: Sizes, device: torch.device, scratch: P
     run_dir.mkdir(exist_ok=True)
 
     def trainer_for(specs, dataset, workers: int, compile: bool = False):
-        # The paper's fused setting (encoder side, after the FFN), which results.md's GPU figures measure.
+        # The paper's fused setting (encoder side, after the FFN), which docs/performance.md's GPU figures measure.
         run = RunConfig(name="bench", preset=sizes.preset, prlms=[PrLMUse(info.path, PRLM_LAYER)] if specs else [],
                         side="source", position="ffn", max_tokens=sizes.max_tokens, max_updates=10**6,
                         num_workers=workers, compile=compile)

@@ -60,15 +60,21 @@ def test_data_text_prints_the_lines_that_build_the_same_corpus(tmp_path, capsys,
 
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+CONFIGURATION = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 HUB_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
 
+def _section_blocks(path: Path, heading: str) -> list[str]:
+    """The YAML blocks of a markdown file's section, as written."""
+    text = path.read_text(encoding="utf-8")
+    start = text.index(f"\n## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    return re.findall(r"```yaml\n(.*?)```", text[start:end if end > 0 else len(text)], re.S)
+
+
 def _readme_blocks() -> list[str]:
-    """The YAML blocks of README.md's "Your own data" section, as written."""
-    text = README.read_text(encoding="utf-8")
-    start = text.index("\n## Your own data\n")
-    section = text[start:text.index("\n## ", start + 1)]
-    return re.findall(r"```yaml\n(.*?)```", section, re.S)
+    """README's own-data pipeline, then docs/configuration.md's `kind: hf` data section."""
+    return _section_blocks(README, "Your own data") + _section_blocks(CONFIGURATION, "Data kinds")
 
 
 def _readme_pipeline(root: Path) -> Path:
@@ -94,7 +100,8 @@ def test_readme_own_data_pipeline_loads_and_builds_its_corpus(tmp_path):
     from prlmfuse.plan import plan_lines
 
     cfg = load_pipeline(_readme_pipeline(tmp_path))
-    assert [r.name for r in cfg.train.runs] == ["baseline", "fused"] and cfg.evaluate.baseline == "baseline"
+    assert [r.name for r in cfg.train.runs] == ["baseline", "fused", "baseline-matched"]
+    assert cfg.evaluate.baseline == "baseline"
     corpus = ensure_data(cfg)
     assert read_lines(corpus.src_path("test")) == read_lines(tmp_path / "corpus" / "test.en")
     assert read_lines(corpus.tgt_path("train")) == read_lines(tmp_path / "corpus" / "train.de")
@@ -110,7 +117,7 @@ def test_readme_own_data_pipeline_runs_as_written(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     results = tmp_path / "work" / "my-corpus" / "results"
     rows = {r["run"]: r for r in json.loads((results / "results.json").read_text())["rows"]}
-    assert set(rows) == {"baseline", "fused"} and rows["fused"]["compared_with"] == "baseline"
+    assert set(rows) == {"baseline", "fused", "baseline-matched"} and rows["fused"]["compared_with"] == "baseline"
     assert rows["fused"]["num_sentences"] == 4 and rows["fused"]["updates"] == 20  # one batch an epoch, 20 epochs
     assert done.stdout.splitlines()[-1].startswith("plots: ")
 

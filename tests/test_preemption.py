@@ -204,13 +204,13 @@ def test_a_stopped_cache_build_keeps_its_finished_shards_and_the_rerun_completes
     reliability.assert_same_cache(out, Path(reference.path))
 
 
-def test_the_readmes_slurm_script_passes_the_signal_on_and_requeues(world, tmp_path):
-    """README's job script, with `scontrol requeue` replaced by an echo: USR1 to the script (as SLURM sends
-    it with --signal=B:USR1) reaches prlmfuse, which saves and exits 75, and the script asks for a requeue."""
+def test_the_cluster_pages_slurm_script_passes_the_signal_on_and_requeues(world, tmp_path):
+    """docs/cluster.md's job script, with `scontrol requeue` replaced by an echo: USR1 to the script (as SLURM
+    sends it with --signal=B:USR1) reaches prlmfuse, which saves and exits 75, and the script asks for a requeue."""
     root, corpus, ckpt = world
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    block = readme[readme.index("  ```bash\n  #!/bin/bash"):]
-    script = textwrap.dedent(block[len("  ```bash\n"): block.index("  ```\n", 10)])
+    page = (Path(__file__).resolve().parents[1] / "docs" / "cluster.md").read_text(encoding="utf-8")
+    block = page[page.index("```bash\n#!/bin/bash"):]
+    script = block[len("```bash\n"): block.index("```\n", 10)]
     pipeline = _cached(tmp_path / "job", corpus, ckpt, 0)
     script = script.replace("prlmfuse run pipeline.yaml", f"{sys.executable} -m prlmfuse.cli train -p {pipeline} --runs fused")
     script = script.replace('scontrol requeue "$SLURM_JOB_ID"', "echo REQUEUE")

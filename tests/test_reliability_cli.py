@@ -349,10 +349,10 @@ def test_train_help_says_resuming_is_the_default(capsys, monkeypatch):
     assert code == 0 and "--resume / --fresh" in out and "[default: resume]" in out, out
 
 
-def test_readme_and_help_say_what_fresh_does(capsys, monkeypatch):
+def test_the_docs_and_help_say_what_fresh_does(capsys, monkeypatch):
     code, out, _ = run_cli(["train", "--help"], capsys, monkeypatch)
     assert code == 0 and "start runs over" in " ".join(out.split()) and "refuses" not in out, out
-    readme = " ".join((Path(__file__).parents[1] / "README.md").read_text().split())
+    readme = " ".join((Path(__file__).parents[1] / "docs" / "troubleshooting.md").read_text().split())
     assert "`--fresh` starts each run over" in readme and "`--fresh` refuses" not in readme
 
 

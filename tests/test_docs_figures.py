@@ -1,0 +1,309 @@
+"""Every figure README.md and docs/results.md's summary quote, tied to the committed JSON behind it.
+
+Each quote names its document, the section that holds it and a pattern that finds it exactly once,
+one regex group per printed figure, and for each group the field of docs/results/*.json it prints.
+A printed figure must equal its field at the printed rounding; a number in a checked section that no
+quote covers fails too, so a figure cannot be added, changed or left behind without its source.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
+
+
+@functools.cache
+def _json(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text(encoding="utf-8"))
+
+
+def system(file: str, name: str, field: str) -> Callable[[], float]:
+    """A system's field in a `report` file's systems table (mean, sd, delta_mean, delta_sd)."""
+    def get():
+        (entry,) = [s for s in _json(file)["systems"] if s["system"] == name]
+        return entry[field]
+    return get
+
+
+def against_system(file: str, name: str, against: str, field: str) -> Callable[[], float]:
+    """A system's mean or sd of Δ against another system, over the seeds (`report --against`)."""
+    def get():
+        (entry,) = [a for a in _json(file)["against_systems"] if a["system"] == name and a["against"] == against]
+        return entry[field]
+    return get
+
+
+def row(file: str, run: str, field: str, metric: str | None = None) -> Callable[[], float]:
+    """One run's field of a results file (`delta` and `p_value` are keyed by the metric)."""
+    def get():
+        (entry,) = [r for r in _json(file)["rows"] if r["run"] == run]
+        return entry[field] if metric is None else entry[field][metric]
+    return get
+
+
+def against_row(file: str, run: str, against: str, field: str, sign: float = 1.0) -> Callable[[], float]:
+    """One run's Δ or p against another run of its file (`report --against`); sign -1 reads it the other way."""
+    def get():
+        (entry,) = [a for a in _json(file)["against"] if a["run"] == run and a["against"] == against]
+        return sign * entry[field]["bleu"]
+    return get
+
+
+def params_millions(file: str, run: str) -> Callable[[], float]:
+    return lambda: row(file, run, "trainable_parameters")() / 1e6
+
+
+def largest_p(file: str, name: str, against: str | None = None) -> Callable[[], float]:
+    """The largest paired-bootstrap p over a system's seeds, against the baseline or against a system."""
+    def get():
+        data = _json(file)
+        (entry,) = [s for s in data["systems"] if s["system"] == name]
+        runs = set(entry["runs"])
+        if against is None:
+            return max(r["p_value"]["bleu"] for r in data["rows"] if r["run"] in runs)
+        return max(a["p_value"]["bleu"] for a in data["against"] if a["run"] in runs and a["against"] == against)
+    return get
+
+
+def train_hours(file: str) -> Callable[[], float]:
+    return lambda: sum(r.get("train_seconds") or 0.0 for r in _json(file)["rows"]) / 3600
+
+
+def train_minutes(file: str, run: str) -> Callable[[], float]:
+    return lambda: row(file, run, "train_seconds")() / 60
+
+
+def run_count(file: str) -> Callable[[], float]:
+    return lambda: len(_json(file)["rows"])
+
+
+@dataclass(frozen=True)
+class Quote:
+    doc: str
+    section: str  # the heading whose section holds the quote
+    pattern: str  # found exactly once in that section; one group per figure
+    figures: tuple[Callable[[], float], ...]
+
+
+CONTROLS = "controls-3000.json"
+EN_JA = "en-ja.json"
+
+QUOTES: list[Quote] = [
+    # README: results at a glance
+    Quote("README.md", "Results at a glance",
+          r"^\| baseline: no PrLM \| ([\d.]+)M \| ([\d.]+) ± ([\d.]+) \| – \| – \| (\d+) \|$",
+          (params_millions(CONTROLS, "baseline"), system(CONTROLS, "baseline", "mean"),
+           system(CONTROLS, "baseline", "sd"), lambda: len(system(CONTROLS, "baseline", "runs")()))),
+    Quote("README.md", "Results at a glance",
+          r"^\| fused: MiniLM-L6's penultimate layer, both sides \| ([\d.]+)M \| ([\d.]+) ± ([\d.]+) \| "
+          r"(\S+) ± ([\d.]+) \(p ≤ ([\d.]+)\) \| (\S+) ± ([\d.]+) \(p ≤ ([\d.]+)\) \| (\d+) \|$",
+          (params_millions(CONTROLS, "fused"), system(CONTROLS, "fused", "mean"), system(CONTROLS, "fused", "sd"),
+           system(CONTROLS, "fused", "delta_mean"), system(CONTROLS, "fused", "delta_sd"),
+           largest_p(CONTROLS, "fused"),
+           against_system(CONTROLS, "fused", "baseline-matched-fused", "delta_mean"),
+           against_system(CONTROLS, "fused", "baseline-matched-fused", "delta_sd"),
+           largest_p(CONTROLS, "fused", "baseline-matched-fused"),
+           lambda: len(system(CONTROLS, "fused", "runs")()))),
+    Quote("README.md", "Results at a glance",
+          r"^\| baseline widened to fused's parameters \| ([\d.]+)M \| ([\d.]+) ± ([\d.]+) \| "
+          r"(\S+) ± ([\d.]+) \(p ≤ ([\d.]+)\) \| – \| (\d+) \|$",
+          (params_millions(CONTROLS, "baseline-matched-fused"), system(CONTROLS, "baseline-matched-fused", "mean"),
+           system(CONTROLS, "baseline-matched-fused", "sd"), system(CONTROLS, "baseline-matched-fused", "delta_mean"),
+           system(CONTROLS, "baseline-matched-fused", "delta_sd"), largest_p(CONTROLS, "baseline-matched-fused"),
+           lambda: len(system(CONTROLS, "baseline-matched-fused", "runs")()))),
+    Quote("README.md", "Results at a glance",
+          r"^\| fused, each sentence reading another's features \| ([\d.]+)M \| ([\d.]+) ± ([\d.]+) \| "
+          r"(\S+) ± ([\d.]+) \(p ≤ ([\d.]+)\) \| (\S+) ± ([\d.]+) \(p ≤ ([\d.]+)\) \| (\d+) \|$",
+          (params_millions(CONTROLS, "fused-shuffled"), system(CONTROLS, "fused-shuffled", "mean"),
+           system(CONTROLS, "fused-shuffled", "sd"), system(CONTROLS, "fused-shuffled", "delta_mean"),
+           system(CONTROLS, "fused-shuffled", "delta_sd"), largest_p(CONTROLS, "fused-shuffled"),
+           against_system(CONTROLS, "fused-shuffled", "baseline-matched-fused", "delta_mean"),
+           against_system(CONTROLS, "fused-shuffled", "baseline-matched-fused", "delta_sd"),
+           largest_p(CONTROLS, "fused-shuffled", "baseline-matched-fused"),
+           lambda: len(system(CONTROLS, "fused-shuffled", "runs")()))),
+    Quote("README.md", "Results at a glance",
+          r"To the 13-epoch cap \((\d) seeds\), fused reaches ([\d.]+) ± ([\d.]+) BLEU, the baseline ([\d.]+) ± "
+          r"([\d.]+) \(p ≤ ([\d.]+)\)",
+          (lambda: len(system(EN_JA, "fused", "runs")()), system(EN_JA, "fused", "mean"), system(EN_JA, "fused", "sd"),
+           system(EN_JA, "baseline", "mean"), system(EN_JA, "baseline", "sd"), largest_p(EN_JA, "fused"))),
+    Quote("README.md", "Results at a glance",
+          r"Japanese→English with e5 trails its baseline \((\S+),\s+p ([\d.]+)\)",
+          (row("ja-en.json", "fused", "delta", "bleu"), row("ja-en.json", "fused", "p_value", "bleu"))),
+    # README: the demo
+    Quote("README.md", "Quick start",
+          r"its two runs train for (\d+) and (\d+) minutes side by side",
+          (train_minutes("demo.json", "baseline"), train_minutes("demo.json", "fused"))),
+    Quote("README.md", "Quick start",
+          r"^BLEU on test \((\d+) sentences\):\n  baseline +([\d.]+)  \(baseline\)\n  fused +([\d.]+)  "
+          r"Δ (\S+)  p=([\d.]+)\*$",
+          (row("demo.json", "fused", "num_sentences"), row("demo.json", "baseline", "bleu"),
+           row("demo.json", "fused", "bleu"), row("demo.json", "fused", "delta", "bleu"),
+           row("demo.json", "fused", "p_value", "bleu"))),
+] + [
+    # README: what each example file took
+    Quote("README.md", "Reproducing the results", rf"^\| `{re.escape(example)}` \| [^|]+ \| (\d+) \| ([\d.]+) h \|$",
+          (run_count(file), train_hours(file)))
+    for example, file in [
+        ("pipeline.yaml", "demo.json"),
+        ("examples/results-en-ja.yaml", "en-ja.json"),
+        ("examples/controls-en-ja.yaml", "controls-3000.json"),
+        ("examples/controls-en-ja-converged.yaml", "controls-converged.json"),
+        ("examples/table3-en-ja.yaml", "table3.json"),
+        ("examples/prlm-choice-en-ja.yaml", "prlm-choice.json"),
+        ("examples/e5-ja-en.yaml", "ja-en.json"),
+        ("examples/summarization-debian.yaml", "summarization-debian.json"),
+    ]
+]
+
+TABLE3 = "table3.json"
+PRLMS = "prlm-choice.json"
+SUMMARY = "Summary"
+RESULTS_MD = "docs/results.md"
+
+
+def _system_row(label: str, name: str, params_run: str) -> Quote:
+    """A summary row of the controls: params, BLEU mean ± sd, Δ ± sd vs baseline with the largest p, seeds."""
+    return Quote(RESULTS_MD, SUMMARY,
+                 rf"^\| {re.escape(label)} \| ([\d.]+)M \| ([\d.]+) ± ([\d.]+) \| (\S+) ± ([\d.]+) \(≤ ([\d.]+)\) \| (\d+) \|$",
+                 (params_millions(CONTROLS, params_run), system(CONTROLS, name, "mean"), system(CONTROLS, name, "sd"),
+                  system(CONTROLS, name, "delta_mean"), system(CONTROLS, name, "delta_sd"), largest_p(CONTROLS, name),
+                  lambda: len(system(CONTROLS, name, "runs")())))
+
+
+QUOTES += [
+    Quote(RESULTS_MD, SUMMARY, r"^\| baseline: no PrLM \| ([\d.]+)M \| ([\d.]+) ± ([\d.]+) \| – \| (\d+) \|$",
+          (params_millions(CONTROLS, "baseline"), system(CONTROLS, "baseline", "mean"),
+           system(CONTROLS, "baseline", "sd"), lambda: len(system(CONTROLS, "baseline", "runs")()))),
+    _system_row("fused: MiniLM-L6's penultimate layer after the FFN, both sides", "fused", "fused"),
+    _system_row("baseline widened to fused's parameters", "baseline-matched-fused", "baseline-matched-fused"),
+    _system_row("fused, each sentence reading another sentence's features", "fused-shuffled", "fused-shuffled"),
+    _system_row("fused, reading an untrained MiniLM", "fused-untrained", "fused-untrained"),
+    Quote(RESULTS_MD, SUMMARY,
+          r"fused reaches ([\d.]+) ± ([\d.]+) BLEU and the baseline ([\d.]+) ± ([\d.]+)\n\((\S+) ± ([\d.]+), "
+          r"p ≤ ([\d.]+), (\d) seeds\)",
+          (system(EN_JA, "fused", "mean"), system(EN_JA, "fused", "sd"), system(EN_JA, "baseline", "mean"),
+           system(EN_JA, "baseline", "sd"), system(EN_JA, "fused", "delta_mean"), system(EN_JA, "fused", "delta_sd"),
+           largest_p(EN_JA, "fused"), lambda: len(system(EN_JA, "fused", "runs")()))),
+    Quote(RESULTS_MD, SUMMARY, r"^\| layer \| Concat of every layer \| ([\d.]+) \| penultimate \| ([\d.]+) \| "
+          r"(\S+) \(([\d.]+)\) \|$",
+          (row(TABLE3, "layer-concat", "bleu"), row(TABLE3, "fused", "bleu"),
+           against_row(TABLE3, "layer-concat", "fused", "delta"), against_row(TABLE3, "layer-concat", "fused", "p_value"))),
+    Quote(RESULTS_MD, SUMMARY, r"^\| merge \| sum \| ([\d.]+) \| sum \| ([\d.]+) \| average next: (\S+) \(([\d.]+)\) \|$",
+          (row(TABLE3, "fused", "bleu"), row(TABLE3, "fused", "bleu"),
+           against_row(TABLE3, "merge-average", "fused", "delta"),
+           against_row(TABLE3, "merge-average", "fused", "p_value"))),
+    Quote(RESULTS_MD, SUMMARY, r"^\| position \| after add&norm1 \| ([\d.]+) \| after the FFN \| ([\d.]+) \| "
+          r"(\S+) \(([\d.]+)\) \|$",
+          (row(TABLE3, "position-add-norm1", "bleu"), row(TABLE3, "fused", "bleu"),
+           against_row(TABLE3, "position-add-norm1", "fused", "delta"),
+           against_row(TABLE3, "position-add-norm1", "fused", "p_value"))),
+    Quote(RESULTS_MD, SUMMARY, r"^\| side \| both \| ([\d.]+) \| source \| ([\d.]+) \| (\S+) \(([\d.]+)\) \|$",
+          (row(TABLE3, "fused", "bleu"), row(TABLE3, "side-source", "bleu"),
+           against_row(TABLE3, "side-source", "fused", "delta", sign=-1.0),
+           against_row(TABLE3, "side-source", "fused", "p_value"))),
+] + [
+    Quote(RESULTS_MD, SUMMARY, rf"^\| {re.escape(label)} \| ([\d.]+) \| (\S+) \(([\d.]+)\) \|$",
+          (row(PRLMS, run, "bleu"), row(PRLMS, run, "delta", "bleu"), row(PRLMS, run, "p_value", "bleu")))
+    for label, run in [("MiniLM-L6 (all-MiniLM-L6-v2)", "fused"), ("multilingual e5-small", "prlm-e5"),
+                       ("SmolLM2-135M, a causal LM", "prlm-smollm2")]
+] + [
+    Quote(RESULTS_MD, SUMMARY, r"fused trails its baseline,\n  ([\d.]+) against ([\d.]+) BLEU \((\S+), p ([\d.]+);",
+          (row("ja-en.json", "fused", "bleu"), row("ja-en.json", "baseline", "bleu"),
+           row("ja-en.json", "fused", "delta", "bleu"), row("ja-en.json", "fused", "p_value", "bleu"))),
+    Quote(RESULTS_MD, SUMMARY, r"encoder-only side trails the baseline here \((\S+), p ([\d.]+)\)",
+          (row(TABLE3, "side-source", "delta", "bleu"), row(TABLE3, "side-source", "p_value", "bleu"))),
+    Quote(RESULTS_MD, SUMMARY, r"ROUGE-L of ([\d.]+) against ([\d.]+) compares",
+          (row("summarization-debian.json", "fused", "rougeL"), row("summarization-debian.json", "baseline", "rougeL"))),
+]
+
+# Numbers in a checked section that state the conditions of a result, not a result: no quote needed.
+CONDITIONS = {
+    "README.md": [r"678 verses", r"256 wide, 3\+3 layers", r"3,000 updates", r"seeds 1–3", r"2-core",
+                  r"13-epoch", r"MiniLM-L6", r"\be5\b", r"ja-mecab", r"beam 5", r"1,200 updates",
+                  r"Python ≥ 3\.11", r"torch 2\.4–2\.15", r"\(2021\)", r"3\+3", r"Table 3"],
+}
+CONDITIONS[RESULTS_MD] = [r"678 verses", r"3,000 updates", r"seeds 1–3", r"seed 1\b", r"2-core", r"13-epoch",
+                          r"MiniLM-L6", r"e5-small", r"SmolLM2-135M", r"add&norm1", r"beam 5", r"Table 3",
+                          r"\(ja-mecab\)", r"third of four"]
+CHECKED_SECTIONS = {"README.md": ["Results at a glance", "Quick start", "Reproducing the results"],
+                    RESULTS_MD: [SUMMARY]}
+
+
+def section(doc: str, heading: str) -> tuple[str, int]:
+    """The text under `## heading` up to the next heading of that level or higher, and its offset."""
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    match = re.search(rf"^(#+) {re.escape(heading)}\n", text, re.M)
+    assert match, f"{doc} has no section {heading!r}"
+    level = len(match.group(1))
+    end = re.compile(rf"^#{{1,{level}}} ", re.M).search(text, match.end())
+    return text[match.end(): end.start() if end else len(text)], match.end()
+
+
+def printed_value(text: str) -> tuple[float, int]:
+    """A printed figure as a number and its decimal places (Unicode minus and thousands commas read)."""
+    clean = text.replace("−", "-").replace(",", "")
+    decimals = len(clean.split(".")[1]) if "." in clean else 0
+    return float(clean), decimals
+
+
+def check_figure(printed: str, value: float) -> str | None:
+    number, decimals = printed_value(printed)
+    if abs(number - value) > 0.5 * 10 ** -decimals + 1e-9:
+        return f"printed {printed}, the JSON gives {value!r}"
+    return None
+
+
+def quote_spans(doc: str, heading: str) -> list[tuple[int, int]]:
+    text, _ = section(doc, heading)
+    spans = []
+    for quote in (q for q in QUOTES if q.doc == doc and q.section == heading):
+        matches = list(re.finditer(quote.pattern, text, re.M))
+        assert len(matches) == 1, f"{doc}, {heading!r}: {quote.pattern!r} matched {len(matches)} times, not once"
+        spans += [matches[0].span(i) for i in range(1, len(quote.figures) + 1)]
+    return spans
+
+
+@pytest.mark.parametrize("quote", QUOTES, ids=lambda q: f"{q.doc}:{q.section}:{q.pattern[:40]}")
+def test_each_quoted_figure_equals_its_json_field_at_the_printed_rounding(quote):
+    text, _ = section(quote.doc, quote.section)
+    matches = list(re.finditer(quote.pattern, text, re.M))
+    assert len(matches) == 1, f"{quote.pattern!r} matched {len(matches)} times in {quote.doc}, {quote.section!r}"
+    assert len(matches[0].groups()) == len(quote.figures)
+    wrong = [f"figure {i + 1}: {problem}" for i, (printed, get) in enumerate(zip(matches[0].groups(), quote.figures))
+             if (problem := check_figure(printed, get())) is not None]
+    assert not wrong, f"{quote.doc}, {quote.section!r}: " + "; ".join(wrong)
+
+
+@pytest.mark.parametrize("doc,heading", [(d, h) for d, hs in CHECKED_SECTIONS.items() for h in hs])
+def test_every_number_of_a_checked_section_is_a_quote_or_a_condition(doc, heading):
+    text, _ = section(doc, heading)
+    covered = quote_spans(doc, heading)
+    for pattern in CONDITIONS[doc]:
+        covered += [m.span() for m in re.finditer(pattern, text)]
+    # Link targets, code spans and shell blocks name files and commands, not figures.
+    for skip in (r"\]\([^)]*\)", r"`[^`\n]*`", r"```bash\n.*?```"):
+        covered += [m.span() for m in re.finditer(skip, text, re.S)]
+    loose = []
+    for number in re.finditer(r"(?<![\w.])\d(?:[\d,.]*\d)?(?!\w)", text):
+        if not any(start <= number.start() and number.end() <= end for start, end in covered):
+            line = text.count("\n", 0, number.start())
+            loose.append(f"{number.group()!r} in line {line + 1} of the section: {text.splitlines()[line][:80]!r}")
+    assert not loose, f"{doc}, {heading!r}: numbers no quote checks:\n" + "\n".join(loose)
+
+
+def test_a_changed_figure_fails_its_check():
+    """The check itself: a figure off by more than its rounding is named, one within it is not."""
+    assert check_figure("9.24", 9.2449) is None
+    assert check_figure("9.25", 9.2449) is not None
+    assert check_figure("−0.91", -0.906) is None
+    assert check_figure("+0.91", -0.906) is not None
+    assert check_figure("17.9", 17.94) is None
