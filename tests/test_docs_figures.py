@@ -214,8 +214,8 @@ QUOTES += [
 ] + [
     Quote(RESULTS_MD, SUMMARY, rf"^\| {re.escape(label)} \| ([\d.]+) \| (\S+) \(([\d.]+)\) \|$",
           (row(PRLMS, run, "bleu"), row(PRLMS, run, "delta", "bleu"), row(PRLMS, run, "p_value", "bleu")))
-    for label, run in [("MiniLM-L6 (all-MiniLM-L6-v2)", "fused"), ("multilingual e5-small", "prlm-e5"),
-                       ("SmolLM2-135M, a causal LM", "prlm-smollm2")]
+    for label, run in [("MiniLM-L6 (all-MiniLM-L6-v2)", "fused"), ("multilingual-e5-small, from a 4-bit file", "prlm-e5"),
+                       ("SmolLM2-135M-Instruct, from Q4_1, a causal LM", "prlm-smollm2")]
 ] + [
     Quote(RESULTS_MD, SUMMARY, r"fused trails its baseline,\n  ([\d.]+) against ([\d.]+) BLEU \((\S+), p ([\d.]+);",
           (row("ja-en.json", "fused", "bleu"), row("ja-en.json", "baseline", "bleu"),
@@ -228,12 +228,13 @@ QUOTES += [
 
 # Numbers in a checked section that state the conditions of a result, not a result: no quote needed.
 CONDITIONS = {
-    "README.md": [r"678 verses", r"256 wide, 3\+3 layers", r"3,000 updates", r"seeds 1–3", r"2-core",
+    "README.md": [r"678 verses", r"256 wide, 3\+3 layers", r"3,000 updates", r"seeds 1–3", r"2-core", r"seed 1 on", r"seeds 2–3",
                   r"13-epoch", r"MiniLM-L6", r"\be5\b", r"ja-mecab", r"beam 5", r"1,200 updates",
                   r"Python ≥ 3\.11", r"torch 2\.4–2\.15", r"\(2021\)", r"3\+3", r"Table 3"],
 }
 CONDITIONS[RESULTS_MD] = [r"678 verses", r"3,000 updates", r"seeds 1–3", r"seed 1\b", r"2-core", r"13-epoch",
-                          r"MiniLM-L6", r"e5-small", r"SmolLM2-135M", r"add&norm1", r"beam 5", r"Table 3",
+                          r"MiniLM-L6", r"e5-small", r"SmolLM2-135M", r"add&norm1", r"4-bit", r"Q4_1", r"width 256",
+                          r"seed 1 on", r"seeds\n2–3", r"beam 5", r"Table 3",
                           r"\(ja-mecab\)", r"third of four"]
 CHECKED_SECTIONS = {"README.md": ["Results at a glance", "Quick start", "Reproducing the results"],
                     RESULTS_MD: [SUMMARY]}
