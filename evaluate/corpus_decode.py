@@ -18,7 +18,7 @@ from prlmfuse.errors import UserError
 from prlmfuse.precision import autocast, free_memory, is_out_of_memory
 from prlmfuse.train_fused.bpe import EOS_ID, PAD_ID
 from prlmfuse.train_fused.branches import PrLMBranch
-from prlmfuse.train_fused.data import batch_features
+from prlmfuse.train_fused.data import batch_features, cap_source
 
 logger = logging.getLogger(__name__)
 
@@ -38,14 +38,22 @@ class DecodeOutput:
         return self.hyp_tokens / self.seconds if self.seconds > 0 else float("nan")
 
 
-def encode_sources(bpe, lines: Sequence[str], max_positions: int, *, stats: dict | None = None) -> list[np.ndarray]:
-    """BPE ids of each source line, cut so that ids + </s> fit the model's positions.
+def encode_sources(bpe, lines: Sequence[str], max_positions: int, *, max_source_tokens: int | None = None,
+                   stats: dict | None = None) -> list[np.ndarray]:
+    """BPE ids of each source line, cut as the run's training cut them (its `max_source_tokens`:
+    `data.cap_source`), then so that ids + </s> fit the model's positions.
 
-    Over-long lines are cut, not refused; `stats`, if given, receives how many were cut ("truncated").
+    Over-long lines are cut, not refused; `stats`, if given, receives how many the run's cap cut ("capped")
+    and how many were cut beyond it to fit the positions ("truncated").
     """
     limit = max(1, int(max_positions) - 1)
     encoded = bpe.encode_batch(list(lines))
+    if max_source_tokens is not None:
+        if stats is not None:
+            stats["capped"] = sum(1 for ids in encoded if len(ids) >= max_source_tokens)
+        encoded = [cap_source(ids, max_source_tokens) for ids in encoded]
     if stats is not None:
+        stats.setdefault("capped", 0)
         stats["truncated"] = sum(1 for ids in encoded if len(ids) > limit)
         stats["limit"] = limit
     return [np.asarray(ids[:limit], dtype=np.int64) for ids in encoded]

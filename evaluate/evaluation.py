@@ -47,6 +47,8 @@ def _decode_key(run: RunView, weights: list[Path], settings: DecodeSettings, spl
         "bpe": sha256_file(run.run_dir / rundir.BPE_JSON),
         "decode": settings.to_dict(),
         "test": {"split": split, "src_sha256": src_sha, "caches": cache_keys},
+        # the sources as the model reads them; only where the run cuts them, so other runs keep their keys
+        **({"max_source_tokens": run.max_source_tokens} if run.max_source_tokens is not None else {}),
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode("utf-8")).hexdigest()
 
@@ -161,7 +163,8 @@ def evaluate_runs(
                     model, bpe = load_model(run, weights, average)
                     model.to(runtime.device)
                 cut: dict = {}
-                src_ids = encode_sources(bpe, src_lines, int(run.model_config.get("max_positions", 1024)), stats=cut)
+                src_ids = encode_sources(bpe, src_lines, int(run.model_config.get("max_positions", 1024)),
+                                         max_source_tokens=run.max_source_tokens, stats=cut)
                 if progress:
                     note_truncated(cut, f"{run.name}/{split}")
                 decoded = decode_corpus(
@@ -184,6 +187,7 @@ def evaluate_runs(
                     "tokens_per_s": decoded.tokens_per_s,
                     "hyp_tokens": decoded.hyp_tokens,
                     "truncated_sources": cut["truncated"],
+                    "capped_sources": cut["capped"],  # cut to the run's max_source_tokens, as in training
                 }
                 atomic_write_json(meta_path, meta)
             if score:

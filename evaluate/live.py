@@ -125,7 +125,8 @@ def translate(
     model, bpe = load_model(run, weights, average)
     model.to(runtime.device)
     cut: dict = {}
-    src_ids = encode_sources(bpe, lines, int(run.model_config.get("max_positions", 1024)), stats=cut)
+    src_ids = encode_sources(bpe, lines, int(run.model_config.get("max_positions", 1024)),
+                             max_source_tokens=run.max_source_tokens, stats=cut)
     if progress:
         note_truncated(cut, f"{run.name}/translate")
     with tempfile.TemporaryDirectory(prefix="prlmfuse-live-") as workdir:

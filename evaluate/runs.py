@@ -52,6 +52,11 @@ class RunView:
     def model_config(self) -> dict:
         return dict(self.record.get("model") or {})
 
+    @property
+    def max_source_tokens(self) -> int | None:
+        """The run's source cap (RunConfig.max_source_tokens): decoding cuts the source as training did."""
+        return (self.record.get("train") or {}).get("max_source_tokens")
+
     def budget(self) -> dict:
         """What training cost and how it ended, from the trainer state: updates, target tokens seen, wall
         seconds, `stopped_by` (max_updates, max_epochs, patience; "" while unfinished) and

@@ -59,6 +59,8 @@ def plan_lines(cfg: PipelineConfig, names: list[str] | None, parallel: int = 1) 
         prlms = ", ".join(f"{u.checkpoint}[{u.layer}]" for u in run.prlms) or "none (baseline)"
         per_update = f"{run.update_freq} x {run.max_tokens}-token batches per update" if run.update_freq > 1 \
             else f"{run.max_tokens}-token batches"
+        if run.max_source_tokens is not None:
+            per_update += f", sources cut to {run.max_source_tokens} tokens"
         lines.append(f"train: {run.name:<28} [{state}] PrLM: {prlms}; budget {budget} of {per_update}")
         lines.append(f"       {_effective_settings(cfg, run)}")
         if run.max_updates is not None and not state.startswith("done"):

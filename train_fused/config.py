@@ -263,7 +263,9 @@ MATCH_BY = ("ffn", "depth")
 # The least value of each integer run setting that has one (None stays allowed where the field is optional).
 LEAST_VALUES = {"update_freq": 1, "max_updates": 1, "max_epochs": 1, "save_every": 1, "log_every": 1, "patience": 1,
                 "min_epochs": 0, "keep_last": 1, "keep_last_epochs": 0, "warmup": 0, "bpe_vocab": MIN_VOCAB,
-                "max_tokens": MIN_BATCH_TOKENS, "read_window": 0}
+                "max_tokens": MIN_BATCH_TOKENS, "read_window": 0, "max_source_tokens": 2}
+# What a refusal of a setting below its least value says of it, in place of its typical value.
+LEAST_VALUE_NOTES = {"max_source_tokens": "N keeps the source's first N - 1 BPE tokens and </s>; null keeps them all"}
 
 # The range [least, most) of each number of the optimisation recipe (most None: no upper bound).
 NUMBER_RANGES = {"lr": (0.0, None), "label_smoothing": (0.0, 1.0), "clip_norm": (0.0, None), "weight_decay": (0.0, None)}
@@ -307,6 +309,11 @@ class RunConfig:
     # update_freq * max_tokens, on one device as on several.
     update_freq: int = 1
     max_train_pairs: int | None = None  # first N training pairs only (quick runs)
+    # The model's source cut to its first N BPE tokens, the last of them </s> (fairseq's
+    # --max-source-positions with --truncate-source): the first N - 1 ids and </s>, alike in training, at
+    # the dev evaluation and in decoding (evaluate, translate). None: whole sources. The BPE still learns
+    # from whole sources, and the PrLM branches read their caches, cut at the PrLM's own limit.
+    max_source_tokens: int | None = None
     # 0: batches formed over the whole training split, a batch's sentences read wherever they are
     # stored. K >= 1: batches formed within windows of about K batches' worth of sentences neighbouring
     # in the (first) PrLM cache's stored order, each window read in a few large reads; for a cache
@@ -389,7 +396,10 @@ class RunConfig:
                 use.check()
             except SettingError as e:
                 raise SettingError(("prlms", i, *e.key), e.detail) from None
-        self.model_config(self.bpe_vocab, [PrLMSpec.before_caching(use) for use in self.prlms])
+        model = self.model_config(self.bpe_vocab, [PrLMSpec.before_caching(use) for use in self.prlms])
+        if self.max_source_tokens is not None and self.max_source_tokens > model.max_positions:
+            raise SettingError("max_source_tokens", f"expected at most {model.max_positions} (the model's positions), "
+                               f"got {self.max_source_tokens}")
 
     def below_least_value(self) -> tuple[str, str] | None:
         """(setting, "expected ..., got ...") for the first integer setting below its least value, else None."""
@@ -397,7 +407,12 @@ class RunConfig:
             value = getattr(self, key)
             if value is not None and (not isinstance(value, int) or value < least):
                 wanted = "a positive integer" if least == 1 else f"an integer >= {least}"
-                typical = f" ({RunConfig.__dataclass_fields__[key].default} is typical)" if least > 1 else ""
+                default = RunConfig.__dataclass_fields__[key].default
+                typical = ""
+                if key in LEAST_VALUE_NOTES:
+                    typical = f" ({LEAST_VALUE_NOTES[key]})"
+                elif least > 1 and default is not None:
+                    typical = f" ({default} is typical)"
                 return key, f"expected {wanted}, got {value!r}{typical}"
         return None
 

@@ -65,6 +65,15 @@ class Batch:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
 
+def cap_source(ids, max_source_tokens: int | None):
+    """A source's BPE ids (no </s>) as the model reads them under a run's `max_source_tokens` N: its first
+    N - 1 ids, so that with the </s> appended after them the model reads at most N tokens, the last </s>.
+    None: all of them. Training's batches and decoding (evaluate.corpus_decode.encode_sources) both cut here."""
+    if max_source_tokens is None or len(ids) < max_source_tokens:
+        return ids
+    return ids[: max_source_tokens - 1].copy()  # a copy: a numpy view would keep the whole source's memory
+
+
 class PairDataset(Dataset):
     """Aligned BPE pairs of one split; item i is sentence i of the corpus split and of every cache."""
 
