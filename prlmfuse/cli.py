@@ -36,6 +36,7 @@ from prlmfuse.commands.evaluate import evaluate
 from prlmfuse.commands.report import report
 from prlmfuse.commands.run import run
 from prlmfuse.commands.score import score
+from prlmfuse.commands.search import search
 from prlmfuse.commands.train import train
 from prlmfuse.commands.translate import translate
 from prlmfuse.errors import UserError
@@ -102,7 +103,7 @@ def cli(quiet: bool, verbose: bool) -> None:
 
 
 # `prlmfuse --help` lists the commands sorted by name, whatever the order here.
-for _command in (data, checkpoints, cache, train, evaluate, score, report, translate, run, bundle):
+for _command in (data, checkpoints, cache, train, evaluate, score, report, translate, run, bundle, search):
     cli.add_command(_command)
 
 

@@ -26,6 +26,8 @@ from prlmfuse.precision import check_device_text, check_precision_text
 from prlmfuse.evaluate.settings import AVERAGE, AVERAGE_CHOICES, AVERAGE_LAST, DEFAULTS as DECODE_DEFAULTS
 from prlmfuse.train_fused.config import RunConfig
 from prlmfuse.yaml_fields import Where, build, check_choice, coerce
+from prlmfuse.launch import LauncherConfig, read_launcher
+from prlmfuse.search_space import SearchConfig, read_search
 
 CORPUS_KINDS = ("bible", "debian-descriptions", "debian-translations", "text", "hf")
 CHECKPOINT_INITS = ("pretrained", "random")
@@ -135,6 +137,10 @@ class PipelineConfig:
     # autocast precision (auto | bf16 | fp16 | fp32); the CLI's --device / --precision override them.
     device: str = "auto"
     precision: str = "auto"
+    # Where runs and search workers run (prlmfuse.launch; the CLI's --launcher overrides its kind), and the
+    # search over fusion settings (prlmfuse.search_space), if the file has one.
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    search: SearchConfig | None = None
 
     def run(self, name: str) -> RunConfig:
         for r in self.train.runs:
@@ -216,9 +222,10 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
-        raise where.error((), "expected a mapping with keys workdir, device, precision, data, cache, train, evaluate")
+        raise where.error((), "expected a mapping with keys workdir, device, precision, data, cache, train, evaluate, "
+                          "launcher, search")
     base_dir = path.resolve().parent
-    top_keys = ["workdir", "device", "precision", "data", "cache", "train", "evaluate"]
+    top_keys = ["workdir", "device", "precision", "data", "cache", "train", "evaluate", "launcher", "search"]
     for key in raw:
         if key not in top_keys:
             close = difflib.get_close_matches(str(key), top_keys, n=1, cutoff=0.5)
@@ -353,8 +360,12 @@ def load_pipeline(path: str | Path) -> PipelineConfig:
                     f"{use.layer!r} combines the cached layers, but cache.checkpoints.{j} ({ck.name}) stores only "
                     f"{ck.layers}; set its layers: all",
                 )
+    launcher = read_launcher(raw.get("launcher"), where, base_dir)
+    search = None
+    if raw.get("search") is not None:
+        search = read_search(raw["search"], where, base_dir, cache=cache, runs=runs, defaults=defaults)
     return PipelineConfig(path=path, workdir=workdir, data=data, cache=cache, train=train, evaluate=evaluate,
-                          device=device, precision=precision)
+                          device=device, precision=precision, launcher=launcher, search=search)
 
 
 def _check_matched_runs(runs: list[RunConfig], raw_runs: dict, written_as: dict[str, str], defaults: dict,

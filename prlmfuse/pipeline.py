@@ -202,12 +202,14 @@ def cache_jobs(cfg: PipelineConfig, corpus, names: list[str] | None = None, *, p
     return jobs
 
 
-def build_caches(cfg: PipelineConfig, corpus, names: list[str] | None = None) -> list[CacheJob]:
-    """Build every cache of the file, or with `names` only those the selected runs read."""
+def build_caches(cfg: PipelineConfig, corpus, names: list[str] | None = None,
+                 splits: tuple[str, ...] = SPLITS) -> list[CacheJob]:
+    """Build every cache of the file, or with `names` only those the selected runs read (of `splits` only: a
+    search builds no test cache, since it never reads test). Returns the jobs of every split."""
     from prlmfuse.cache_features import build_cache
 
     jobs = cache_jobs(cfg, corpus, names)
-    for job in jobs:
+    for job in [j for j in jobs if j.split in splits]:
         # build_cache's own first line names the job's output, device and precision
         build_cache(
             job.checkpoint, job.corpus_file, job.out, layers=job.layers_arg, backend=cfg.cache.backend,
@@ -326,18 +328,38 @@ def _selected_runs(cfg: PipelineConfig, names: list[str] | None) -> list[RunConf
     return runs
 
 
+def train_task(cfg: PipelineConfig, run: RunConfig, *, resume: bool = True, argv: list[str] | None = None):
+    """The child command that trains `run` (prlmfuse.launch.Task): `prlmfuse train --pipeline P --runs NAME`, or
+    `argv` (a search's runs: `prlmfuse search P --train-run NAME`), always with the local launcher (a child never
+    launches again), its output appended to runs/NAME/train.log."""
+    from prlmfuse.launch import Task
+
+    out = run_path(cfg, run.name)
+    argv = list(argv or ["train", "--pipeline", os.path.abspath(cfg.path), "--runs", run.name])
+    argv += ["--device", cfg.device, "--precision", cfg.precision, "--launcher", "local"]
+    if not resume:
+        argv.append("--fresh")
+    return Task(run.name, tuple(argv), out / rundir.TRAIN_LOG, out)
+
+
 def train_runs(
-    cfg: PipelineConfig, names: list[str] | None = None, *, resume: bool = True, jobs=None, parallel: int = 1
+    cfg: PipelineConfig, names: list[str] | None = None, *, resume: bool = True, jobs=None, parallel: int = 1,
+    wait: bool = True, task_argv=None,
 ) -> list[Path]:
-    """Train (or resume) the selected runs; `parallel` > 1 trains that many at once, each in a child process."""
+    """Train (or resume) the selected runs. With the local launcher, `parallel` > 1 trains that many at once, each
+    in a child process; `launcher.kind: slurm` (--launcher slurm) submits them as one SLURM job array and waits
+    for it (`wait` False: returns once it is submitted). task_argv(run): the child command of a run that
+    `prlmfuse train` cannot name (a search's)."""
     from prlmfuse.precision import resolve_runtime
     from prlmfuse.train_fused import train_run
 
     if not isinstance(parallel, int) or parallel < 1:
         raise UserError(f"--jobs must be a positive integer, got {parallel!r}")
-    if parallel > 1 and rank_world()[1] > 1:
-        raise UserError("--jobs > 1 cannot be combined with torchrun; use one or the other")
-    runtime = resolve_runtime(cfg.device, cfg.precision)  # a device this machine lacks fails before any work
+    on_cluster = cfg.launcher.kind != "local"
+    if (parallel > 1 or on_cluster) and rank_world()[1] > 1:
+        raise UserError("--jobs > 1 and --launcher slurm cannot be combined with torchrun; use one or the other")
+    # A device this machine lacks fails before any work (a cluster's tasks resolve theirs where they run).
+    runtime = None if on_cluster else resolve_runtime(cfg.device, cfg.precision)
     ensure_workdir(cfg)
     corpus = ensure_data(cfg, build=False)
     if jobs is None:
@@ -354,16 +376,19 @@ def train_runs(
                 raise UserError(f"cache {out} is not built; run `prlmfuse run {cfg.path} --only cache` first")
     runs = _selected_runs(cfg, names)
     # Each process holds its own copy: the runs trained at once, or under torchrun every rank of this node.
+    # (An array task is a machine of its own.)
     features_in_memory(cfg, [r for r in runs if not resume or _left_to_train(cfg, r, corpus)], jobs,
-                       parallel if parallel > 1 else int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+                       1 if on_cluster else parallel if parallel > 1 else int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if is_main_process():
         for run in runs:
             _set_aside_if_stale(run_path(cfg, run.name), corpus)
     barrier()
-    if parallel > 1 and len(runs) > 1:
-        from prlmfuse.train_children import train_in_children
+    if on_cluster or (parallel > 1 and len(runs) > 1):
+        from prlmfuse.launch import launch
 
-        return train_in_children(cfg, runs, parallel, resume=resume)
+        tasks = [train_task(cfg, run, resume=resume, argv=task_argv(run) if task_argv else None) for run in runs]
+        launch(tasks, cfg.launcher, workdir=cfg.workdir, parallel=parallel, wait=wait, label="train")
+        return [run_path(cfg, r.name) for r in runs]
     dirs = []
     for run in runs:
         _stop_if_signalled(f"not started: {run.name}")
@@ -519,14 +544,17 @@ def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None, *, sc
 
 
 def run_pipeline(cfg: PipelineConfig, *, only: str | None = None, names: list[str] | None = None,
-                 parallel: int = 1, score: bool = True):
-    """Every stage of the pipeline file (or `only` one), skipping what is already done.
+                 parallel: int = 1, score: bool = True, wait: bool = True):
+    """Every stage of the pipeline file (or `only` one), skipping what is already done. With `launcher.kind:
+    slurm` the training runs go to SLURM as one job array (data, caches and the evaluation stay here);
+    `wait` False returns once it is submitted, before the evaluation.
 
     Returns the EvaluationResults when the evaluate stage ran here (rank 0), else None.
     """
     from prlmfuse.precision import resolve_runtime
 
-    resolve_runtime(cfg.device, cfg.precision)  # a device this machine lacks fails before any work
+    if cfg.launcher.kind == "local" or only != "train":
+        resolve_runtime(cfg.device, cfg.precision)  # a device this machine lacks fails before any work
     ensure_workdir(cfg)
     if only in (None, "data"):
         corpus = ensure_data(cfg)
@@ -537,7 +565,10 @@ def run_pipeline(cfg: PipelineConfig, *, only: str | None = None, names: list[st
     # `--only train` finds (and checks) its caches itself; evaluation reads them from the run directories.
     jobs = build_caches(cfg, corpus, names) if only in (None, "cache") else None
     if only in (None, "train"):
-        train_runs(cfg, names, jobs=jobs, parallel=parallel)
+        train_runs(cfg, names, jobs=jobs, parallel=parallel, wait=wait)
+        if not wait:
+            _say(f"evaluate: not started (--no-wait); run `prlmfuse run {cfg.path}` again once the array has ended")
+            return None
         _stop_if_signalled("training finished; evaluation not started")
     if only in (None, "evaluate"):
         return evaluate_pipeline(cfg, names, score=score)

@@ -1,5 +1,6 @@
 """Stop signals of a shared cluster: SIGTERM and SIGUSR1 (what SLURM sends before a preemption or a
-time limit) take SIGINT's path, and each process handles the first one it gets, once.
+time limit) and SIGUSR2 (what submitit asks SLURM to send, `--launcher slurm`) take SIGINT's path, and
+each process handles the first one it gets, once.
 
 Outside training a stop signal raises `Stopped` in the main thread, as Ctrl-C raises KeyboardInterrupt,
 so every stage unwinds through its cleanup (a cache build discards the shard it was writing, an
@@ -18,8 +19,10 @@ import threading
 from typing import Iterator
 
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
-# The exit status of a command stopped by SIGTERM or SIGUSR1 after saving what it had: "try again"
+# SIGUSR2 is submitit's preemption signal (JobEnvironment.USR_SIG): SLURM sends it to every process of an
+# array task's step, this one and its loader workers too, whose default action for it would be to die.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+# The exit status of a command stopped by SIGTERM, SIGUSR1 or SIGUSR2 after saving what it had: "try again"
 # (sysexits' EX_TEMPFAIL). A job script requeues on it; rerunning the same command resumes.
 PREEMPTED_EXIT = 75
 # SIGINT keeps the shell's status for Ctrl-C.
@@ -62,7 +65,7 @@ def _handler(signum, frame) -> None:
 
 @contextlib.contextmanager
 def handled() -> Iterator[None]:
-    """Handle SIGINT, SIGTERM and SIGUSR1 while a command runs (in the main thread; elsewhere nothing
+    """Handle the stop signals (SIGINT, SIGTERM, SIGUSR1, SIGUSR2) while a command runs (in the main thread; elsewhere nothing
     changes), then give the previous handlers back."""
     global _received
     if threading.current_thread() is not threading.main_thread():

@@ -68,8 +68,8 @@ def test_every_option_says_what_it_takes(path):
         command = command.get_command(click.Context(command), name)
     bare = [p.opts[0] for p in command.params if isinstance(p, click.Option) and not p.help]
     assert not bare, f"options without a help text: {bare}"
-    if path[0] not in ("run", "train") or path == ("train", "average"):
-        # Only run and train read a pipeline file whose `device` an option could override.
+    if path[0] not in ("run", "train", "search") or path == ("train", "average"):
+        # Only run, train and search read a pipeline file whose `device` an option could override.
         assert "pipeline file" not in CliRunner().invoke(cli.cli, [*path, "--help"]).output
 
 

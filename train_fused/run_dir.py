@@ -167,6 +167,7 @@ def upgrade_run_info(info: dict) -> dict:
         train.setdefault("match_params", None)  # older runs could not be matched
         train.setdefault("match_by", None)  # older matched runs widened their FFN
         train.setdefault("static_shapes", False)  # older runs padded each batch to its longest sentence
+        train.setdefault("max_source_tokens", None)  # older runs read whole sources
         for use in train.get("prlms") or []:
             use.setdefault("control", None)  # older runs read each sentence's own features
     return info
@@ -242,11 +243,14 @@ class TrainingState:
     grad_scaler: dict | None = None  # fp16 runs only
     checkpoint: str | None = None  # weights file, relative to the run directory
     optimizer: str | None = None  # optimizer state file, relative to the run directory
+    # Why the trainer's dev hook stopped the run before its budget (a search's "pruned"), else None: the run
+    # is over, as at a budget reached (`stop_reason`), and a rerun trains nothing more.
+    stopped: str | None = None
 
     def to_dict(self) -> dict:
-        """The JSON object of a trainer state file."""
+        """The JSON object of a trainer state file (a run never stopped by a hook has no `stopped` key)."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {k: v for k, v in values.items() if v is not None or k not in CHECKPOINT_FIELDS}
+        return {k: v for k, v in values.items() if v is not None or k not in (*CHECKPOINT_FIELDS, "stopped")}
 
     @classmethod
     def from_dict(cls, data: dict) -> TrainingState:
@@ -369,11 +373,14 @@ def _checked_state(state: dict, path: Path, named: dict = _NAMED_FILE_RE) -> Tra
 
 
 def stop_reason(run, state: TrainingState) -> str | None:
-    """Why training `run` is over at this trainer state ("max_updates", "max_epochs", "patience"), or None.
+    """Why training `run` is over at this trainer state ("max_updates", "max_epochs", "patience", or what a dev
+    hook recorded, e.g. "pruned"), or None.
 
     patience counts epochs: the run stops once the epoch-end dev loss has not improved on its best for
     `patience` epochs in a row, and not before `min_epochs` epochs.
     """
+    if state.stopped:
+        return state.stopped
     if run.max_updates is not None and state.update >= run.max_updates:
         return "max_updates"
     if run.max_epochs is not None and state.epoch >= run.max_epochs:
@@ -388,7 +395,7 @@ def training_progress(run, state: TrainingState | None) -> tuple[str, int]:
     if state is None:
         return "new", 0
     if stop_reason(run, state) is not None:
-        return f"done at update {state.update}", state.update
+        return f"done at update {state.update}" + (f" ({state.stopped})" if state.stopped else ""), state.update
     return f"resume at update {state.update}", state.update
 
 

@@ -24,9 +24,9 @@ from prlmfuse.train_fused import run_dir as rundir
 from prlmfuse.train_fused.bpe import BPE, train_bpe_in_child
 from prlmfuse.train_fused.branches import PrLMBranch, open_branch
 from prlmfuse.train_fused.config import RunConfig
-from prlmfuse.train_fused.data import PairDataset
+from prlmfuse.train_fused.data import PairDataset, cap_source
 from prlmfuse.train_fused.modeling import FusedTransformer
-from prlmfuse.train_fused.trainer import Trainer
+from prlmfuse.train_fused.trainer import DevHook, Trainer
 
 logger = logging.getLogger(__name__)
 
@@ -96,12 +96,15 @@ def _encode_lines(bpe: BPE, lines: list[str]) -> list[np.ndarray]:
     return out
 
 
-def _encode_split(bpe: BPE, corpus, split: str, limit: int | None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def _encode_split(bpe: BPE, corpus, split: str, limit: int | None, *,
+                  max_source_tokens: int | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The BPE ids of a split's first `limit` pairs (all for None), each source cut as the model reads it
+    (`data.cap_source`: its first max_source_tokens - 1 ids, </s> appended by the batch)."""
     src = read_lines(corpus.src_path(split))
     tgt = read_lines(corpus.tgt_path(split))
     if limit is not None:
         src, tgt = src[:limit], tgt[:limit]
-    return _encode_lines(bpe, src), _encode_lines(bpe, tgt)
+    return [cap_source(ids, max_source_tokens) for ids in _encode_lines(bpe, src)], _encode_lines(bpe, tgt)
 
 
 def train_run(
@@ -113,12 +116,14 @@ def train_run(
     resume: bool = True,
     progress: bool = True,
     runtime: Runtime | None = None,
+    dev_hook: DevHook | None = None,
 ) -> Path:
     """Train one run into `out_dir` (the run directory); resume=True continues a run already there.
 
     caches: for each entry of run.prlms, in order, {split: cache directory or fsspec URL} for
     "train" and "dev" (and "test", recorded in run.json for evaluation).
     runtime: device and precision (default: auto, auto); under torchrun `cuda` is this rank's LOCAL_RANK GPU.
+    dev_hook: extra dev evaluations and a callback after each that may stop the run (trainer.DevHook).
     """
     run_dir = Path(out_dir)
     _check_run(run, caches)
@@ -134,7 +139,8 @@ def train_run(
             # Safe only under the lock: a killed save's temp file is nobody's now.
             rundir.remove_stale_temps(run_dir)
         try:
-            return _train_locked(run, corpus, branches, run_dir, ctx, resume=resume, progress=progress, runtime=runtime)
+            return _train_locked(run, corpus, branches, run_dir, ctx, resume=resume, progress=progress, runtime=runtime,
+                                 dev_hook=dev_hook)
         except OSError as e:
             # run.json, bpe.json and the like are written atomically (fileio.atomic_path names the file).
             if is_disk_full(e) and e.filename:
@@ -143,7 +149,7 @@ def train_run(
 
 
 def _train_locked(run: RunConfig, corpus, branches: dict[str, list[PrLMBranch]], run_dir: Path, ctx: DistContext, *,
-                  resume: bool, progress: bool, runtime: Runtime) -> Path:
+                  resume: bool, progress: bool, runtime: Runtime, dev_hook: DevHook | None = None) -> Path:
     if ctx.is_main:
         rundir.settle_previous_run(run_dir, resume=resume)
         # Not read first: --fresh also starts over from a trainer state too damaged to resume.
@@ -167,11 +173,14 @@ def _train_locked(run: RunConfig, corpus, branches: dict[str, list[PrLMBranch]],
     model = FusedTransformer(model_config).to(runtime.device)
     broadcast_parameters(ctx, model)
 
-    train_src, train_tgt = _encode_split(bpe, corpus, "train", run.max_train_pairs)
-    dev_src, dev_tgt = _encode_split(bpe, corpus, "dev", None)
+    # Sources cut as the model reads them (max_source_tokens), the dev evaluation's as training's.
+    cap = run.max_source_tokens
+    train_src, train_tgt = _encode_split(bpe, corpus, "train", run.max_train_pairs, max_source_tokens=cap)
+    dev_src, dev_tgt = _encode_split(bpe, corpus, "dev", None, max_source_tokens=cap)
     train_set = PairDataset(train_src, train_tgt, branches["train"])
     dev_set = PairDataset(dev_src, dev_tgt, branches["dev"])
-    trainer = Trainer(run, run_dir, model, train_set, dev_set, ctx, progress=progress, runtime=runtime)
+    trainer = Trainer(run, run_dir, model, train_set, dev_set, ctx, progress=progress, runtime=runtime,
+                      dev_hook=dev_hook)
 
     info = rundir.run_info(run, corpus, dataclasses.asdict(model_config), _branch_records(branches), {
         "device": str(runtime.device),
@@ -197,5 +206,6 @@ def _train_locked(run: RunConfig, corpus, branches: dict[str, list[PrLMBranch]],
     reason = trainer.fit()
     if ctx.is_main:
         # Also on a rerun of a finished run, which trains nothing: say that it is finished, and why.
-        logger.info("train: %s done at update %d (%s reached)", run.name, trainer.state.update, reason)
+        logger.info("train: %s done at update %d (%s)", run.name, trainer.state.update,
+                    reason if trainer.state.stopped else f"{reason} reached")
     return run_dir

@@ -21,6 +21,7 @@ import math
 import signal
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -89,6 +90,33 @@ def loader_workers(num_workers: int | str, device: torch.device) -> int:
     return max(2, min(8, torch.get_num_threads() // 2))
 
 
+# ------------------------------------------------------------------------------------ the dev hook
+
+
+@dataclasses.dataclass(frozen=True)
+class DevEvaluation:
+    """One dev evaluation, as a dev hook sees it."""
+
+    update: int
+    epoch: int  # epochs completed
+    epoch_end: bool  # taken at an epoch's end
+    dev_loss: float
+
+
+@dataclasses.dataclass(frozen=True)
+class DevHook:
+    """What a caller adds to a run's dev evaluations (prlmfuse's search: a pruner's rungs), without the trainer
+    knowing who asks.
+
+    at_updates: updates with a dev evaluation (and a checkpoint) beside save_every's and the epoch ends.
+    after: called after every dev evaluation, before its checkpoint is written; None goes on, a string stops
+    the run there: "reason" or "reason: detail" (e.g. "pruned: ..."). The reason is saved in the trainer
+    state (`stopped`), so the run is over, as at a budget reached, and a rerun trains nothing more."""
+
+    at_updates: frozenset[int] = frozenset()
+    after: Callable[[DevEvaluation], str | None] | None = None
+
+
 # ------------------------------------------------------------------------------------ the loop
 
 
@@ -104,9 +132,13 @@ class Trainer:
         *,
         progress: bool,
         runtime: Runtime | None = None,
+        dev_hook: DevHook | None = None,
     ):
         self.run = run
         self.run_dir = run_dir
+        if dev_hook is not None and ctx.enabled:
+            raise UserError(f"run {run.name}: a dev hook (a search's pruning) needs one training process, not torchrun")
+        self.dev_hook = dev_hook
         self.runtime = runtime if runtime is not None else resolve_runtime()
         self.device = self.runtime.device
         prepare_device(self.device)  # a runtime resolved in another process did not set this one up
@@ -381,16 +413,28 @@ class Trainer:
             else:
                 state.bad_epochs += 1
         state.last_dev_loss = dev_loss
-        metrics.log({
+        record = {
             "update": state.update, "epoch": state.epoch, "dev_loss": dev_loss, "dev_nll_loss": dev_nll,
             "best_dev_loss": state.best_dev_loss, "wall_time": round(state.wall_time, 3),
-        })
+        }
+        verdict = self._ask_dev_hook(dev_loss) if self.dev_hook is not None and self.dev_hook.after else None
+        if verdict:
+            reason, _, detail = verdict.partition(":")
+            state.stopped = record["stopped"] = reason.strip()
+            logger.info("train: %s %s at update %d%s", self.run.name, state.stopped, state.update,
+                        f": {detail.strip()}" if detail.strip() else "")
+        metrics.log(record)
         if self.ctx.is_main:
             checkpointing.save_checkpoint(
                 self.run_dir, self.model, self.optimizer, self._state_to_save(), is_best=is_best,
                 keep_last=self.run.keep_last, keep_last_epochs=self.run.keep_last_epochs,
             )
         barrier(self.ctx)
+
+    def _ask_dev_hook(self, dev_loss: float) -> str | None:
+        state = self.state
+        return self.dev_hook.after(DevEvaluation(update=state.update, epoch=state.epoch,
+                                                 epoch_end=rundir.is_epoch_end(state), dev_loss=dev_loss))
 
     def _state_to_save(self) -> rundir.TrainingState:
         """The trainer state with what restoring it needs: learning rate, RNG states, the gradient scaler."""
@@ -470,7 +514,8 @@ class Trainer:
                 if state.update % run.log_every == 0:
                     metrics.log(self._train_record(window))
                     window = dict.fromkeys(window, 0)
-                if end_of_epoch or state.update % run.save_every == 0:
+                if (end_of_epoch or state.update % run.save_every == 0
+                        or (self.dev_hook is not None and state.update in self.dev_hook.at_updates)):
                     self.evaluate_and_save(metrics)
                     last_saved = state.update
                 if self.stop_signalled and self.stop_reason() is None:

@@ -89,6 +89,36 @@ _jobs_option = click.option(
 )
 
 
+# `run`, `train` and `search` launch alike.
+_launcher_option = click.option(
+    "--launcher", type=click.Choice(["local", "slurm"]), default=None,
+    help="Where the runs (search: its workers) run: local child processes (--jobs at once), or slurm: one SLURM job "
+    "array through submitit, each task the same command, requeued with a resume point when preempted or out of "
+    "time (the `search` extra). Default: the pipeline file's launcher.kind, else local.",
+)
+_no_wait_option = click.option(
+    "--no-wait", "no_wait", is_flag=True,
+    help="With --launcher slurm: return once the array is submitted; the same command run again once it has ended "
+    "goes on from what it finished.",
+)
+
+
+def _launcher_overrides(cfg, launcher: str | None, no_wait: bool):
+    """The pipeline config with --launcher in place of the file's launcher.kind; --no-wait needs slurm."""
+    from prlmfuse.errors import UserError
+
+    if launcher is not None:
+        cfg.launcher.kind = launcher
+    if cfg.launcher.kind == "slurm":
+        from prlmfuse.launch import require
+
+        require("submitit", "--launcher slurm")  # one line naming the extra, before any work
+    if no_wait and cfg.launcher.kind != "slurm":
+        raise UserError("--no-wait needs --launcher slurm (or launcher.kind: slurm): local children end with the "
+                        "command that starts them")
+    return cfg
+
+
 # Every stage takes the device; the stages that choose a compute precision take that too.
 _DEVICE_HELP = ("auto (CUDA when torch sees one, else CPU), cpu, cuda or cuda:N; under torchrun cuda is each rank's "
                 "LOCAL_RANK GPU.")

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import click
 
-from prlmfuse.commands._common import (_device_option, _jobs_option, _load_pipeline, _precision_option,
-                                       _print_summary, _split_names, _variadic)
+from prlmfuse.commands._common import (_device_option, _jobs_option, _launcher_option, _launcher_overrides,
+                                       _load_pipeline, _no_wait_option, _precision_option, _print_summary,
+                                       _split_names, _variadic)
 from prlmfuse.errors import UserError
 
 
@@ -21,9 +22,11 @@ from prlmfuse.errors import UserError
               help="Evaluate by decoding only, on a machine without the metric's tokenizer (a GPU node without MeCab); "
               "`prlmfuse score` scores the results folder elsewhere.")
 @_jobs_option
+@_launcher_option
+@_no_wait_option
 @_device_option
 @_precision_option
-def run(pipeline, only, runs, more_runs, dry_run, no_score, parallel, device, precision) -> None:
+def run(pipeline, only, runs, more_runs, dry_run, no_score, parallel, launcher, no_wait, device, precision) -> None:
     """Run a whole pipeline file: data -> cache -> train -> evaluate -> report.
 
     Finished steps are skipped, so running it again when all is done takes seconds.
@@ -40,13 +43,14 @@ def run(pipeline, only, runs, more_runs, dry_run, no_score, parallel, device, pr
         raise UserError(f"pipeline file not found: {pipeline}; to select several runs, name the pipeline file first "
                         f"(`prlmfuse run pipeline.yaml --runs {names}`) or join them with commas "
                         f"(`--runs {names.replace(' ', ',')}`)")
-    cfg = _load_pipeline(pipeline, device, precision)
+    cfg = _launcher_overrides(_load_pipeline(pipeline, device, precision), launcher, no_wait)
     names = _split_names(tuple(_variadic(runs, more_runs)))
     if dry_run:
         for line in plan_lines(cfg, names, parallel or cfg.train.jobs):
             click.echo(line)
         return
-    results = run_pipeline(cfg, only=only, names=names, parallel=parallel or cfg.train.jobs, score=not no_score)
+    results = run_pipeline(cfg, only=only, names=names, parallel=parallel or cfg.train.jobs, score=not no_score,
+                           wait=not no_wait)
     if results is not None:
         click.echo("")
         _print_summary(results)

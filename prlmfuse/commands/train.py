@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import click
 
-from prlmfuse.commands._common import (_device_option, _jobs_option, _load_pipeline, _precision_option, _split_names,
+from prlmfuse.commands._common import (_device_option, _jobs_option, _launcher_option, _launcher_overrides,
+                                       _load_pipeline, _no_wait_option, _precision_option, _split_names,
                                        creatable_parent)
 
 
@@ -17,10 +18,12 @@ from prlmfuse.commands._common import (_device_option, _jobs_option, _load_pipel
     "data order continue), or start runs over (the old run is kept until the new one saves a checkpoint).",
 )
 @_jobs_option
+@_launcher_option
+@_no_wait_option
 @_device_option
 @_precision_option
 @click.pass_context
-def train(ctx, pipeline, runs, resume, parallel, device, precision) -> None:
+def train(ctx, pipeline, runs, resume, parallel, launcher, no_wait, device, precision) -> None:
     """Stage two: train the runs of a pipeline file from its caches (no PrLM is loaded).
 
     Runs resume from their last checkpoint by default (`--resume`); `--fresh` starts them over.
@@ -31,8 +34,8 @@ def train(ctx, pipeline, runs, resume, parallel, device, precision) -> None:
         return
     from prlmfuse.pipeline import train_runs
 
-    cfg = _load_pipeline(pipeline, device, precision)
-    train_runs(cfg, names=_split_names(runs), resume=resume, parallel=parallel or cfg.train.jobs)
+    cfg = _launcher_overrides(_load_pipeline(pipeline, device, precision), launcher, no_wait)
+    train_runs(cfg, names=_split_names(runs), resume=resume, parallel=parallel or cfg.train.jobs, wait=not no_wait)
 
 
 @train.command("average")

@@ -1,0 +1,271 @@
+"""`prlmfuse search` on real small data (the Bible's first verses, a random 2-layer BERT cached once): the settings
+that cannot learn are pruned at the first rung, test is never read, a killed search resumes with no trial trained
+twice, two searches share one journal, workers run as submitit array tasks, and the search section's refusals."""
+
+from __future__ import annotations
+
+import builtins
+import io
+import json
+import os
+import re
+import signal
+from pathlib import Path
+
+import pytest
+
+from helpers import search_world as sw
+from prlmfuse.errors import UserError
+
+optuna = pytest.importorskip("optuna")
+from optuna.trial import TrialState  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return sw.build_world(tmp_path_factory.mktemp("search-world"))
+
+
+def _one_trial_per_setting(workdir: Path) -> dict[int, object]:
+    trials = sw.study_trials(workdir)
+    settings = [t.user_attrs["setting"] for t in trials]
+    assert sorted(settings) == [0, 1, 2, 3], settings  # each setting enqueued and trained once
+    return {t.user_attrs["setting"]: t for t in trials}
+
+
+def _started(run_dir: Path) -> int:
+    """How often a trial's training started: its train.log's `train: NAME -> ...` lines."""
+    return (run_dir / "train.log").read_text().count(f"train: {run_dir.name} -> ")
+
+
+def _dev_updates(run_dir: Path) -> list[int]:
+    from prlmfuse.train_fused import run_dir as rundir
+
+    return [r["update"] for r in rundir.read_metrics(run_dir) if "dev_loss" in r]
+
+
+# ---------------------------------------------------------------------------- a whole search, in this process
+
+
+def test_a_search_prunes_the_settings_that_cannot_learn_and_never_reads_test(world, tmp_path, monkeypatch):
+    from prlmfuse import search as searching
+    from prlmfuse.config import load_pipeline
+    from prlmfuse.pipeline import corpus_dir, ensure_data
+    from prlmfuse.train_fused import run_dir as rundir
+
+    cfg = load_pipeline(sw.write_pipeline(tmp_path, world))
+    # The dry run: the space, its size, the budget against the full grid's (4 x 16). With a reduction factor of 2,
+    # synchronous successive halving would train 4 x 4 + 2 x 4 + 1 x 8 = 32 updates.
+    plan = "\n".join(searching.dry_run_lines(cfg))
+    assert "lr 0.003, 1e-07; layer -2, concat -> 4 settings" in plan
+    assert "rungs at 4, 8 updates" in plan and plan.count("[new]") == 4
+    assert "at most 64 updates if no trial is pruned (the full grid: 4 × 16); 32 (50%)" in plan
+
+    ensure_data(cfg)  # the corpus is registered (prlmfuse run --only data); from here on test is not to be read
+    corpus = corpus_dir(cfg)
+    test_files = {os.path.realpath(p) for p in (*world["raw"].glob("test.*"), *corpus.glob("test.*"))}
+    assert len(test_files) == 4
+    read_as_text: list[str] = []
+    real_open = builtins.open
+
+    def spying_open(file, mode="r", *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and "b" not in mode and os.path.realpath(file) in test_files:
+            read_as_text.append(str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", spying_open)
+    monkeypatch.setattr(io, "open", spying_open)
+
+    def no_evaluation(*args, **kwargs):
+        raise AssertionError("the search evaluated on test")
+
+    monkeypatch.setattr("prlmfuse.evaluate.evaluate_runs", no_evaluation)
+
+    table = searching.run_search(cfg)
+    assert read_as_text == [], f"the search read test sentences: {read_as_text}"
+    runs = cfg.workdir / "runs"
+    for i in range(1, 5):
+        info = rundir.read_run_info(runs / f"s-00{i}")
+        assert set(info["prlms"][0]["caches"]) == {"train", "dev"}  # a trial never opens a test cache
+
+    rows = {r["run"]: r for r in table["trials"]}
+    # lr 1e-7 cannot learn: both such settings lose to the first trial at the first rung (4 updates) and stop there.
+    for name in ("s-003", "s-004"):
+        assert rows[name]["status"] == "pruned at 4 updates" and rows[name]["updates"] == 4, rows[name]
+        state = rundir.state_to_resume(runs / name)
+        assert state.stopped == "pruned" and state.update == 4
+        log = (runs / name / "train.log").read_text()
+        assert f"train: {name} pruned at update 4: dev loss" in log and f"train: {name} done at update 4 (pruned)" in log
+        assert rows[name]["dev_loss_at_rungs"].keys() == {"4"}
+    assert rows["s-001"]["status"] == "finished" and rows["s-001"]["updates"] == 16
+    assert set(rows["s-001"]["dev_loss_at_rungs"]) == {"4", "8"}
+    # Every dev loss at the first rung of a learning setting is below every one of a setting that cannot learn.
+    learning = [rows[n]["dev_loss_at_rungs"]["4"] for n in ("s-001", "s-002")]
+    stuck = [rows[n]["dev_loss_at_rungs"]["4"] for n in ("s-003", "s-004")]
+    assert max(learning) < min(stuck)
+    best = table["best"]
+    assert best["setting"]["lr"] == 0.003 and best["dev_loss"] == min(r["dev_loss"] for r in rows.values()
+                                                                       if r["dev_loss"] is not None)
+    assert table["updates_spent"] == sum(r["updates"] for r in rows.values()) < table["full_grid_updates"] == 64
+    assert table["share_of_full_grid"] == table["updates_spent"] / 64
+    trials = _one_trial_per_setting(cfg.workdir)
+    assert [trials[i].state for i in (2, 3)] == [TrialState.PRUNED, TrialState.PRUNED]
+    assert trials[0].state == TrialState.COMPLETE and trials[0].value == rows["s-001"]["dev_loss"]
+    md = (cfg.workdir / "search" / "s" / "trials.md").read_text()
+    assert "| s-003 | 1e-07 | -2 |" in md and "pruned at 4 updates" in md and f"best: {best['run']}" in md
+    written = json.loads((cfg.workdir / "search" / "s" / "trials.json").read_text())
+    assert written["updates_spent"] == table["updates_spent"]
+
+    # The same command again trains nothing.
+    stamps = {p: p.stat().st_mtime_ns for p in runs.glob("s-00*/trainer_state.json")}
+    again = searching.run_search(cfg)
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps and again["trials"] == table["trials"]
+
+    # --confirm: the winner and its two baselines at the full budget, then test, once, by the pipeline's evaluation.
+    monkeypatch.undo()
+    confirmed = searching.run_search(cfg, confirm=True)
+    results = json.loads((cfg.workdir / "search" / "s" / "confirm" / "results.json").read_text())
+    rows = {r["run"]: r for r in results["rows"]}
+    assert set(rows) == {"s-best", "s-baseline", "s-baseline-matched"}
+    assert rows["s-best"]["compared_with"] == "s-baseline" and confirmed["confirm"] is not None
+    best_info = rundir.read_run_info(runs / "s-best")
+    matched_info = rundir.read_run_info(runs / "s-baseline-matched")
+    assert best_info["train"]["lr"] == best["setting"]["lr"] and not matched_info["prlms"]
+    assert abs(matched_info["trainable_parameters"] / best_info["trainable_parameters"] - 1) < 0.01
+    assert rundir.state_to_resume(runs / "s-best").update == 16
+
+
+# ---------------------------------------------------------------------------- kill and resume
+
+
+def test_a_killed_search_resumes_its_running_trial_and_trains_no_trial_twice(world, tmp_path):
+    # A first rung at 12 updates: the second trial trains for a while before anything can prune it.
+    path = sw.write_pipeline(tmp_path, world, full=24, least=12)
+    workdir = tmp_path / "work"
+    runs = workdir / "runs"
+    proc = sw.start("search", path)
+    sw.wait_for(lambda: (runs / "s-001" / "trainer_state.json").is_file() and sw.updates_logged(runs / "s-002") >= 1,
+                proc, what="the first trial to finish and the second to start")
+    first_done = (runs / "s-001" / "trainer_state.json").stat().st_mtime_ns
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 75, out
+    assert "stopped by SIGTERM" in out and "Traceback" not in out
+    from prlmfuse.train_fused import run_dir as rundir
+
+    stopped_at = rundir.state_to_resume(runs / "s-002").update
+    assert 1 <= stopped_at < 12
+    trials = _one_trial_per_setting(workdir)
+    assert [trials[i].state for i in range(4)] == [TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING,
+                                                     TrialState.WAITING]
+
+    again = sw.cli("search", path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "s-002 (lr 0.003, layer concat) resumed" in again.stderr
+    assert f"train: s-002 resumes at update {stopped_at} from a stop signal's resume point" in \
+        (runs / "s-002" / "train.log").read_text()
+    assert (runs / "s-001" / "trainer_state.json").stat().st_mtime_ns == first_done  # finished: not trained again
+    trials = _one_trial_per_setting(workdir)
+    assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials.values())
+    assert [trials[i].state for i in (2, 3)] == [TrialState.PRUNED, TrialState.PRUNED]
+    for i in range(1, 5):
+        dev = _dev_updates(runs / f"s-00{i}")
+        assert dev == sorted(set(dev)), dev  # no update evaluated twice
+    assert [_started(runs / f"s-00{i}") for i in (1, 3, 4)] == [1, 1, 1]
+    assert "search s: 4 settings" in again.stdout and "pruned" in again.stdout
+
+
+# ---------------------------------------------------------------------------- workers sharing a journal
+
+
+def test_two_searches_share_one_journal_and_split_the_trials_between_them(world, tmp_path):
+    from prlmfuse.config import load_pipeline
+    from prlmfuse.pipeline import ensure_data
+
+    path = sw.write_pipeline(tmp_path, world)
+    ensure_data(load_pipeline(path))
+    first, second = sw.start("search", path), sw.start("search", path)
+    outs = [p.communicate(timeout=600)[0] for p in (first, second)]
+    assert [first.returncode, second.returncode] == [0, 0], outs
+    claimed = [{n for n in ("s-001", "s-002", "s-003", "s-004") if f"search: {n} (" in out} for out in outs]
+    assert not claimed[0] & claimed[1] and claimed[0] | claimed[1] == {"s-001", "s-002", "s-003", "s-004"}, claimed
+    trials = _one_trial_per_setting(tmp_path / "work")
+    assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials.values())
+    runs = tmp_path / "work" / "runs"
+    assert [_started(runs / f"s-00{i}") for i in range(1, 5)] == [1, 1, 1, 1]
+
+
+def test_search_workers_run_as_submitit_array_tasks(world, tmp_path):
+    path = sw.write_pipeline(tmp_path, world, launcher="launcher: {time: 30}\n")
+    done = sw.cli("search", path, "--launcher", "slurm", "--jobs", "2", PRLMFUSE_SUBMITIT_CLUSTER="local",
+                  PRLMFUSE_SUBMITIT_POLL_S="0.5")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "search: 2 task(s) submitted as submitit local jobs" in done.stderr
+    assert "search: worker-1 finished in" in done.stderr and "search: worker-2 finished in" in done.stderr
+    search = tmp_path / "work" / "search" / "s"
+    logs = [(search / f"worker-{k}.log").read_text() for k in (1, 2)]
+    assert all("search: s-00" in log for log in logs)  # each worker trained trials
+    trials = _one_trial_per_setting(tmp_path / "work")
+    assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials.values())
+    assert json.loads((search / "trials.json").read_text())["counts"]["finished"] >= 1
+
+
+# ---------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize("change, where, message", [
+    ({"space: {lr": "space: {lrr"}, "search.space.lrr", "unknown setting; did you mean 'lr'?"),
+    ({"min_updates: 4": "min_updates: 16"}, "search.min_updates", "expected an integer from 1 to 15"),
+    ({"layer: [-2, concat]": "layer: [-2, contact]"}, "search.space.layer.1",
+     "setting 2 (lr 0.003, layer contact): 'contact' is not a layer index"),
+    ({"layer: [-2, concat]": "layer: [-2, -2]"}, "search.space.layer.1", "-2 appears twice"),
+    ({"base: fused": "base: fuzed"}, "search.base", "no run named 'fuzed' in train.runs; did you mean 'fused'?"),
+    ({"base: fused": "base: base"}, "search.base", "run 'base' has no PrLM; add checkpoint to search.space"),
+    ({"reduction_factor: 2": "reduction_factr: 2"}, "search.reduction_factr", "did you mean 'reduction_factor'?"),
+    ({"reduction_factor: 2": "reduction_factor: 2\n  pruner: median"}, "search.pruner", "'median' is not one of"),
+    ({"min_updates: 4": "min_epochs: 4"}, "search.min_epochs", "min_epochs goes with max_epochs"),
+    ({"name: s": "name: fused"}, "search.name", "'fused-best' is also a run of train.runs"),
+])
+def test_the_search_section_is_refused_where_it_is_wrong(world, tmp_path, change, where, message):
+    from prlmfuse.config import load_pipeline
+
+    path = sw.write_pipeline(tmp_path, world)
+    text = path.read_text()
+    for old, new in change.items():
+        assert old in text
+        text = text.replace(old, new)
+    if "name: fused" in text:
+        text = text.replace("    base: {}\n", "    base: {}\n    fused-best: {}\n")
+    path.write_text(text)
+    with pytest.raises(UserError) as refused:
+        load_pipeline(path)
+    line = str(refused.value)
+    located = re.match(rf"^{re.escape(str(path))}:(\d+):(\d+): {re.escape(where)}: (.*)$", line)
+    assert located and message in located.group(3), line
+    row, col = int(located.group(1)), int(located.group(2))
+    assert text.splitlines()[row - 1][col - 1:].strip(), line  # the place named holds the value or key
+
+
+def test_a_layer_the_cache_does_not_hold_is_refused_at_the_value(world, tmp_path):
+    from prlmfuse.config import load_pipeline
+
+    path = sw.write_pipeline(tmp_path, world, space="{layer: [-2, dwatt]}")
+    path.write_text(path.read_text().replace("layers: all", "layers: [-2]"))
+    with pytest.raises(UserError, match=r"pipeline.yaml:\d+:\d+: search.space.layer.1: 'dwatt' combines the cached "
+                                        r"layers, but cache.checkpoints.0 \(tiny\) stores only \[-2\]"):
+        load_pipeline(path)
+    path.write_text(path.read_text().replace("{layer: [-2, dwatt]}", "{layer: [-2, -3]}"))
+    with pytest.raises(UserError, match=r"search.space.layer.1: layer -3 is not cached"):
+        load_pipeline(path)
+
+
+def test_search_without_optuna_says_what_to_install_in_one_line(world, tmp_path):
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "optuna.py").write_text("raise ImportError('optuna is not installed here')\n")
+    path = sw.write_pipeline(tmp_path, world)
+    done = sw.cli("search", path, PYTHONPATH=str(blocked))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == ("error: prlmfuse search needs optuna, which is not installed: "
+                                                    "pip install 'prlmfuse[search]' (optuna and submitit)")
+    assert not (tmp_path / "work" / "search").exists()
