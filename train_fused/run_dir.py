@@ -177,8 +177,9 @@ def check_same_run(run_dir: Path, before: dict, now: dict) -> None:
     """Refuse to resume a run directory with a configuration that defines a different run."""
     a, b = _defining(before), _defining(now)
     if a != b:
-        difference = _first_difference(a, b)
-        if difference.split(" (")[0].rsplit(".", 1)[-1] in ("side", "position", "layer"):
+        key, then, current = first_difference(a, b)
+        difference = f"{key} ({then!r} in the run directory, {current!r} now)"
+        if key.rsplit(".", 1)[-1] in ("side", "position", "layer"):
             # The fusion defaults changed; a run that relied on the earlier ones resumes once it names them.
             difference += ("; a run trained with the earlier defaults resumes once its settings name them "
                            "(side: source, position: ffn, layer: -2)")
@@ -199,16 +200,18 @@ def _defining(info: dict) -> dict:
             "prlms": prlms}
 
 
-def _first_difference(a, b, prefix: str = "") -> str:
+def first_difference(a, b, prefix: str = "") -> tuple[str, object, object]:
+    """Where two nested dicts and lists first differ: the dotted key ("train.lr") and the two values there (a search's
+    study definition is compared the same way)."""
     if isinstance(a, dict) and isinstance(b, dict):
         for k in sorted(set(a) | set(b)):
             if a.get(k) != b.get(k):
-                return _first_difference(a.get(k), b.get(k), f"{prefix}{k}.")
+                return first_difference(a.get(k), b.get(k), f"{prefix}{k}.")
     if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
         for i, (x, y) in enumerate(zip(a, b)):
             if x != y:
-                return _first_difference(x, y, f"{prefix}{i}.")
-    return f"{prefix.rstrip('.')} ({a!r} in the run directory, {b!r} now)"
+                return first_difference(x, y, f"{prefix}{i}.")
+    return prefix.rstrip("."), a, b
 
 
 # ------------------------------------------------------------------------------------ trainer state
