@@ -173,6 +173,11 @@ def grid_section(report, sizes, device, scratch: Path, shared: dict) -> dict:
     best = max((r for r in result["runs"].values() if "updates_per_s_sum" in r), default=None,
                key=lambda r: r["updates_per_s_sum"])
     result["best_over_eager_one"] = None if best is None else best["over_eager_one"]
+    # The target's ratio: the most runs at once against one run of the same (compiled) kind, K=1.
+    counts = sorted(int(k) for k, r in result["runs"].items() if "updates_per_s_sum" in r)
+    if len(counts) > 1 and counts[0] == 1:
+        result["most_over_one"] = {"k": counts[-1], "ratio": result["runs"][str(counts[-1])]["updates_per_s_sum"]
+                                   / result["runs"]["1"]["updates_per_s_sum"]}
     return result
 
 
