@@ -501,6 +501,15 @@ def _set_aside_if_stale(out: Path, corpus) -> None:
 # ---------------------------------------------------------------------------- evaluation
 
 
+def _finished(cfg: PipelineConfig, run: RunConfig) -> bool:
+    """Whether a run's training is over (its budget reached, or stopped for good), by its last saved state."""
+    out = run_path(cfg, run.name)
+    if not rundir.list_checkpoints(out):
+        return False
+    state = rundir.state_to_resume(out)
+    return state is not None and rundir.stop_reason(run, state) is not None
+
+
 def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None, *, score: bool = True):
     """Stage three for the selected runs; each run directory names the caches it reads.
 
@@ -519,7 +528,9 @@ def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None, *, sc
 
         base_train = base.to_dict()
         family = [r for r in cfg.train.runs if r is base or is_baseline_seed(r.to_dict(), base_train)]
-        selected += [r for r in family if r not in selected and rundir.list_checkpoints(run_path(cfg, r.name))]
+        # Only the baseline's seeds that finished training: one still training (another batch, beside this
+        # one) would be decoded from whatever checkpoints it has so far.
+        selected += [r for r in family if r not in selected and _finished(cfg, r)]
         if base not in selected:
             # A batch of another seed (`--runs baseline.seed-2,fused.seed-2`) is compared with its own baseline.
             seeds = {r.seed for r in requested}

@@ -236,7 +236,7 @@ def test_only_train_and_only_evaluate_say_which_stage_to_run_first(tiny_pipeline
 
 
 @pytest.mark.slow
-def test_a_batch_of_another_seed_is_compared_with_the_baseline_of_that_seed(tiny_pipeline, tmp_path):
+def test_a_batch_of_another_seed_is_compared_with_the_baseline_of_that_seed(tiny_pipeline, tmp_path, monkeypatch):
     """evaluate.baseline names seed 1's baseline, which this workdir never trained: `--runs` of seed 2's batch
     compares each of its runs (fused, and a baseline of another recipe) with seed 2's baseline, and a later
     `--runs fused.seed-3` with seed 3's, though seed 2's is trained too."""
@@ -264,6 +264,21 @@ def test_a_batch_of_another_seed_is_compared_with_the_baseline_of_that_seed(tiny
     assert results.baseline == "baseline.seed-3"
     assert {r.run: r.compared_with for r in results.rows} == {
         "baseline.seed-3": None, "baseline.seed-2": "baseline.seed-3", "fused.seed-3": "baseline.seed-3"}
+
+    # A baseline seed still training (another batch, beside this one) is not decoded from its checkpoints so far.
+    import dataclasses
+
+    from prlmfuse.train_fused import run_dir as rundir
+
+    real = rundir.state_to_resume
+
+    def seed_2_mid_training(run_dir):
+        state = real(run_dir)
+        return dataclasses.replace(state, update=1) if Path(run_dir).name == "baseline.seed-2" else state
+
+    monkeypatch.setattr(rundir, "state_to_resume", seed_2_mid_training)
+    results = run_pipeline(cfg, only="evaluate", names=["fused.seed-3"])
+    assert {r.run for r in results.rows} == {"baseline.seed-3", "fused.seed-3"}
 
 
 @pytest.mark.slow
