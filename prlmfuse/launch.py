@@ -44,14 +44,14 @@ from prlmfuse import signals
 from prlmfuse.errors import UserError
 from prlmfuse.launch_config import LAUNCHERS, LauncherConfig, read_launcher, time_minutes
 # ChildCommand stays importable here: an array task submitted before the split unpickles prlmfuse.launch.ChildCommand.
-from prlmfuse.launch_slurm import CLUSTER_ENV, ChildCommand, SlurmLauncher
+from prlmfuse.launch_slurm import ARRAY_TASK_ENV, CLUSTER_ENV, ChildCommand, SlurmLauncher
 from prlmfuse.launch_tasks import (EXTRA_HINT, STOP_WAIT_SECONDS, Outcome, Task, cause_of, report_end, require,
                                    say, settle)
 
 # What callers import from here, wherever it is defined.
-__all__ = ["CLUSTER_ENV", "EXTRA_HINT", "LAUNCHERS", "STOP_WAIT_SECONDS", "ChildCommand", "LauncherConfig",
-           "LocalLauncher", "Outcome", "SlurmLauncher", "Task", "launch", "read_launcher", "require", "say",
-           "time_minutes"]
+__all__ = ["ARRAY_TASK_ENV", "CLUSTER_ENV", "EXTRA_HINT", "LAUNCHERS", "STOP_WAIT_SECONDS", "ChildCommand",
+           "LauncherConfig", "LocalLauncher", "Outcome", "SlurmLauncher", "Task", "launch", "read_launcher", "require",
+           "say", "time_minutes"]
 
 
 def launch(tasks: list[Task], settings: LauncherConfig, *, workdir: Path, parallel: int, wait: bool = True,

@@ -20,12 +20,19 @@ _SBATCH_OWNED = {
     "time": "set launcher.time", "t": "set launcher.time",
     "mem": "set launcher.mem", "cpus-per-task": "set launcher.cpus", "c": "set launcher.cpus",
     "gpus-per-node": "set launcher.gpus", "gres": "set launcher.gpus",
-    "array": "prlmfuse submits the array itself (launcher.array_parallelism sets its %N)",
+    **dict.fromkeys(("array", "a"), "prlmfuse submits the array itself (launcher.array_parallelism sets its %N)"),
     "signal": "submitit asks for --signal=USR2@signal_delay_s itself and requeues on USR2; set "
               "launcher.signal_delay_s",
-    "output": "submitit writes its logs in launcher.folder; each task's own output goes to its log",
-    "error": "submitit writes its logs in launcher.folder; each task's own output goes to its log",
+    **dict.fromkeys(("output", "o", "error", "e"), "submitit writes its logs in launcher.folder; each task's own "
+                    "output goes to its log"),
     "open-mode": "submitit appends to its logs",
+    "no-requeue": "prlmfuse asks for --requeue: a preempted or timed-out task goes back into the queue and resumes",
+    "job-name": "prlmfuse names the array (prlmfuse-train, prlmfuse-search)",
+    "J": "prlmfuse names the array (prlmfuse-train, prlmfuse-search)",
+    **dict.fromkeys(("gpus", "G", "gpus-per-task", "gpus-per-socket"), "set launcher.gpus (GPUs per task)"),
+    **dict.fromkeys(("nodes", "N", "ntasks", "n", "ntasks-per-node"),
+                    "submitit runs each array task as one process on one node"),
+    **dict.fromkeys(("mem-per-cpu", "mem-per-gpu"), "set launcher.mem (the memory of each task)"),
 }
 
 
@@ -54,6 +61,8 @@ class LauncherConfig:
 _MEM_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*$", re.IGNORECASE)
 _TIME_RE = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
 _OPTION_RE = re.compile(r"^--([a-z][a-z0-9-]*)(?:=(.+))?$")
+# A short option (-J NAME, -G2): refused where it is one of _SBATCH_OWNED's, else written the long way.
+_SHORT_RE = re.compile(r"^-([A-Za-z])(?:[= ]?(.+))?$")
 
 
 def time_minutes(value: int | str) -> int | None:
@@ -76,12 +85,22 @@ def time_minutes(value: int | str) -> int | None:
     return -(-seconds // 60) if seconds > 0 else None
 
 
+def _sexagesimal_seconds(settings: LauncherConfig, key: tuple, where) -> None:
+    """An unquoted `time: 1:00:00` (or `30:00`): PyYAML (YAML 1.1) reads it as the base-60 integer 3600 (1800),
+    the time in seconds of SLURM's HH:MM:SS (MM:SS). Written so (a plain scalar with ':'), it is kept as that
+    text, which time_minutes reads as SLURM does; a plain integer stays minutes."""
+    written = getattr(where, "plain", {}).get(key + ("time",))
+    if isinstance(settings.time, int) and not isinstance(settings.time, bool) and written and ":" in written:
+        settings.time = written.strip().replace("_", "")
+
+
 def read_launcher(raw: Any, where, base_dir: Path) -> LauncherConfig:
     """The launcher section, every value checked where it is written (file:line:col)."""
     from prlmfuse.yaml_fields import build, check_choice
 
     key = ("launcher",)
     settings = build(LauncherConfig, raw, key, where, base_dir)
+    _sexagesimal_seconds(settings, key, where)
     check_choice(settings.kind, LAUNCHERS, key + ("kind",), where)
     for name, least in (("gpus", 0), ("cpus", 1), ("array_parallelism", 1), ("signal_delay_s", 10),
                         ("max_timeouts", 0)):
@@ -109,6 +128,10 @@ def read_launcher(raw: Any, where, base_dir: Path) -> LauncherConfig:
     for i, line in enumerate(settings.sbatch):
         text = line.strip().removeprefix("#SBATCH").strip()
         m = _OPTION_RE.match(text)
+        short = _SHORT_RE.match(text) if not m else None
+        if short and short.group(1) in _SBATCH_OWNED:
+            letter = short.group(1)
+            raise where.error(key + ("sbatch", i), f"-{letter} is not set here: {_SBATCH_OWNED[letter]}")
         if not m:
             raise where.error(key + ("sbatch", i), f"expected an sbatch option such as --account=NAME, got {line!r}")
         option, value = m.group(1), m.group(2)

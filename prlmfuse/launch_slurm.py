@@ -23,6 +23,10 @@ from prlmfuse.launch_config import LauncherConfig
 from prlmfuse.launch_tasks import STOP_WAIT_SECONDS, Outcome, Task, cause_of, report_end, require, say, settle
 
 CLUSTER_ENV = "PRLMFUSE_SUBMITIT_CLUSTER"
+# Set by ChildCommand in its child's environment: the pid of the array task's own process. A process whose parent
+# has that pid is the array task's own command (its search worker keeps the array task's identity across a
+# requeue); any process that command starts in turn (a search's local workers) is not.
+ARRAY_TASK_ENV = "PRLMFUSE_ARRAY_TASK_PID"
 
 try:  # submitit is optional (the `search` extra): without it the class below is a plain callable
     from submitit.helpers import Checkpointable as _Checkpointable
@@ -37,7 +41,8 @@ class ChildCommand(_Checkpointable):
     signal on to prlmfuse, waits (at most `stop_wait` seconds) for it to save a resume point and exit 75,
     and returns the same command without `--fresh` for submitit to requeue: the requeued task resumes.
     A stop that reaches prlmfuse directly (SLURM's SIGTERM at a preemption, `scancel`) ends it with 75
-    too; the task then asks SLURM to requeue it, which a cancelled job refuses.
+    too; the task then writes the same command without `--fresh` where submitit keeps its submission (what the
+    requeued task runs) and asks SLURM to requeue it, which a cancelled job refuses.
     """
 
     def __init__(self, command: list[str], log: str, env: dict[str, str], stop_wait: float = STOP_WAIT_SECONDS):
@@ -59,17 +64,20 @@ class ChildCommand(_Checkpointable):
         print(f"prlmfuse task: {' '.join(self.command)} (log {self.log})", flush=True)
         with open(self.log, "ab") as fh:
             self._proc = subprocess.Popen(self.command, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env=dict(os.environ, **self.env))
+                                          env=dict(os.environ, **self.env, **{ARRAY_TASK_ENV: str(os.getpid())}))
         try:
             while (code := self._returncode()) is None:
                 time.sleep(0.5)
         finally:
             self._stop_child(signal.SIGTERM)  # this task is going away (cancelled, an error): the child saves first
         print(f"prlmfuse task: exit {code}", flush=True)
-        if code == signals.PREEMPTED_EXIT and not self._checkpointed and _requeue_this_task():
-            # Stopped by a signal that did not pass through submitit (SLURM's SIGTERM at a preemption): requeued,
-            # so no result is written and the driver goes on waiting for the rerun.
-            raise SystemExit(code)
+        if code == signals.PREEMPTED_EXIT and not self._checkpointed and _in_slurm_job():
+            # Stopped by a signal that did not pass through submitit (SLURM's SIGTERM at a preemption): the rerun
+            # resumes (submitit's own checkpoint() path rewrites its submission so; this one must too), and once
+            # requeued no result is written, so the driver goes on waiting for the rerun.
+            self._submit_resumed()
+            if _requeue_this_task():
+                raise SystemExit(code)
         return code
 
     def checkpoint(self, *args: Any, **kwargs: Any):
@@ -81,8 +89,30 @@ class ChildCommand(_Checkpointable):
         signum = getattr(signal, "SIG" + JobEnvironment.USR_SIG, signal.SIGUSR2)
         code = self._stop_child(signum)
         print(f"prlmfuse task: {signal.Signals(signum).name} passed on; prlmfuse exited {code}; requeued", flush=True)
-        resumed = [arg for arg in self.command if arg != "--fresh"]  # the rerun resumes, never starts over
-        return DelayedSubmission(ChildCommand(resumed, self.log, self.env, self.stop_wait))
+        return DelayedSubmission(self.resumed())
+
+    def resumed(self) -> "ChildCommand":
+        """The same command without --fresh: what a requeued task runs, which resumes and never starts over."""
+        return ChildCommand([arg for arg in self.command if arg != "--fresh"], self.log, self.env, self.stop_wait)
+
+    def _submit_resumed(self) -> None:
+        """What submitit's own checkpoint path does (submitit.core.job_environment._checkpoint): the submission
+        pickle SLURM's requeue reruns becomes the resumed command, with the time limit and the timeouts left
+        that the submitted one carries."""
+        from submitit.core import utils
+        from submitit.core.job_environment import JobEnvironment
+
+        try:
+            path = JobEnvironment().paths.submitted_pickle
+            submitted = utils.DelayedSubmission.load(path)
+            resumed = utils.DelayedSubmission(self.resumed())
+            resumed.set_timeout(submitted._timeout_min, submitted._timeout_countdown)
+            with utils.temporary_save_path(path) as tmp:
+                resumed.dump(tmp)
+        except Exception as e:  # noqa: BLE001 - the requeue goes on; the rerun's --fresh then starts over
+            print(f"prlmfuse task: could not write the resumed submission ({type(e).__name__}: {e})", flush=True)
+            return
+        print(f"prlmfuse task: the requeued task runs {' '.join(resumed.function.command)}", flush=True)
 
     def _returncode(self) -> int | None:
         """The child's exit status, or None while it runs. Reaps with waitpid, not Popen's own lock, so it can
@@ -116,12 +146,21 @@ class ChildCommand(_Checkpointable):
         return code
 
 
+def _slurm_job() -> str | None:
+    """The SLURM job (ARRAY_INDEX for an array task) this submitit task runs as; None outside SLURM."""
+    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
+        return None
+    array, index = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{index}" if array and index else os.environ.get("SLURM_JOB_ID") or None
+
+
+def _in_slurm_job() -> bool:
+    return _slurm_job() is not None
+
+
 def _requeue_this_task() -> bool:
     """Ask SLURM to requeue the array task this process runs in (False outside SLURM, or where SLURM refuses)."""
-    if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
-        return False
-    array, index = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    job = f"{array}_{index}" if array and index else os.environ.get("SLURM_JOB_ID")
+    job = _slurm_job()
     if not job:
         return False
     try:

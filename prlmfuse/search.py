@@ -15,7 +15,11 @@ PIPELINE --worker`) share the journal. A worker claims a trial under a lock besi
 lease on it (workdir/search/NAME/leases/RUN.json, its mtime renewed every 30 s): a running trial whose
 worker is gone (a dead process on this host, a lease older than 10 minutes, or the same SLURM array task
 requeued) is resumed from its checkpoint or resume point by the next worker, so a search killed or
-preempted goes on where it stopped when the same command runs again.
+preempted goes on where it stopped when the same command runs again. Each claim puts a nonce in its lease: a
+worker stalled past the lease's timeout, whose trial another worker took over meanwhile, finds another nonce at
+its next dev evaluation and leaves the trial to that worker, telling the study nothing. A pruner's verdict is
+kept in the trial (user attribute `pruned`) before the trainer acts on it, so a trial resumed after a crash
+between the verdict and its checkpoint stops where it was pruned.
 
 The end: a table of every trial (workdir/search/NAME/trials.md and trials.json): its settings, trainable
 parameters, updates trained, dev loss at each rung and at the full budget, pruned or finished; the best
@@ -50,9 +54,9 @@ from prlmfuse.pipeline import (build_caches, caches_for_run, cache_jobs, ensure_
 from prlmfuse.search_report import (TABLE_JSON, TABLE_MD, confirm_search, dry_run_lines, summary_lines,
                                     table_markdown, train_confirm_run, write_table)
 from prlmfuse.search_space import SearchConfig
-from prlmfuse.search_study import (JOURNAL, LEASES, Heartbeat, amount, claims_lock, import_optuna, lease_path,
-                                   lease_state, open_study, read_lease, search_dir, the_search, trials_pipeline,
-                                   with_runs, worker_identity)
+from prlmfuse.search_study import (JOURNAL, LEASES, Heartbeat, amount, claims_lock, holds_lease, import_optuna,
+                                   lease_path, lease_state, new_lease, open_study, read_lease, search_dir, the_search,
+                                   trials_pipeline, with_runs, worker_identity)
 from prlmfuse.train_fused import run_dir as rundir
 
 # What callers import from here (the `search` command among them), wherever it is defined.
@@ -64,6 +68,14 @@ logger = logging.getLogger(__name__)
 
 # The splits a search reads: never test.
 TRAIN_SPLITS = ("train", "dev")
+# A trial's user attribute holding the pruner's verdict ({"step": N, "verdict": "pruned: ..."}), written before the
+# trainer acts on it: optuna records the rung before it decides, so a trial resumed after a crash between the
+# verdict and its checkpoint would not be judged at that rung again; the resumed trial stops there instead.
+PRUNED_ATTR = "pruned"
+
+
+class LeaseLost(Exception):
+    """This worker's claim on a trial was taken over by another worker (its lease holds another nonce)."""
 
 
 # ---------------------------------------------------------------------------- a worker
@@ -74,6 +86,7 @@ class Claim:
     trial: Any  # optuna.Trial
     index: int  # the setting's index in the grid
     resumed: bool  # a running trial whose worker was gone
+    nonce: str = ""  # this claim's, in its lease
 
 
 def claim_next(cfg: PipelineConfig, study, me: dict) -> Claim | None:
@@ -90,8 +103,9 @@ def claim_next(cfg: PipelineConfig, study, me: dict) -> Claim | None:
                 continue
             path = lease_path(cfg, t.user_attrs["run"])
             if lease_state(path, me) in ("free", "mine"):
-                atomic_write_json(path, {**me, "trial": t.number})
-                return Claim(optuna.Trial(study, t._trial_id), t.user_attrs["setting"], True)
+                lease = new_lease(me, t.number)
+                atomic_write_json(path, lease)
+                return Claim(optuna.Trial(study, t._trial_id), t.user_attrs["setting"], True, lease["nonce"])
         if not any(t.state == TrialState.WAITING for t in trials):
             return None
         trial = study.ask()
@@ -101,30 +115,42 @@ def claim_next(cfg: PipelineConfig, study, me: dict) -> Claim | None:
             return None
         for key, values in search.space.items():
             trial.suggest_categorical(key, values)
-        atomic_write_json(lease_path(cfg, search.trial_name(index)), {**me, "trial": trial.number})
-        return Claim(trial, index, False)
+        lease = new_lease(me, trial.number)
+        atomic_write_json(lease_path(cfg, search.trial_name(index)), lease)
+        return Claim(trial, index, False, lease["nonce"])
 
 
-def _rung_reporter(search: SearchConfig, trial):
-    """The trainer's dev hook for one trial: at each rung, report the dev loss and ask the pruner."""
+def _rung_reporter(search: SearchConfig, trial, lease: Path | None = None, nonce: str = ""):
+    """The trainer's dev hook for one trial: at every dev evaluation, check that this worker still holds the trial's
+    lease (`lease`, with `nonce`; else raise LeaseLost: another worker trains it now); at each rung, report the dev
+    loss and ask the pruner, its "prune" recorded in the trial (PRUNED_ATTR) before the trainer acts on it; a
+    verdict recorded before (a worker that died before the checkpoint) stops the resumed trial where it was
+    given."""
     rungs = set(search.rungs)
     eta = search.reduction_factor
+    given = trial.user_attrs.get(PRUNED_ATTR)
 
     def after(evaluation) -> str | None:
+        if lease is not None and not holds_lease(lease, nonce):
+            raise LeaseLost(f"at update {evaluation.update}")
         if search.unit == "updates":
             step = evaluation.update
         elif evaluation.epoch_end:
             step = evaluation.epoch
         else:
             return None
+        if isinstance(given, dict) and step >= int(given.get("step", step + 1)):
+            return str(given["verdict"])
         if step not in rungs:
             return None
         with warnings.catch_warnings():  # a resumed trial reports a rung again: optuna keeps the first value
             warnings.simplefilter("ignore")
             trial.report(evaluation.dev_loss, step)
         if trial.should_prune():
-            return (f"pruned: dev loss {evaluation.dev_loss:.4f} at {amount(step, search.unit)} is not among the best "
-                    f"1/{eta} of the trials that reached it")
+            verdict = (f"pruned: dev loss {evaluation.dev_loss:.4f} at {amount(step, search.unit)} is not among the "
+                       f"best 1/{eta} of the trials that reached it")
+            trial.set_user_attr(PRUNED_ATTR, {"step": step, "verdict": verdict})
+            return verdict
         return None
 
     from prlmfuse.train_fused.trainer import DevHook
@@ -187,27 +213,43 @@ def work(cfg: PipelineConfig, *, progress: bool = True) -> int:
                     # Its train and dev caches only: a trial's run.json names no test cache, and nothing opens one.
                     caches = [{split: c[split] for split in TRAIN_SPLITS} for c in caches_for_run(run, jobs, tcfg)]
                     train_run(resolve_run(tcfg, run), corpus, caches, out, resume=True, progress=progress,
-                              runtime=runtime, dev_hook=_rung_reporter(search, claim.trial))
+                              runtime=runtime, dev_hook=_rung_reporter(search, claim.trial, lease, claim.nonce))
+            except LeaseLost as e:
+                _lease_lost(run.name, lease, f"its dev evaluation {e}")
+                continue
             except signals.Stopped:
-                lease.unlink(missing_ok=True)  # the trial stays running; the next worker resumes it at once
+                if holds_lease(lease, claim.nonce):
+                    lease.unlink(missing_ok=True)  # the trial stays running; the next worker resumes it at once
                 raise
             except Exception as e:  # one trial's failure (its cache, its settings): in the table, retried by a rerun
                 message = " ".join(str(e).split()) or type(e).__name__
                 logger.warning("search: %s failed: %s", run.name, message)
-                atomic_write_json(lease, {**me, "failed": message})
+                if holds_lease(lease, claim.nonce):
+                    atomic_write_json(lease, {**me, "failed": message})
                 continue
             state = rundir.state_to_resume(out)
-            if state is not None and state.stopped == "pruned":
-                study.tell(claim.trial, state=TrialState.PRUNED)
-                say(f"search: {run.name} pruned at update {state.update}")
-            elif state is not None and state.last_dev_loss is not None:
-                study.tell(claim.trial, state.last_dev_loss)
-                say(f"search: {run.name} finished at update {state.update}, dev loss {state.last_dev_loss:.4f}")
-            else:
-                atomic_write_json(lease, {**me, "failed": "training ended without a dev evaluation"})
-                continue
-            lease.unlink(missing_ok=True)
+            with claims_lock(search_dir(cfg)):  # no other worker takes the trial over between the check and the tell
+                if not holds_lease(lease, claim.nonce):
+                    _lease_lost(run.name, lease, "its end")
+                    continue
+                if state is not None and state.stopped == "pruned":
+                    study.tell(claim.trial, state=TrialState.PRUNED)
+                    say(f"search: {run.name} pruned at update {state.update}")
+                elif state is not None and state.last_dev_loss is not None:
+                    study.tell(claim.trial, state.last_dev_loss)
+                    say(f"search: {run.name} finished at update {state.update}, dev loss {state.last_dev_loss:.4f}")
+                else:
+                    atomic_write_json(lease, {**me, "failed": "training ended without a dev evaluation"})
+                    continue
+                lease.unlink(missing_ok=True)
             trained += 1
+
+
+def _lease_lost(name: str, lease: Path, when: str) -> None:
+    holder = read_lease(lease) or {}
+    logger.warning("search: %s: lease lost at %s (%s holds it now): another worker took the trial over while this "
+                   "one was stalled past the lease's timeout; this one leaves the trial to it and tells the study "
+                   "nothing", name, when, holder.get("owner", "no worker"))
 
 
 # ---------------------------------------------------------------------------- the driver
@@ -268,6 +310,8 @@ def run_search(cfg: PipelineConfig, *, jobs: int | None = None, wait: bool = Tru
     corpus = ensure_data(tcfg)
     # The trials' train and dev caches only: the search never reads test.
     build_caches(tcfg, corpus, [t.name for t in search.trials], splits=TRAIN_SPLITS)
+    for warning in search.warnings():
+        logger.warning("search: %s: %s", search.name, warning)
     study = open_study(cfg, create=True)
     _clear_failures(cfg)
     takeable, elsewhere = _open_work(cfg, study)

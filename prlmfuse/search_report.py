@@ -157,23 +157,47 @@ def summary_lines(table: dict) -> list[str]:
 # ---------------------------------------------------------------------------- --dry-run
 
 
-def _bracket_counts(search: SearchConfig, numbers: list[int]) -> dict[int, int]:
-    """Trials per hyperband bracket, as optuna's HyperbandPruner assigns them (crc32 of study name and trial
-    number); successive halving has one bracket, 0."""
+def _bracket_of(search: SearchConfig, number: int) -> int:
+    """The hyperband bracket of trial `number`, as optuna's HyperbandPruner assigns it (crc32 of the study's name
+    and the trial's number); successive halving has one bracket, 0."""
     if search.pruner != "hyperband":
-        return {0: len(numbers)}
+        return 0
     eta = search.reduction_factor
     n = math.floor(math.log(search.full / search.least, eta)) + 1
     budgets = [math.ceil(n * eta ** (n - 1 - s) / (n - s)) for s in range(n)]
+    left = binascii.crc32(f"{search.name}_{number}".encode()) % sum(budgets)
+    for s, b in enumerate(budgets):
+        left -= b
+        if left < 0:
+            return s
+    return len(budgets) - 1
+
+
+def _bracket_counts(search: SearchConfig, numbers: list[int]) -> dict[int, int]:
+    """Trials per hyperband bracket (successive halving: all in bracket 0)."""
     counts: dict[int, int] = {}
     for number in numbers:
-        left = binascii.crc32(f"{search.name}_{number}".encode()) % sum(budgets)
-        for s, b in enumerate(budgets):
-            left -= b
-            if left < 0:
-                counts[s] = counts.get(s, 0) + 1
-                break
+        s = _bracket_of(search, number)
+        counts[s] = counts.get(s, 0) + 1
     return counts
+
+
+def _bracket_lines(search: SearchConfig) -> list[str]:
+    """Hyperband's brackets: each one's trials and first rung, and a warning for a bracket of one trial (no other
+    trial is compared with it, so it is never pruned)."""
+    if search.pruner != "hyperband":
+        return []
+    members: dict[int, list[str]] = {}
+    for i in range(len(search.settings)):
+        members.setdefault(_bracket_of(search, i), []).append(search.trial_name(i))
+    lines = ["hyperband brackets (each prunes among its own trials): " + "; ".join(
+        f"{s}: {len(names)} trial{'s' if len(names) != 1 else ''}, first rung at "
+        f"{amount(search.least * search.reduction_factor ** s, search.unit)}" for s, names in sorted(members.items()))]
+    for s, names in sorted(members.items()):
+        if len(names) == 1:
+            lines.append(f"warning: hyperband bracket {s} holds a single trial ({names[0]}): nothing is compared with "
+                         "it, so it is never pruned")
+    return lines
 
 
 def planned_updates(search: SearchConfig) -> tuple[int, int]:
@@ -205,6 +229,8 @@ def dry_run_lines(cfg: PipelineConfig) -> list[str]:
              f"budget: {search.full} {unit} each; rungs at {', '.join(map(str, search.rungs))} {unit} (a dev evaluation "
              "at each; the pruner stops a trial there that is not among the best 1/"
              f"{search.reduction_factor} of those that reached it)"]
+    lines += _bracket_lines(search)
+    lines += [f"warning: {w}" for w in search.warnings()]
     for i, setting in enumerate(search.settings):
         run = search.trials[i]
         try:

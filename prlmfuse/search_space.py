@@ -91,10 +91,13 @@ class SearchConfig:
         return f"{self.name}-best", f"{self.name}-baseline", f"{self.name}-baseline-matched"
 
     def budget(self) -> dict[str, int | None]:
-        """The RunConfig fields of a trial's (and a confirmed run's) full budget."""
+        """The RunConfig fields of a trial's (and a confirmed run's) full budget. The base run's patience (and its
+        min_epochs) is cleared: a trial stopped early would be recorded finished below the full budget, its dev
+        loss compared with trials trained to the end."""
+        stop = {"patience": None, "min_epochs": None}
         if self.unit == "updates":
-            return {"max_updates": self.max_updates, "max_epochs": None}
-        return {"max_updates": None, "max_epochs": self.max_epochs}
+            return {"max_updates": self.max_updates, "max_epochs": None, **stop}
+        return {"max_updates": None, "max_epochs": self.max_epochs, **stop}
 
     def trial_run(self, setting: dict[str, Any], name: str) -> RunConfig:
         """The base run with `setting` applied, named `name`, trained to the full budget."""
@@ -112,6 +115,16 @@ class SearchConfig:
 
     def describe(self, setting: dict[str, Any]) -> str:
         return ", ".join(f"{k} {v}" for k, v in setting.items())
+
+    def warnings(self) -> list[str]:
+        """What makes this search's ranking say little, in words (the driver logs them, --dry-run prints them)."""
+        out = []
+        warmup = max((t.warmup for t in self.trials), default=0)
+        if self.unit == "updates" and self.least < 2 * warmup:
+            out.append(f"min_updates {self.least} is below twice the trials' warmup ({warmup} updates): the first rung "
+                       "ranks the trials near the learning rate's peak, which says little about where they end; set "
+                       f"min_updates to {2 * warmup} or more (or a shorter warmup)")
+        return out
 
 
 def vary(base: RunConfig, setting: dict[str, Any], name: str, budget: dict[str, int | None]) -> RunConfig:

@@ -14,12 +14,13 @@ import os
 import socket
 import threading
 import time
+import uuid
 from pathlib import Path
 
 from prlmfuse import signals
 from prlmfuse.config import PipelineConfig
 from prlmfuse.errors import UserError
-from prlmfuse.launch import require
+from prlmfuse.launch import ARRAY_TASK_ENV, require
 from prlmfuse.search_space import SearchConfig
 from prlmfuse.train_fused import run_dir as rundir
 from prlmfuse.train_fused.config import RunConfig
@@ -163,11 +164,27 @@ def _alive(pid: int, start: str | None) -> bool:
 
 
 def worker_identity() -> dict:
-    """Who holds a lease: an array task keeps its identity when SLURM requeues it; a local process is its pid."""
+    """Who holds a lease: the worker an array task runs itself (ChildCommand's child, named by ARRAY_TASK_ENV) keeps
+    the array task's identity when SLURM requeues it; any other process, the local workers of a `search --jobs N`
+    inside one array task among them, is its host, pid and start time."""
     array, index = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
     host, pid = socket.gethostname(), os.getpid()
-    owner = f"slurm:{array}_{index}" if array and index else f"{host}:{pid}:{_process_start(pid)}"
+    own = os.environ.get(ARRAY_TASK_ENV) == str(os.getppid())
+    owner = f"slurm:{array}_{index}" if array and index and own else f"{host}:{pid}:{_process_start(pid)}"
     return {"owner": owner, "host": host, "pid": pid, "start": _process_start(pid)}
+
+
+def new_lease(me: dict, trial: int) -> dict:
+    """A lease for one claim: the worker, the trial, and a nonce no other claim has. A worker whose claim was taken
+    over (it was stalled or suspended past LEASE_STALE_S, and another worker resumed the trial) finds another
+    nonce there and stops (`holds_lease`)."""
+    return {**me, "trial": trial, "nonce": uuid.uuid4().hex}
+
+
+def holds_lease(path: Path, nonce: str) -> bool:
+    """Whether the lease at `path` is still the claim whose nonce is `nonce`."""
+    lease = read_lease(path)
+    return lease is not None and lease.get("nonce") == nonce and not lease.get("failed")
 
 
 def lease_path(cfg: PipelineConfig, run: str) -> Path:

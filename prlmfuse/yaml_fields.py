@@ -22,12 +22,16 @@ class Where:
     def __init__(self, path: Path, root: yaml.Node | None):
         self.path = path
         self.marks: dict[tuple, tuple[int, int]] = {}
+        # Each plain (unquoted) scalar's text as written: YAML 1.1 reads some (1:00:00) as numbers.
+        self.plain: dict[tuple, str] = {}
         if root is not None:
             self._walk(root, ())
 
     def _walk(self, node: yaml.Node, keypath: tuple) -> None:
         self.marks[keypath] = (node.start_mark.line + 1, node.start_mark.column + 1)
-        if isinstance(node, yaml.MappingNode):
+        if isinstance(node, yaml.ScalarNode) and not node.style:
+            self.plain[keypath] = node.value
+        elif isinstance(node, yaml.MappingNode):
             for k, v in node.value:
                 sub = keypath + (k.value,)
                 self._walk(v, sub)

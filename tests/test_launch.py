@@ -128,6 +128,10 @@ def world(tmp_path_factory):
     ("{sbatch: ['--partition=gpu']}", "launcher.sbatch.0", "--partition is not set here: set launcher.partition"),
     ("{sbatch: ['account nlp']}", "launcher.sbatch.0", "expected an sbatch option such as --account=NAME"),
     ("{array_parallelism: 0}", "launcher.array_parallelism", "expected an integer >= 1"),
+    ("{sbatch: ['--no-requeue']}", "launcher.sbatch.0", "--no-requeue is not set here: prlmfuse asks for --requeue"),
+    ("{sbatch: ['-J mine']}", "launcher.sbatch.0", "-J is not set here: prlmfuse names the array"),
+    ("{sbatch: ['--gpus=2']}", "launcher.sbatch.0", "--gpus is not set here: set launcher.gpus"),
+    ("{sbatch: ['--mem-per-cpu=4G']}", "launcher.sbatch.0", "--mem-per-cpu is not set here: set launcher.mem"),
 ])
 def test_the_launcher_section_is_refused_where_it_is_wrong(world, tmp_path, section, where, message):
     from prlmfuse.config import load_pipeline
@@ -148,6 +152,17 @@ def test_the_launcher_section_reads_times_and_sizes(world, tmp_path):
     launcher = load_pipeline(path).launcher
     assert (launcher.kind, launcher.time_minutes, launcher.mem_gb) == ("slurm", 26 * 60 + 1, 500 / 1024)
     assert launcher.extra_parameters == {"account": "nlp", "exclusive": True}
+
+
+@pytest.mark.parametrize("written, minutes", [("1:00:00", 60), ("30:00", 30), ("90", 90), ("'1:00:00'", 60),
+                                              ("1-00:00:00", 24 * 60), ("2:00", 2)])
+def test_an_unquoted_time_is_read_as_slurm_reads_it(world, tmp_path, written, minutes):
+    # YAML 1.1 reads an unquoted 1:00:00 as the base-60 integer 3600 (its seconds), not 3600 minutes.
+    from prlmfuse.config import load_pipeline
+
+    path = sw.write_pipeline(tmp_path, world, launcher=f"launcher:\n  kind: slurm\n  time: {written}\n  "
+                                                       "signal_delay_s: 60\n")
+    assert load_pipeline(path).launcher.time_minutes == minutes
 
 
 # ---------------------------------------------------------------------------- local children
@@ -206,13 +221,17 @@ def _submitit_task_running(run: str) -> int | None:
 def test_submitit_preemption_reaches_the_trainer_and_the_requeued_task_resumes(world, tmp_path):
     from prlmfuse.train_fused import run_dir as rundir
 
-    path = sw.with_data(sw.write_pipeline(tmp_path, world, full=60, launcher="launcher: {time: 60}\n"))
+    # A budget no loaded machine trains before USR2 lands; the requeued task reads the pipeline file again, with
+    # the budget it then trains to (a resumed run may change max_updates).
+    path = sw.with_data(sw.write_pipeline(tmp_path, world, full=5000, launcher="launcher: {time: 60}\n"))
     run = tmp_path / "work" / "runs" / "fused"
     proc = sw.start("train", "-p", path, "--runs", "fused", "--launcher", "slurm", PRLMFUSE_SUBMITIT_CLUSTER="local",
                     PRLMFUSE_SUBMITIT_POLL_S="0.5")
     sw.wait_for(lambda: sw.updates_logged(run) >= 2, proc, what="the array task to train")
     task = _submitit_task_running("fused")
     assert task is not None
+    resumed_budget = sw.updates_logged(run) + 150
+    path.write_text(path.read_text().replace("max_updates: 5000", f"max_updates: {resumed_budget}"))
     # What SLURM sends signal_delay_s before the time limit, to the submitit task: USR2. submitit's handler calls
     # the task's checkpoint(), which passes it on to prlmfuse, waits for it to save, and requeues the command.
     os.kill(task, signal.SIGUSR2)
@@ -222,12 +241,62 @@ def test_submitit_preemption_reaches_the_trainer_and_the_requeued_task_resumes(w
     log = (run / "train.log").read_text()
     stopped = int(log.split("train: fused stopped by SIGUSR2 at update ")[1].split(";")[0])
     assert f"train: fused resumes at update {stopped} from a stop signal's resume point" in log
-    assert rundir.state_to_resume(run).update == 60 and 2 <= stopped < 60
+    assert rundir.state_to_resume(run).update == resumed_budget and 2 <= stopped < resumed_budget
     submitit_log = "".join(p.read_text() for p in (tmp_path / "work" / "slurm").glob("*_log.*"))
     assert "prlmfuse task: SIGUSR2 passed on; prlmfuse exited 75; requeued" in submitit_log
     assert "Requeued job" in submitit_log
     dev = [r["update"] for r in rundir.read_metrics(run) if "dev_loss" in r]
     assert dev == sorted(set(dev))
+
+
+FAKE_SCONTROL = """\
+#!/bin/bash
+echo "scontrol $*" >> "$FAKE_SLURM/calls"
+"""
+
+
+def test_a_task_stopped_by_sigterm_is_requeued_to_resume_not_to_start_over(tmp_path, monkeypatch):
+    # SLURM's SIGTERM at a preemption reaches prlmfuse without passing through submitit, which rewrites the
+    # submitted pickle only on its own USR2 path: the task writes the resumed command there itself before it asks
+    # SLURM to requeue it, or every requeue of a `--fresh` task would start it over.
+    from submitit.core.utils import DelayedSubmission
+
+    from prlmfuse.launch import ChildCommand
+
+    fake = tmp_path / "fake-slurm"
+    (fake / "bin").mkdir(parents=True)
+    (fake / "bin" / "scontrol").write_text(FAKE_SCONTROL)
+    (fake / "bin" / "scontrol").chmod(0o755)
+    folder = tmp_path / "slurm"
+    folder.mkdir()
+    for name, value in {"SUBMITIT_EXECUTOR": "slurm", "SUBMITIT_FOLDER": str(folder), "SLURM_JOB_ID": "4250",
+                        "SLURM_ARRAY_JOB_ID": "4242", "SLURM_ARRAY_TASK_ID": "3", "SLURM_PROCID": "0",
+                        "FAKE_SLURM": str(fake), "PATH": f"{fake / 'bin'}{os.pathsep}{os.environ['PATH']}"}.items():
+        monkeypatch.setenv(name, value)
+    # A task whose prlmfuse command was stopped by a signal: it exits 75.
+    command = [sys.executable, "-c", "import sys; sys.exit(75)", "train", "--runs", "fused", "--fresh"]
+    submitted = DelayedSubmission(ChildCommand(command, str(tmp_path / "train.log"), {}, stop_wait=5))
+    submitted.set_timeout(60, 7)
+    submitted.dump(folder / "4242_3_submitted.pkl")
+    with pytest.raises(SystemExit) as ended:
+        DelayedSubmission.load(folder / "4242_3_submitted.pkl").function()
+    assert ended.value.code == 75
+    assert (fake / "calls").read_text().splitlines() == ["scontrol requeue 4242_3"]
+    rerun = DelayedSubmission.load(folder / "4242_3_submitted.pkl")
+    assert rerun.function.command == command[:-1]  # what the requeued task runs: it resumes
+    assert (rerun._timeout_min, rerun._timeout_countdown) == (60, 7)
+
+
+def test_the_array_task_tells_its_own_command_who_it_is(tmp_path):
+    # The command an array task runs sees the task's pid in ARRAY_TASK_ENV, as its parent's: a search worker there
+    # keeps the array task's identity (prlmfuse.search_study.worker_identity); what that command starts does not.
+    from prlmfuse.launch import ARRAY_TASK_ENV, ChildCommand
+
+    log = tmp_path / "task.log"
+    show = f"import os; print(os.environ['{ARRAY_TASK_ENV}'], os.getppid())"
+    assert ChildCommand([sys.executable, "-c", show], str(log), {})() == 0
+    marker, parent = log.read_text().split()
+    assert marker == parent == str(os.getpid())
 
 
 # ---------------------------------------------------------------------------- submitit: a fake SLURM

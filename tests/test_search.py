@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -139,8 +140,9 @@ def test_a_search_prunes_the_settings_that_cannot_learn_and_never_reads_test(wor
 
 
 def test_a_killed_search_resumes_its_running_trial_and_trains_no_trial_twice(world, tmp_path):
-    # A first rung at 12 updates: the second trial trains for a while before anything can prune it.
-    path = sw.write_pipeline(tmp_path, world, full=24, least=12)
+    # A first rung at 32 updates: the second trial trains for a while before anything can prune it, so the stop
+    # lands before that rung even where this process is slow to see the trial start.
+    path = sw.write_pipeline(tmp_path, world, full=64, least=32)
     workdir = tmp_path / "work"
     runs = workdir / "runs"
     proc = sw.start("search", path)
@@ -154,7 +156,7 @@ def test_a_killed_search_resumes_its_running_trial_and_trains_no_trial_twice(wor
     from prlmfuse.train_fused import run_dir as rundir
 
     stopped_at = rundir.state_to_resume(runs / "s-002").update
-    assert 1 <= stopped_at < 12
+    assert 1 <= stopped_at < 32
     trials = _one_trial_per_setting(workdir)
     assert [trials[i].state for i in range(4)] == [TrialState.COMPLETE, TrialState.RUNNING, TrialState.WAITING,
                                                      TrialState.WAITING]
@@ -184,15 +186,46 @@ def test_two_searches_share_one_journal_and_split_the_trials_between_them(world,
 
     path = sw.write_pipeline(tmp_path, world)
     ensure_data(load_pipeline(path))
-    first, second = sw.start("search", path), sw.start("search", path)
+    runs, folder = tmp_path / "work" / "runs", tmp_path / "work" / "search" / "s"
+    # The second search starts while the first trains s-001, held still (SIGSTOP) outside the journal's and the
+    # claims' locks, and goes on once the second has claimed a trial of its own: each trains a share, whatever
+    # either's start-up costs on a loaded machine.
+    first = sw.start("search", path)
+    second = None
+    try:
+        sw.wait_for(lambda: "train: s-001 -> " in _read(runs / "s-001" / "train.log"), first, what="the first to train")
+        os.killpg(first.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 60
+        while list(folder.glob("*.lock")) and time.monotonic() < deadline:  # stopped inside a lock: let it out first
+            os.killpg(first.pid, signal.SIGCONT)
+            time.sleep(0.01)
+            os.killpg(first.pid, signal.SIGSTOP)
+        assert not list(folder.glob("*.lock")), list(folder.glob("*.lock"))
+        second = sw.start("search", path)
+        sw.wait_for(lambda: any((runs / f"s-00{i}" / "train.log").is_file() for i in (2, 3, 4)), second,
+                    what="the second to claim a trial")
+        os.killpg(first.pid, signal.SIGCONT)
+    except BaseException:
+        for proc in (first, second):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        raise
     outs = [p.communicate(timeout=600)[0] for p in (first, second)]
     assert [first.returncode, second.returncode] == [0, 0], outs
+    assert "1 running elsewhere (s-001)" in outs[1], outs[1]
     claimed = [{n for n in ("s-001", "s-002", "s-003", "s-004") if f"search: {n} (" in out} for out in outs]
+    assert "s-001" in claimed[0] and claimed[1], claimed  # each trained a share of the trials...
     assert not claimed[0] & claimed[1] and claimed[0] | claimed[1] == {"s-001", "s-002", "s-003", "s-004"}, claimed
-    trials = _one_trial_per_setting(tmp_path / "work")
+    trials = _one_trial_per_setting(tmp_path / "work")  # ...and no trial twice
     assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials.values())
-    runs = tmp_path / "work" / "runs"
     assert [_started(runs / f"s-00{i}") for i in range(1, 5)] == [1, 1, 1, 1]
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
 
 
 def test_search_workers_run_as_submitit_array_tasks(world, tmp_path):
@@ -204,10 +237,171 @@ def test_search_workers_run_as_submitit_array_tasks(world, tmp_path):
     assert "search: worker-1 finished in" in done.stderr and "search: worker-2 finished in" in done.stderr
     search = tmp_path / "work" / "search" / "s"
     logs = [(search / f"worker-{k}.log").read_text() for k in (1, 2)]
-    assert all("search: s-00" in log for log in logs)  # each worker trained trials
+    # Which worker takes which trial depends on which started first; between them each trial once.
+    claimed = [{n for n in ("s-001", "s-002", "s-003", "s-004") if f"search: {n} (" in log} for log in logs]
+    assert not claimed[0] & claimed[1] and claimed[0] | claimed[1] == {"s-001", "s-002", "s-003", "s-004"}, claimed
     trials = _one_trial_per_setting(tmp_path / "work")
     assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials.values())
-    assert json.loads((search / "trials.json").read_text())["counts"]["finished"] >= 1
+    counts = json.loads((search / "trials.json").read_text())["counts"]
+    assert counts["finished"] >= 1 and counts["finished"] + counts["pruned"] == 4, counts
+
+
+# ---------------------------------------------------------------------------- leases, verdicts, the trials' recipe
+
+
+@pytest.mark.parametrize("taken", ["before its first dev evaluation", "after its last"])
+def test_a_worker_whose_lease_was_taken_over_stops_and_tells_the_study_nothing(world, tmp_path, monkeypatch, caplog,
+                                                                                taken):
+    import dataclasses
+    import logging
+
+    from prlmfuse import search as searching
+    from prlmfuse.config import load_pipeline
+    from prlmfuse.fileio import atomic_write_json
+    from prlmfuse.pipeline import build_caches, ensure_data
+    from prlmfuse.train_fused import run_dir as rundir
+
+    cfg = load_pipeline(sw.write_pipeline(tmp_path, world))
+    tcfg = searching.trials_pipeline(cfg)
+    build_caches(tcfg, ensure_data(tcfg), [t.name for t in cfg.search.trials], splits=searching.TRAIN_SPLITS)
+    searching.open_study(cfg, create=True)
+    # This worker stalls past the lease's timeout, and another worker takes s-001 over (its own lease, another
+    # nonce): just before this one's first dev evaluation, or after its last (before it tells the study).
+    theirs = {"owner": "node9:4242:1", "host": "node9", "pid": 4242, "start": "1", "trial": 0, "nonce": "theirs"}
+    real_reporter, real_claim = searching._rung_reporter, searching.claim_next
+
+    def taken_over(search, trial, lease, nonce):
+        hook = real_reporter(search, trial, lease, nonce)
+
+        def after(evaluation):
+            if taken.startswith("before"):
+                atomic_write_json(lease, theirs)
+            verdict = hook.after(evaluation)
+            if evaluation.update == 16:
+                atomic_write_json(lease, theirs)
+            return verdict
+
+        return dataclasses.replace(hook, after=after)
+
+    claims = []
+
+    def first_claim_only(*args):
+        claims.append(None if claims else real_claim(*args))
+        return claims[-1]
+
+    monkeypatch.setattr(searching, "_rung_reporter", taken_over)
+    monkeypatch.setattr(searching, "claim_next", first_claim_only)
+    with caplog.at_level(logging.INFO, logger="prlmfuse"):
+        assert searching.work(cfg, progress=False) == 0
+    run = cfg.workdir / "runs" / "s-001"
+    trial = _one_trial_per_setting(cfg.workdir)[0]
+    assert trial.state == TrialState.RUNNING and trial.value is None  # the study was told nothing
+    if taken.startswith("before"):
+        assert "search: s-001: lease lost at its dev evaluation at update 4 (node9:4242:1 holds it now)" in caplog.text
+        assert rundir.state_to_resume(run) is None and _dev_updates(run) == []  # nothing saved at that evaluation
+        assert trial.intermediate_values == {}
+    else:
+        assert "search: s-001: lease lost at its end (node9:4242:1 holds it now)" in caplog.text
+        assert rundir.state_to_resume(run).update == 16
+    assert json.loads((cfg.workdir / "search" / "s" / "leases" / "s-001.json").read_text()) == theirs
+
+
+def test_a_prune_verdict_lost_by_a_crash_stops_the_resumed_trial_at_that_rung(world, tmp_path):
+    # optuna records a trial's rung before it decides: asked again at that rung (a worker died after the verdict,
+    # before the checkpoint), it finds the rung done and says go on. The verdict is kept in the trial instead.
+    from types import SimpleNamespace
+
+    from prlmfuse import search as searching
+    from prlmfuse.train_fused.trainer import DevEvaluation
+
+    search = SimpleNamespace(rungs=[4, 8], reduction_factor=2, unit="updates")
+    study = optuna.create_study(pruner=optuna.pruners.SuccessiveHalvingPruner(
+        min_resource=4, reduction_factor=2, min_early_stopping_rate=0))
+
+    def at(update: int, loss: float) -> DevEvaluation:
+        return DevEvaluation(update=update, epoch=0, epoch_end=False, dev_loss=loss)
+
+    good = study.ask()
+    assert searching._rung_reporter(search, good).after(at(4, 1.0)) is None
+    study.tell(good, 1.0)
+    weak = study.ask()
+    verdict = searching._rung_reporter(search, weak).after(at(4, 2.0))
+    assert verdict.startswith("pruned: dev loss 2.0000 at 4 updates")
+    # The worker died; the trial resumes from a checkpoint before the rung and reaches it again.
+    resumed = searching._rung_reporter(search, optuna.Trial(study, weak._trial_id))
+    assert resumed.after(at(2, 2.5)) is None
+    assert resumed.after(at(4, 1.5)) == verdict
+
+
+def test_only_the_array_tasks_own_worker_keeps_its_slurm_identity(monkeypatch):
+    from prlmfuse.launch import ARRAY_TASK_ENV
+    from prlmfuse.search_study import worker_identity
+
+    monkeypatch.setenv("SLURM_ARRAY_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_ARRAY_TASK_ID", "2")
+    monkeypatch.setenv(ARRAY_TASK_ENV, str(os.getppid()))  # this process is the command the array task runs
+    assert worker_identity()["owner"] == "slurm:77_2"
+    # One of the local workers of a `search --jobs N` the array task runs: its own host, pid and start time.
+    monkeypatch.setenv(ARRAY_TASK_ENV, str(os.getppid() + 1))
+    local = worker_identity()
+    assert local["owner"] == f"{local['host']}:{os.getpid()}:{local['start']}"
+    monkeypatch.delenv(ARRAY_TASK_ENV)
+    assert worker_identity()["owner"] == local["owner"]
+
+
+def test_trials_train_to_the_full_budget_whatever_the_base_runs_patience(world, tmp_path):
+    from prlmfuse.config import load_pipeline
+
+    path = sw.write_pipeline(tmp_path, world)
+    fused = "fused: {prlms: [{checkpoint: tiny, layer: -2}]"
+    path.write_text(path.read_text().replace(fused + "}", fused + ", patience: 1, min_epochs: 1}"))
+    cfg = load_pipeline(path)
+    assert cfg.train.runs[0].patience == 1
+    assert {(t.patience, t.min_epochs, t.max_updates) for t in cfg.search.trials} == {(None, None, 16)}
+    assert {(r.patience, r.min_epochs) for r in cfg.search.confirm_runs(cfg.search.settings[0])} == {(None, None)}
+
+
+def test_a_first_rung_inside_the_warmup_is_warned_about(world, tmp_path, monkeypatch, caplog):
+    import logging
+
+    from prlmfuse import search as searching
+    from prlmfuse.config import load_pipeline
+
+    warning = ("min_updates 3 is below twice the trials' warmup (2 updates): the first rung ranks the trials near the "
+               "learning rate's peak, which says little about where they end; set min_updates to 4 or more (or a "
+               "shorter warmup)")
+    cfg = load_pipeline(sw.write_pipeline(tmp_path, world, least=3))
+    assert f"warning: {warning}" in searching.dry_run_lines(cfg)
+
+    def stop(*args, **kwargs):
+        raise RuntimeError("stopped here")
+
+    monkeypatch.setattr(searching, "open_study", stop)
+    with caplog.at_level(logging.WARNING, logger="prlmfuse"), pytest.raises(RuntimeError, match="stopped here"):
+        searching.run_search(cfg)
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [f"search: s: {warning}"]
+    fine = load_pipeline(sw.write_pipeline(tmp_path / "fine", world, least=4))
+    assert not [line for line in searching.dry_run_lines(fine) if line.startswith("warning:")]
+
+
+def test_the_dry_run_names_hyperbands_brackets_and_warns_of_a_single_trial_one(world, tmp_path):
+    from prlmfuse import search as searching
+    from prlmfuse.config import load_pipeline
+
+    # Study "h": optuna's HyperbandPruner puts h-003 alone in bracket 2 (crc32 of the study's name and the number).
+    path = sw.write_pipeline(tmp_path, world, search_extra="  pruner: hyperband\n")
+    path.write_text(path.read_text().replace("  name: s\n", "  name: h\n"))
+    plan = searching.dry_run_lines(load_pipeline(path))
+    assert ("hyperband brackets (each prunes among its own trials): 0: 3 trials, first rung at 4 updates; 2: 1 trial, "
+            "first rung at 16 updates") in plan
+    assert ("warning: hyperband bracket 2 holds a single trial (h-003): nothing is compared with it, so it is never "
+            "pruned") in plan
+    # optuna's own assignment
+    pruner = optuna.pruners.HyperbandPruner(min_resource=4, max_resource=16, reduction_factor=2)
+    study = optuna.create_study(study_name="h", pruner=pruner)
+    trials = [study.ask() for _ in range(4)]
+    pruner._try_initialization(study)
+    assert [pruner._get_bracket_id(study, t) for t in trials] == [0, 0, 2, 0]
 
 
 # ---------------------------------------------------------------------------- refusals
