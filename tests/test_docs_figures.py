@@ -95,6 +95,7 @@ class Quote:
 
 
 CONTROLS = "controls-3000.json"
+DEFAULT = "default-en-ja-3000.json"
 EN_JA = "en-ja.json"
 
 QUOTES: list[Quote] = [
@@ -131,14 +132,29 @@ QUOTES: list[Quote] = [
            largest_p(CONTROLS, "fused-shuffled", "baseline-matched-fused"),
            lambda: len(system(CONTROLS, "fused-shuffled", "runs")()))),
     Quote("README.md", "Results at a glance",
-          r"still falling; (\d) seeds\), fused reaches ([\d.]+) ±\n([\d.]+) BLEU, the baseline ([\d.]+) ± "
-          r"([\d.]+) \((\S+) ± ([\d.]+), p ≤ ([\d.]+)\)",
+          r"still falling; (\d) seeds\), fused reaches ([\d.]+) ± ([\d.]+) BLEU, the baseline ([\d.]+) ± "
+          r"([\d.]+) \((\S+) ± ([\d.]+),\s+p ≤ ([\d.]+)\)",
           (lambda: len(system(EN_JA, "fused", "runs")()), system(EN_JA, "fused", "mean"), system(EN_JA, "fused", "sd"),
            system(EN_JA, "baseline", "mean"), system(EN_JA, "baseline", "sd"), system(EN_JA, "fused", "delta_mean"),
            system(EN_JA, "fused", "delta_sd"), largest_p(EN_JA, "fused"))),
     Quote("README.md", "Results at a glance",
-          r"e5 trails its baseline \((\S+), p ([\d.]+), one seed\)",
+          r"e5 trails its baseline \((\S+), p ([\d.]+), one\s+seed\)",
           (row("ja-en.json", "fused", "delta", "bleu"), row("ja-en.json", "fused", "p_value", "bleu"))),
+    Quote("README.md", "Results at a glance",
+          r"^\| default†: all MiniLM-L6 layers \(Concat\), after add&norm1, both sides \| ([\d.]+)M \| ([\d.]+) \| "
+          r"(\S+) \(p ([\d.]+)\) \| (\S+) \(p ([\d.]+)\) \| (\d+) \|$",
+          (params_millions(DEFAULT, "default"), row(DEFAULT, "default", "bleu"), row(DEFAULT, "default", "delta", "bleu"),
+           row(DEFAULT, "default", "p_value", "bleu"), against_row(DEFAULT, "default", "baseline-matched-default", "delta"),
+           against_row(DEFAULT, "default", "baseline-matched-default", "p_value"),
+           lambda: len(system(DEFAULT, "default", "runs")()))),
+    Quote("README.md", "Results at a glance",
+          r"^\| widened baseline of the default† \| ([\d.]+)M \| ([\d.]+) \| (\S+) \(p ([\d.]+)\) \| – \| (\d+) \|$",
+          (params_millions(DEFAULT, "baseline-matched-default"), row(DEFAULT, "baseline-matched-default", "bleu"),
+           row(DEFAULT, "baseline-matched-default", "delta", "bleu"),
+           row(DEFAULT, "baseline-matched-default", "p_value", "bleu"),
+           lambda: len(system(DEFAULT, "baseline-matched-default", "runs")()))),
+    Quote("README.md", "Results at a glance", r"beside its own\s+baseline \(([\d.]+) BLEU\)",
+          (row(DEFAULT, "baseline", "bleu"),)),
     # README: the demo
     Quote("README.md", "Quick start",
           r"its two runs train for (\d+) and (\d+) minutes side by side",
@@ -149,6 +165,9 @@ QUOTES: list[Quote] = [
           (row("demo.json", "fused", "num_sentences"), row("demo.json", "baseline", "bleu"),
            row("demo.json", "fused", "bleu"), row("demo.json", "fused", "delta", "bleu"),
            row("demo.json", "fused", "p_value", "bleu"))),
+    Quote("README.md", "Your own data", r"`layers: all` caches every hidden state: ([\d.]+) times the disk of one",
+          (lambda: _json("default/cost/bible-en-minilm-l6-all.json")["size_on_disk"]
+           / _json("default/cost/bible-en-minilm-l6-penultimate.json")["size_on_disk"],)),
 ] + [
     # README: what each example file took
     Quote("README.md", "Reproducing the results", rf"^\| `{re.escape(example)}` \| [^|]+ \| (\d+) \| ([\d.]+) h \|$",
@@ -158,6 +177,7 @@ QUOTES: list[Quote] = [
         ("examples/results-en-ja.yaml", "en-ja.json"),
         ("examples/controls-en-ja.yaml", "controls-3000.json"),
         ("examples/controls-en-ja-converged.yaml", "controls-converged.json"),
+        ("examples/default-en-ja.yaml", "default-en-ja-3000.json"),
         ("examples/table3-en-ja.yaml", "table3.json"),
         ("examples/prlm-choice-en-ja.yaml", "prlm-choice.json"),
         ("examples/e5-ja-en.yaml", "ja-en.json"),
@@ -189,7 +209,7 @@ QUOTES += [
     _system_row("fused, each sentence reading another sentence's features", "fused-shuffled", "fused-shuffled"),
     _system_row("fused, reading an untrained MiniLM", "fused-untrained", "fused-untrained"),
     Quote(RESULTS_MD, SUMMARY,
-          r"fused reaches ([\d.]+) ± ([\d.]+) BLEU and the baseline ([\d.]+) ± ([\d.]+)\n\((\S+) ± ([\d.]+), "
+          r"fused reaches ([\d.]+) ± ([\d.]+) BLEU and the baseline ([\d.]+) ± ([\d.]+)\s+\((\S+) ± ([\d.]+), "
           r"p ≤ ([\d.]+), (\d) seeds\)",
           (system(EN_JA, "fused", "mean"), system(EN_JA, "fused", "sd"), system(EN_JA, "baseline", "mean"),
            system(EN_JA, "baseline", "sd"), system(EN_JA, "fused", "delta_mean"), system(EN_JA, "fused", "delta_sd"),
@@ -212,6 +232,14 @@ QUOTES += [
            against_row(TABLE3, "side-source", "fused", "delta", sign=-1.0),
            against_row(TABLE3, "side-source", "fused", "p_value"))),
 ] + [
+    Quote(RESULTS_MD, SUMMARY, rf"^\| {re.escape(label)} \| ([\d.]+)M \| ([\d.]+) \| (\S+) \(([\d.]+)\) \|$",
+          (params_millions(DEFAULT, run), row(DEFAULT, run, "bleu"), row(DEFAULT, run, "delta", "bleu"),
+           row(DEFAULT, run, "p_value", "bleu")))
+    for label, run in [("default", "default"), ("baseline widened to the default's parameters", "baseline-matched-default")]
+] + [
+    Quote(RESULTS_MD, SUMMARY, r"^\| its own baseline \| ([\d.]+)M \| ([\d.]+) \| – \|$",
+          (params_millions(DEFAULT, "baseline"), row(DEFAULT, "baseline", "bleu"))),
+] + [
     Quote(RESULTS_MD, SUMMARY, rf"^\| {re.escape(label)} \| ([\d.]+) \| (\S+) \(([\d.]+)\) \|$",
           (row(PRLMS, run, "bleu"), row(PRLMS, run, "delta", "bleu"), row(PRLMS, run, "p_value", "bleu")))
     for label, run in [("MiniLM-L6 (all-MiniLM-L6-v2)", "fused"), ("multilingual-e5-small, from a 4-bit file", "prlm-e5"),
@@ -230,7 +258,8 @@ QUOTES += [
 CONDITIONS = {
     "README.md": [r"678 verses", r"256 wide, 3\+3 layers", r"3,000 updates", r"seeds 1–3", r"2-core", r"seed 1 on", r"seeds 2–3",
                   r"13-epoch", r"MiniLM-L6", r"\be5\b", r"ja-mecab", r"beam 5", r"1,200 updates",
-                  r"Python ≥ 3\.11", r"torch 2\.4–2\.15", r"\(2021\)", r"3\+3", r"Table 3"],
+                  r"Python ≥ 3\.11", r"torch 2\.4–2\.15", r"\(2021\)", r"3\+3", r"Table 3", r"add&norm1",
+                  r"seed 1 on a 2-core", r"seeds 2–3", r"L6"],
 }
 CONDITIONS[RESULTS_MD] = [r"678 verses", r"3,000 updates", r"seeds 1–3", r"seed 1\b", r"2-core", r"13-epoch",
                           r"MiniLM-L6", r"e5-small", r"SmolLM2-135M", r"add&norm1", r"4-bit", r"Q4_1", r"width 256",
