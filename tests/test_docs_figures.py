@@ -86,6 +86,25 @@ def run_count(file: str) -> Callable[[], float]:
     return lambda: len(_json(file)["rows"])
 
 
+def controls_row(doc: str, section: str, label: str, name: str, against: str | None = None) -> Quote:
+    """A table row of the controls over seeds: params, BLEU mean ± sd, Δ ± sd vs the baseline with the largest p,
+    then (README's glance, `against`) Δ ± sd vs another system with its largest p, or "–", then the seeds."""
+    p_word = "p ≤ " if doc == "README.md" else "≤ "
+    delta = rf"(\S+) ± ([\d.]+) \({p_word}([\d.]+)\)"
+    cells = [r"([\d.]+)M", r"([\d.]+) ± ([\d.]+)", delta]
+    figures = [params_millions(CONTROLS, name), system(CONTROLS, name, "mean"), system(CONTROLS, name, "sd"),
+               system(CONTROLS, name, "delta_mean"), system(CONTROLS, name, "delta_sd"), largest_p(CONTROLS, name)]
+    if against == "–":
+        cells.append("–")
+    elif against is not None:
+        cells.append(delta)
+        figures += [against_system(CONTROLS, name, against, "delta_mean"),
+                    against_system(CONTROLS, name, against, "delta_sd"), largest_p(CONTROLS, name, against)]
+    cells.append(r"(\d+)")
+    figures.append(lambda: len(system(CONTROLS, name, "runs")()))
+    return Quote(doc, section, rf"^\| {re.escape(label)} \| " + " \\| ".join(cells) + r" \|$", tuple(figures))
+
+
 @dataclass(frozen=True)
 class Quote:
     doc: str
@@ -104,33 +123,12 @@ QUOTES: list[Quote] = [
           r"^\| baseline: no PrLM \| ([\d.]+)M \| ([\d.]+) ± ([\d.]+) \| – \| – \| (\d+) \|$",
           (params_millions(CONTROLS, "baseline"), system(CONTROLS, "baseline", "mean"),
            system(CONTROLS, "baseline", "sd"), lambda: len(system(CONTROLS, "baseline", "runs")()))),
-    Quote("README.md", "Results at a glance",
-          r"^\| fused: MiniLM-L6's penultimate layer, sum after the FFN, both sides \| ([\d.]+)M \| ([\d.]+) ± ([\d.]+) \| "
-          r"(\S+) ± ([\d.]+) \(p ≤ ([\d.]+)\) \| (\S+) ± ([\d.]+) \(p ≤ ([\d.]+)\) \| (\d+) \|$",
-          (params_millions(CONTROLS, "fused"), system(CONTROLS, "fused", "mean"), system(CONTROLS, "fused", "sd"),
-           system(CONTROLS, "fused", "delta_mean"), system(CONTROLS, "fused", "delta_sd"),
-           largest_p(CONTROLS, "fused"),
-           against_system(CONTROLS, "fused", "baseline-matched-fused", "delta_mean"),
-           against_system(CONTROLS, "fused", "baseline-matched-fused", "delta_sd"),
-           largest_p(CONTROLS, "fused", "baseline-matched-fused"),
-           lambda: len(system(CONTROLS, "fused", "runs")()))),
-    Quote("README.md", "Results at a glance",
-          r"^\| widened baseline: no PrLM, FFN widened to fused's parameters \| ([\d.]+)M \| ([\d.]+) ± ([\d.]+) \| "
-          r"(\S+) ± ([\d.]+) \(p ≤ ([\d.]+)\) \| – \| (\d+) \|$",
-          (params_millions(CONTROLS, "baseline-matched-fused"), system(CONTROLS, "baseline-matched-fused", "mean"),
-           system(CONTROLS, "baseline-matched-fused", "sd"), system(CONTROLS, "baseline-matched-fused", "delta_mean"),
-           system(CONTROLS, "baseline-matched-fused", "delta_sd"), largest_p(CONTROLS, "baseline-matched-fused"),
-           lambda: len(system(CONTROLS, "baseline-matched-fused", "runs")()))),
-    Quote("README.md", "Results at a glance",
-          r"^\| fused, each sentence reading another's features \| ([\d.]+)M \| ([\d.]+) ± ([\d.]+) \| "
-          r"(\S+) ± ([\d.]+) \(p ≤ ([\d.]+)\) \| (\S+) ± ([\d.]+) \(p ≤ ([\d.]+)\) \| (\d+) \|$",
-          (params_millions(CONTROLS, "fused-shuffled"), system(CONTROLS, "fused-shuffled", "mean"),
-           system(CONTROLS, "fused-shuffled", "sd"), system(CONTROLS, "fused-shuffled", "delta_mean"),
-           system(CONTROLS, "fused-shuffled", "delta_sd"), largest_p(CONTROLS, "fused-shuffled"),
-           against_system(CONTROLS, "fused-shuffled", "baseline-matched-fused", "delta_mean"),
-           against_system(CONTROLS, "fused-shuffled", "baseline-matched-fused", "delta_sd"),
-           largest_p(CONTROLS, "fused-shuffled", "baseline-matched-fused"),
-           lambda: len(system(CONTROLS, "fused-shuffled", "runs")()))),
+    controls_row("README.md", "Results at a glance", "fused: MiniLM-L6's penultimate layer, sum after the FFN, both sides",
+                 "fused", against="baseline-matched-fused"),
+    controls_row("README.md", "Results at a glance", "widened baseline: no PrLM, FFN widened to fused's parameters",
+                 "baseline-matched-fused", against="–"),
+    controls_row("README.md", "Results at a glance", "fused, each sentence reading another's features",
+                 "fused-shuffled", against="baseline-matched-fused"),
     Quote("README.md", "Results at a glance",
           r"still falling; (\d) seeds\), fused reaches ([\d.]+) ± ([\d.]+) BLEU, the baseline ([\d.]+) ± "
           r"([\d.]+) \((\S+) ± ([\d.]+),\s+p ≤ ([\d.]+)\)",
@@ -191,23 +189,14 @@ SUMMARY = "Summary"
 RESULTS_MD = "docs/results.md"
 
 
-def _system_row(label: str, name: str, params_run: str) -> Quote:
-    """A summary row of the controls: params, BLEU mean ± sd, Δ ± sd vs baseline with the largest p, seeds."""
-    return Quote(RESULTS_MD, SUMMARY,
-                 rf"^\| {re.escape(label)} \| ([\d.]+)M \| ([\d.]+) ± ([\d.]+) \| (\S+) ± ([\d.]+) \(≤ ([\d.]+)\) \| (\d+) \|$",
-                 (params_millions(CONTROLS, params_run), system(CONTROLS, name, "mean"), system(CONTROLS, name, "sd"),
-                  system(CONTROLS, name, "delta_mean"), system(CONTROLS, name, "delta_sd"), largest_p(CONTROLS, name),
-                  lambda: len(system(CONTROLS, name, "runs")())))
-
-
 QUOTES += [
     Quote(RESULTS_MD, SUMMARY, r"^\| baseline: no PrLM \| ([\d.]+)M \| ([\d.]+) ± ([\d.]+) \| – \| (\d+) \|$",
           (params_millions(CONTROLS, "baseline"), system(CONTROLS, "baseline", "mean"),
            system(CONTROLS, "baseline", "sd"), lambda: len(system(CONTROLS, "baseline", "runs")()))),
-    _system_row("fused: MiniLM-L6's penultimate layer after the FFN, both sides", "fused", "fused"),
-    _system_row("baseline widened to fused's parameters", "baseline-matched-fused", "baseline-matched-fused"),
-    _system_row("fused, each sentence reading another sentence's features", "fused-shuffled", "fused-shuffled"),
-    _system_row("fused, reading an untrained MiniLM", "fused-untrained", "fused-untrained"),
+    controls_row(RESULTS_MD, SUMMARY, "fused: MiniLM-L6's penultimate layer after the FFN, both sides", "fused"),
+    controls_row(RESULTS_MD, SUMMARY, "baseline widened to fused's parameters", "baseline-matched-fused"),
+    controls_row(RESULTS_MD, SUMMARY, "fused, each sentence reading another sentence's features", "fused-shuffled"),
+    controls_row(RESULTS_MD, SUMMARY, "fused, reading an untrained MiniLM", "fused-untrained"),
     Quote(RESULTS_MD, SUMMARY,
           r"fused reaches ([\d.]+) ± ([\d.]+) BLEU and the baseline ([\d.]+) ± ([\d.]+)\s+\((\S+) ± ([\d.]+), "
           r"p ≤ ([\d.]+), (\d) seeds\)",
