@@ -77,3 +77,18 @@ def test_the_anchor_rule_matches_githubs(tmp_path):
     problems = broken_links(doc)
     assert any("#b" in p for p in problems) and any("missing.md" in p for p in problems)
     assert any("examples/none.yaml" in p for p in problems) and not any("(#a)" in p for p in problems)
+
+
+def test_the_readme_reads_in_ten_minutes():
+    """README stays short: at most 250 lines, its first command within the first 40, no table cell over 200
+    characters; results.md opens with a summary of at most 60 lines."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 250
+    first_command = next(i for i, line in enumerate(lines) if line.startswith("```bash")) + 2
+    assert first_command <= 40, f"README's first command is at line {first_command}"
+    cells = [cell.strip() for line in lines if line.startswith("|") for cell in re.split(r"(?<!\\)\|", line)[1:-1]]
+    assert max(map(len, cells)) <= 200
+    results = (ROOT / "docs" / "results.md").read_text(encoding="utf-8")
+    assert re.match(r"# Results\n\n## Summary\n", results)
+    summary = results[results.index("## Summary"):results.index("\n## ", results.index("## Summary"))]
+    assert summary.count("\n") + 1 <= 60
