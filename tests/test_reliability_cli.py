@@ -315,7 +315,7 @@ def test_train_resume_and_fresh_reach_train_runs(world, capsys, monkeypatch, fla
     monkeypatch.setattr(prlmfuse.pipeline, "train_runs", lambda cfg, **kw: calls.append(kw))
     code, _, err = run_cli(["train", "-p", world["pipeline"], "--runs", "fused", *flags], capsys, monkeypatch)
     assert code == 0, err
-    assert calls == [{"names": ["fused"], "resume": resume, "parallel": 1}]
+    assert calls == [{"names": ["fused"], "resume": resume, "parallel": 1, "wait": True}]
 
 
 def test_train_fresh_starts_trained_runs_over_with_jobs_too(world, tmp_path, capsys, monkeypatch):
