@@ -40,7 +40,7 @@ NODE_PACKAGES = ("torch", "transformers", "tokenizers", "safetensors", "h5py", "
 # What the node loses without a package the bundle cannot carry; others get a generic line.
 _MEANS = {
     "mecab-python3": "no Japanese BLEU (ja-mecab) on the node: its evaluate stage stops on a Japanese target; "
-                     "score on a machine with mecab (README: Offline GPU nodes)",
+                     "score on a machine with mecab (docs/cluster.md: Offline GPU nodes)",
     "ipadic": "no Japanese BLEU (ja-mecab) on the node, as without mecab-python3",
     "zarr": "no zarr caches on the node: set `cache: backend: hdf5` in pipeline.yaml (or `cache build --backend hdf5`)",
     "rouge-score": "`evaluate` cannot be imported on the node; decode and score on another machine",

@@ -139,7 +139,7 @@ class ModelConfig:
     bos_id: int = 1
     eos_id: int = 2
     prlms: list[PrLMSpec] = field(default_factory=list)  # empty: the baseline Transformer
-    # The defaults are the settings measured best on this code (README's settings table names the paper's).
+    # The defaults are the settings measured best on this code (docs/configuration.md's run settings name the paper's).
     merge: str = "sum"  # sum | average | gate | dropnet | direct
     # attn | add_norm1 | ffn | add_norm2 (encoder side). None: add_norm1, or ffn in pre-LN layers, which
     # have no add&norm to merge after.
