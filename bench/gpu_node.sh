@@ -12,6 +12,12 @@
 #   bench:S   bench/gpu.py --only S (its sections, comma-separated) -> OUT/gpu-S/ (commas as '-')
 #   probe     the GPU recipe (examples/results-en-ja-base.yaml) for baseline.seed-1 and fused.seed-1,
 #             stopped at PROBE_UPDATES updates (default 400)    -> OUT/probe.tar.gz
+#   headline  the shipped default at the paper's size (examples/default-en-ja-base.yaml): baseline,
+#             default and the baseline matched to it, seed 1, three at once on the GPU, each stopped
+#             at HEADLINE_UPDATES updates (default 800) or earlier by its dev loss; its training stops
+#             DECODE_SECONDS (default 150) before the deadline so that test is decoded on the GPU
+#             without scoring, and `prlmfuse score work/headline/results` scores it where MeCab is
+#                                                               -> OUT/headline.tar.gz
 #   demo      the shipped pipeline.yaml with --device cuda; where sacrebleu's ja-mecab tokenizer does
 #             not work (no --with-ja in the bundle) its evaluate stage decodes without scoring, and
 #             `prlmfuse score work/demo/results` scores the returned folder
@@ -25,18 +31,22 @@
 # under the time the node is lent for: the logs are packed after the last step stops.
 set -uo pipefail
 if [ $# -lt 3 ]; then
-    echo "usage: bash bench/gpu_node.sh OUT SECONDS STEP... (steps: bench, bench:SECTIONS, probe, demo, tests)" >&2
+    echo "usage: bash bench/gpu_node.sh OUT SECONDS STEP... (steps: bench, bench:SECTIONS, probe, headline, demo, tests)" >&2
     exit 2
 fi
 out="$1"; seconds="$2"; shift 2
 case "$seconds" in '' | *[!0-9]*) echo "gpu_node.sh: SECONDS must be a whole number, got '$seconds'" >&2; exit 2 ;; esac
 seconds=$((10#$seconds))
-probe_updates="${PROBE_UPDATES:-400}"
-case "$probe_updates" in '' | *[!0-9]*) echo "gpu_node.sh: PROBE_UPDATES must be a whole number, got '$probe_updates'" >&2; exit 2 ;; esac
+whole_number() {  # NAME VALUE: refuses a setting that is not a whole number
+    case "$2" in '' | *[!0-9]*) echo "gpu_node.sh: $1 must be a whole number, got '$2'" >&2; exit 2 ;; esac
+}
+probe_updates="${PROBE_UPDATES:-400}"; whole_number PROBE_UPDATES "$probe_updates"
+headline_updates="${HEADLINE_UPDATES:-800}"; whole_number HEADLINE_UPDATES "$headline_updates"
+decode_seconds="${DECODE_SECONDS:-150}"; whole_number DECODE_SECONDS "$decode_seconds"
 sections="grid,step,shapes,train,cache,decode,torchrun,compile,tests"  # bench/gpu.py's --only
 for step in "$@"; do
     case "$step" in
-    bench | probe | demo | tests) ;;
+    bench | probe | headline | demo | tests) ;;
     bench:*)
         IFS=, read -ra wanted <<< "${step#bench:}"
         [ ${#wanted[@]} -gt 0 ] || { echo "gpu_node.sh: '$step' names no section; bench/gpu.py's are $sections" >&2; exit 2; }
@@ -45,7 +55,7 @@ for step in "$@"; do
                 *) echo "gpu_node.sh: '$step': bench/gpu.py has no section '$section'; its sections are $sections" >&2; exit 2 ;;
             esac
         done ;;
-    *) echo "gpu_node.sh: unknown step '$step'; steps: bench, bench:SECTIONS, probe, demo, tests" >&2; exit 2 ;;
+    *) echo "gpu_node.sh: unknown step '$step'; steps: bench, bench:SECTIONS, probe, headline, demo, tests" >&2; exit 2 ;;
     esac
 done
 [ -f offline/install.sh ] || { echo "gpu_node.sh: no offline/install.sh here; run from the source tree with its bundle in offline/" >&2; exit 2; }
@@ -56,7 +66,8 @@ mkdir -p "$out"
 session="$out/session.txt"
 say() { echo "$*" | tee -a "$session"; }
 margin=10  # seconds kept after the last step, to pack its logs
-left() { echo $(( seconds - margin - ($(date +%s) - start) )); }
+reserve=0  # seconds a command leaves for the commands of its step that follow it
+left() { echo $(( seconds - margin - reserve - ($(date +%s) - start) )); }
 # Runs one command under what is left of the deadline, logging it with its exit status and seconds.
 timed() {
     local log="$1"; shift
@@ -105,6 +116,16 @@ for step in "$@"; do
             timed work/probe/pipeline.log prlmfuse run offline/probe.yaml --runs baseline.seed-1,fused.seed-1 --only train
         tail -3 work/probe/pipeline.log >> "$session" 2>/dev/null
         pack work/probe "$out/probe.tar.gz" offline/probe.yaml work/probe/cache.log work/probe/pipeline.log
+        ;;
+    headline)
+        node_pipeline examples/default-en-ja-base.yaml work/headline offline/headline.yaml "$headline_updates"
+        runs=baseline,default,baseline-matched-default
+        timed work/headline/cache.log prlmfuse run offline/headline.yaml --runs "$runs" --device cuda --only cache &&
+            { reserve=$decode_seconds; timed work/headline/train.log prlmfuse run offline/headline.yaml --runs "$runs" --device cuda --only train
+              rc=$?; reserve=0; [ $rc -eq 0 ]; } &&
+            timed work/headline/decode.log prlmfuse run offline/headline.yaml --runs "$runs" --device cuda --only evaluate --no-score
+        tail -4 work/headline/train.log work/headline/decode.log >> "$session" 2>/dev/null
+        pack work/headline "$out/headline.tar.gz" offline/headline.yaml work/headline/*.log
         ;;
     demo)
         node_pipeline pipeline.yaml work/demo offline/demo.yaml

@@ -144,6 +144,7 @@ def test_gpu_node_script_runs_its_steps_in_order_on_node_pipeline_files(tmp_path
     (tree / "examples").mkdir(parents=True)
     (tree / "offline").mkdir()
     shutil.copy(repo / "examples" / "results-en-ja-base.yaml", tree / "examples")
+    shutil.copy(repo / "examples" / "default-en-ja-base.yaml", tree / "examples")
     shutil.copy(repo / "pipeline.yaml", tree)
     (tree / "offline" / "install.sh").write_text("echo installed\n")
     bin_dir = tmp_path / "bin"
@@ -153,25 +154,37 @@ def test_gpu_node_script_runs_its_steps_in_order_on_node_pipeline_files(tmp_path
                     'd=$(dirname "$2")/../work/$(basename "$2" .yaml)/runs/baseline.seed-1; mkdir -p "$d"\n'
                     'echo "{}" > "$d/metrics.jsonl"; echo weights > "$d/best.safetensors"\n')
     stub.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PROBE_UPDATES": "7"}
-    done = subprocess.run(["bash", str(NODE_SCRIPT), str(tmp_path / "out"), "120", "probe", "demo"],
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PROBE_UPDATES": "7", "HEADLINE_UPDATES": "9",
+           "DECODE_SECONDS": "5"}
+    done = subprocess.run(["bash", str(NODE_SCRIPT), str(tmp_path / "out"), "120", "probe", "headline", "demo"],
                           capture_output=True, text=True, timeout=120, cwd=tree, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
 
     calls = (tree / "calls.txt").read_text().splitlines()
     assert calls[:2] == ["run offline/probe.yaml --runs baseline.seed-1,fused.seed-1 --only cache",
                          "run offline/probe.yaml --runs baseline.seed-1,fused.seed-1 --only train"]
+    headline_runs = "--runs baseline,default,baseline-matched-default --device cuda"
+    assert calls[2:5] == [f"run offline/headline.yaml {headline_runs} --only cache",
+                          f"run offline/headline.yaml {headline_runs} --only train",
+                          f"run offline/headline.yaml {headline_runs} --only evaluate --no-score"]
     # with MeCab the whole pipeline in one call; without, cache, train and a decode-only evaluation
-    assert calls[2:] in (["run offline/demo.yaml --device cuda"],
+    assert calls[5:] in (["run offline/demo.yaml --device cuda"],
                          ["run offline/demo.yaml --device cuda --only cache", "run offline/demo.yaml --device cuda --only train",
                           "run offline/demo.yaml --device cuda --only evaluate --no-score"]), calls
     session = (tmp_path / "out" / "session.txt").read_text()
-    assert session.index("== probe") < session.index("== demo") and "no offline/corpus" in session
+    assert session.index("== probe") < session.index("== headline") < session.index("== demo")
+    assert "no offline/corpus" in session
 
     probe = load_pipeline(tree / "offline" / "probe.yaml")
     assert probe.workdir.resolve() == (tree / "work" / "probe").resolve()
     assert probe.train.defaults["max_updates"] == 7
     assert probe.cache.checkpoints[0].name == "offline/checkpoints/minilm-l6"
+    headline = load_pipeline(tree / "offline" / "headline.yaml")
+    assert headline.workdir.resolve() == (tree / "work" / "headline").resolve()
+    assert headline.train.defaults["max_updates"] == 9 and headline.train.defaults["preset"] == "base"
+    assert [c.name for c in headline.cache.checkpoints] == ["offline/checkpoints/minilm-l6"]
+    assert {r.name: r.prlms[0].checkpoint for r in headline.train.runs if r.prlms} == {
+        "default": "offline/checkpoints/minilm-l6"}
     demo = load_pipeline(tree / "offline" / "demo.yaml")
     assert demo.workdir.resolve() == (tree / "work" / "demo").resolve()
     assert demo.cache.checkpoints[0].name == "offline/checkpoints/minilm-l6"
@@ -179,4 +192,8 @@ def test_gpu_node_script_runs_its_steps_in_order_on_node_pipeline_files(tmp_path
     with tarfile.open(tmp_path / "out" / "probe.tar.gz") as tar:
         names = tar.getnames()
     assert "offline/probe.yaml" in names and "work/probe/runs/baseline.seed-1/metrics.jsonl" in names
+    assert not any(n.endswith(".safetensors") for n in names)
+    with tarfile.open(tmp_path / "out" / "headline.tar.gz") as tar:
+        names = tar.getnames()
+    assert "offline/headline.yaml" in names and "work/headline/runs/baseline.seed-1/metrics.jsonl" in names
     assert not any(n.endswith(".safetensors") for n in names)
