@@ -8,6 +8,12 @@ optimizer step (the trainer's own `Trainer.train_step`) for four systems:
   (c) in-memory  fused, the cache loaded into RAM, read in-process
   (d) live PrLM  fused, the frozen PrLM tokenizes and runs inside every training step (bert-nmt)
 
+and, for what README's setting choices cost, two more fused settings read from an every-layer cache
+held in memory, as `prlmfuse train` opens it:
+
+  (e) headline   the penultimate layer after the FFN, read by the encoder and the decoder
+  (f) default    the shipped default: Concat of every cached layer after the first add&norm, both sides
+
 The systems take turns step by step: every system keeps one DataLoader (workers alive) for the whole
 run, and a cycle runs one update of each system on the same batch, in reverse order every other
 cycle (a-b-c-d, d-c-b-a, ...). A round is `--steps` timed cycles; there are `--rounds` of them,
@@ -21,6 +27,7 @@ and step times are medians over rounds. Data wait = time the loop spent waiting 
 as a fraction of the step time. The last line is `RESULT {json}`.
 
     python bench/train_throughput.py [--checkpoint minilm-l6] [--preset small] [--rounds 8]
+    python bench/train_throughput.py --systems aef --max-tokens 1200 --threads 1 --workers 0
 
 `--compare nll|rows` instead measures one of prlmfuse's speed settings, without and with it, on
 systems (a) and (b), and prints the median of the step-time ratios. `nll` can change between two
@@ -36,6 +43,7 @@ process start: child processes, the variants alternating, each child one round o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import resource
 import sys
@@ -154,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-pairs", type=int, default=6000)
     parser.add_argument("--bpe-vocab", type=int, default=8000)
     parser.add_argument("--home", default=None, help="where corpus and caches go (default $PRLMFUSE_HOME)")
-    parser.add_argument("--systems", default="abcd", help="which of a, b, c, d to time (default abcd)")
+    parser.add_argument("--systems", default="abcd", help="which of a, b, c, d, e, f to time (default abcd)")
     parser.add_argument("--logit-rows", choices=["scored", "all"], default="scored",
                         help="loss over the real target positions only (prlmfuse's) or over every padded one")
     parser.add_argument("--compare", choices=sorted([*COMPARISONS, *SWITCH_NAMES]),
@@ -167,9 +175,9 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = args.steps or 8
     args.warmup = 2 if args.warmup is None else args.warmup
     args.rounds = args.rounds or 8
-    unknown = set(args.systems) - set("abcd")
+    unknown = set(args.systems) - set("abcdef")
     if unknown or not args.systems:
-        raise SystemExit(f"--systems takes letters from abcd, got {args.systems!r}")
+        raise SystemExit(f"--systems takes letters from abcdef, got {args.systems!r}")
 
     torch.set_num_threads(args.threads)
     from prlmfuse.cache_features import build_cache
@@ -185,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     from prlmfuse.train_fused.modeling import FusedTransformer, PrLMSpec
     from prlmfuse.precision import resolve_runtime
     from prlmfuse.cache_features import CacheReader
-    from prlmfuse.train_fused.branches import PrLMBranch
+    from prlmfuse.train_fused.branches import PrLMBranch, open_branch
     from prlmfuse.train_fused.trainer import Trainer
 
     home = Path(args.home) if args.home else prlmfuse_home()
@@ -199,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     for split in ("train", "dev"):
         out = home / "bench" / "caches" / f"{Path(info.name).name}-{corpus.name}-{split}"
         caches[split] = build_cache(args.checkpoint, corpus.src_path(split), out, layers=str(absolute_layer), progress=True).path
+    if set(args.systems) & set("ef"):
+        out = home / "bench" / "caches" / f"{Path(info.name).name}-{corpus.name}-train-all"
+        caches["train-all"] = build_cache(args.checkpoint, corpus.src_path("train"), out, layers="all", progress=True).path
     print(f"corpus {corpus.root} ({corpus.num_pairs('train')} train pairs), caches {caches['train']}", file=sys.stderr)
 
     src_lines = (corpus.root / "train.src").read_text(encoding="utf-8").splitlines()
@@ -242,25 +253,37 @@ def main(argv: list[str] | None = None) -> int:
 
     trainer_class = AllRowsTrainer if args.logit_rows == "all" else Trainer
 
-    def make_trainer(prlm_specs, sources):
+    def make_trainer(prlm_specs, sources, run_config=run):
         torch.manual_seed(1)
-        model = FusedTransformer(run.model_config(bpe.vocab_size, prlm_specs))
+        model = FusedTransformer(run_config.model_config(bpe.vocab_size, prlm_specs))
         dataset = PairDataset(src_ids, tgt_ids, sources)
-        return trainer_class(run, tmp_run, model, dataset, dataset, ctx, progress=False, runtime=runtime), dataset
+        return trainer_class(run_config, tmp_run, model, dataset, dataset, ctx, progress=False, runtime=runtime), dataset
 
     def cached(in_memory: bool):
         return [PrLMBranch(CacheReader(caches["train"], in_memory=in_memory), layer_rows=(0,), pooled_rows=None)]
+
+    def every_layer(layer, **setting):
+        """A trainer of `layer` and `setting` (RunConfig fields; the rest at their defaults) over the
+        every-layer cache, opened as a run opens it."""
+        use = PrLMUse(checkpoint=args.checkpoint, layer=layer)
+        branch = open_branch(use, str(caches["train-all"]), trained=None, source=str(corpus.src_path("train")),
+                             source_name="train source", source_sha256=corpus.src_sha256("train"),
+                             source_lines=corpus.num_pairs("train"), seed=1, in_memory=True)
+        setting = {"position": None, "side": None, **setting}
+        return make_trainer([branch.spec], [branch], dataclasses.replace(run, prlms=[use], **setting))
 
     makers = {
         "a": lambda: make_trainer([], []),
         "b": lambda: make_trainer([spec], cached(False)),
         "c": lambda: make_trainer([spec], cached(True)),
         "d": lambda: make_trainer([spec], []),  # features come from the live PrLM, not from a cache
+        "e": lambda: every_layer(args.layer, position="ffn", side="both"),
+        "f": lambda: every_layer("concat"),  # position and side at their defaults
     }
     systems = {k: make() for k, make in makers.items() if k in args.systems}
-    if "c" in systems:
-        # (c) loads the whole cache into RAM before timing, as in_memory_features does at startup.
-        systems["c"][1].branches[0].reader.features(0)
+    for key in set(systems) & set("cef"):
+        # These load the whole cache into RAM before timing, as in_memory_features does at startup.
+        systems[key][1].branches[0].reader.features(0)
     live = _LivePrLM(info, args.layer, runtime) if "d" in systems else None
     sizes = {k: f"{t.model.num_parameters() / 1e6:.1f}M" for k, (t, _) in systems.items()}
     print(f"model {args.preset}: parameters {sizes}; {runtime.describe()}; "
@@ -278,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     batches = [b for b in chosen[: args.warmup] + chosen[args.warmup :] * args.rounds for _ in variants]
     feeds, worker_pids = {}, {}
     for key, (trainer, dataset) in systems.items():
-        workers = 0 if key == "c" else args.workers
+        workers = 0 if key in "cef" else args.workers
         loader = make_loader(plain if key == "d" else dataset, sampler_over(batches), num_workers=workers)
         feeds[key] = iter(loader)
         worker_pids[key] = [w.pid for w in getattr(feeds[key], "_workers", [])]
@@ -327,7 +350,8 @@ def main(argv: list[str] | None = None) -> int:
     feeds.clear()
 
     typical = {k: {f: _median([o[f] for o in v]) for f in ("step_s", "data_wait_fraction")} for k, v in results.items()}
-    names = {"a": "baseline", "b": "fused, cache on disk (workers)", "c": "fused, cache in memory", "d": "fused, live PrLM"}
+    names = {"a": "baseline", "b": "fused, cache on disk (workers)", "c": "fused, cache in memory", "d": "fused, live PrLM",
+             "e": "headline fused, in memory", "f": "shipped default, in memory"}
     for lane, (key, variant) in lanes.items():
         name = names[key] + ("" if variant is None else f", {variant}")
         times = ", ".join(f"{o['step_s'] * 1000:.0f}" for o in results[lane])
@@ -344,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         "logit_rows": args.logit_rows,
         "max_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         "step_ms": {k: round(v["step_s"] * 1000, 1) for k, v in typical.items()},
+        "parameters": {k: t.model.num_parameters() for k, (t, _) in systems.items()},
         "steal_fraction_rounds": [None if x is None else round(x, 3) for x in round_steal],
         "quiet_steal": QUIET_STEAL,
     }
@@ -352,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         pairs = [(f"{k}:{without}", f"{k}:{with_}", f"{k}_{without}_over_{with_}") for k in systems]
         result["compare"] = args.compare
     else:
-        pairs = [(top, bottom, f"{top}_over_{bottom}") for top, bottom in (("b", "a"), ("b", "c"), ("d", "b"))]
+        pairs = [(top, bottom, f"{top}_over_{bottom}")
+                 for top, bottom in (("b", "a"), ("b", "c"), ("d", "b"), ("e", "a"), ("f", "a"), ("f", "e"))]
     for top, bottom, name in pairs:
         if top in results and bottom in results:
             # The reported ratio: the median over quiet cycles of each cycle's ratio (the same batch,
