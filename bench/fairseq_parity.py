@@ -144,7 +144,7 @@ def prepare(logdir: Path, args) -> Path:
     """Corpus, the joint BPE as train_run trains it, and fairseq's binarized copy of both splits in those ids."""
     from prlmfuse.config import load_pipeline
     from prlmfuse.fileio import read_lines
-    from prlmfuse.pipeline import ensure_data
+    from prlmfuse.pipeline_inputs import ensure_data
     from prlmfuse.train_fused.bpe import BPE, train_bpe
     from prlmfuse.train_fused.run_setup import _encode_split
 

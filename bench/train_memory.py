@@ -265,7 +265,7 @@ def phases_child(workdir: Path, name: str, every: int, updates: int) -> None:
 
     from prlmfuse.config import load_pipeline
     from prlmfuse.distributed import init_distributed
-    from prlmfuse.pipeline import cache_jobs, caches_for_run, ensure_data, run_path
+    from prlmfuse.pipeline_inputs import cache_jobs, caches_for_run, ensure_data, run_path
     from prlmfuse.precision import resolve_runtime
     from prlmfuse.train_fused import run_setup
     from prlmfuse.train_fused.bpe import BPE

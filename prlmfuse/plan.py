@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from prlmfuse.cache_features.compat import BUILT, cache_status
 from prlmfuse.config import PipelineConfig
-from prlmfuse.pipeline import (_edited_input, _is_stale, _left_to_train, _selected_runs, cache_jobs, corpus_dir,
-                               features_in_memory, planned_parameters, planned_specs, resolve_run, run_path)
+from prlmfuse.pipeline import _is_stale, _left_to_train, features_in_memory
+from prlmfuse.pipeline_inputs import (_edited_input, _selected_runs, cache_jobs, corpus_dir, planned_parameters,
+                                      planned_specs, resolve_run, run_path)
 from prlmfuse.train_fused import run_dir as rundir
 from prlmfuse.train_fused.config import RunConfig
 from prlmfuse.train_fused.matching import trainable_parameters

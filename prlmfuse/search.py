@@ -49,8 +49,8 @@ from prlmfuse.config import PipelineConfig
 from prlmfuse.errors import UserError
 from prlmfuse.fileio import atomic_write_json
 from prlmfuse.launch import Task, launch, require, say
-from prlmfuse.pipeline import (build_caches, caches_for_run, cache_jobs, ensure_data, ensure_workdir, resolve_run,
-                               run_path)
+from prlmfuse.pipeline_inputs import (build_caches, caches_for_run, cache_jobs, ensure_data, ensure_workdir,
+                                      resolve_run, run_path)
 from prlmfuse.search_report import (TABLE_JSON, TABLE_MD, confirm_search, dry_run_lines, summary_lines,
                                     table_markdown, train_confirm_run, write_table)
 from prlmfuse.search_space import SearchConfig

@@ -17,8 +17,8 @@ from prlmfuse.config import PipelineConfig
 from prlmfuse.errors import UserError
 from prlmfuse.fileio import atomic_write_json, atomic_write_text
 from prlmfuse.launch import say
-from prlmfuse.pipeline import (SPLITS, build_caches, ensure_data, evaluate_pipeline, planned_parameters, run_path,
-                               train_runs)
+from prlmfuse.pipeline import evaluate_pipeline, train_runs
+from prlmfuse.pipeline_inputs import SPLITS, build_caches, ensure_data, planned_parameters, run_path
 from prlmfuse.search_space import SearchConfig
 from prlmfuse.search_study import (amount, lease_path, lease_state, read_lease, search_dir, the_search,
                                    trials_pipeline, with_runs, worker_identity)

@@ -74,7 +74,7 @@ def test_grid_expands_to_one_run_per_combination(tmp_path):
 def test_runs_named_with_a_seed_are_selected_and_located_by_their_own_name(tmp_path):
     """`fused.seed-2` written as a run of its own: `--runs fused` means the run named fused, not its seeds,
     and a mistake in it is located at its own key, not at fused's."""
-    from prlmfuse.pipeline import _selected_runs
+    from prlmfuse.pipeline_inputs import _selected_runs
 
     text = """
         cache: {checkpoints: [{name: minilm-l6}]}

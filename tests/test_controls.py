@@ -254,7 +254,8 @@ def _pipeline(tmp_path: Path, ckpt: Path, corpus, runs: str, entries: str = "") 
 
 
 def test_a_matched_run_trains_at_its_width_and_records_its_count(world, tmp_path):
-    from prlmfuse.pipeline import build_caches, ensure_data, planned_parameters, train_runs
+    from prlmfuse.pipeline import train_runs
+    from prlmfuse.pipeline_inputs import build_caches, ensure_data, planned_parameters
     from prlmfuse.plan import plan_lines
 
     corpus, ckpt, _ = world
@@ -289,7 +290,7 @@ def test_a_matched_run_trains_at_its_width_and_records_its_count(world, tmp_path
 
 
 def test_an_untrained_prlm_is_its_own_checkpoint_with_its_own_cache_key(world, tmp_path):
-    from prlmfuse.pipeline import cache_jobs, ensure_data
+    from prlmfuse.pipeline_inputs import cache_jobs, ensure_data
     from prlmfuse.prlms import resolve_checkpoint
 
     corpus, ckpt, _ = world

@@ -655,7 +655,7 @@ def test_debian_translations_through_the_cli_and_a_broken_list(tmp_path, capsys,
 
 def test_pipeline_debian_translations_kind(tmp_path):
     from prlmfuse.config import load_pipeline
-    from prlmfuse.pipeline import corpus_dir, ensure_data
+    from prlmfuse.pipeline_inputs import corpus_dir, ensure_data
 
     path = tmp_path / "pipeline.yaml"
     for data, needles in (

@@ -174,7 +174,8 @@ train:
 
 def test_cli_prints_the_pipeline_lines_and_a_pipeline_from_them_trains_two_updates(tmp_path, capsys, monkeypatch):
     from prlmfuse.config import load_pipeline
-    from prlmfuse.pipeline import build_caches, ensure_data, run_path, train_runs
+    from prlmfuse.pipeline import train_runs
+    from prlmfuse.pipeline_inputs import build_caches, ensure_data, run_path
     from prlmfuse.train_fused import run_dir as rundir
 
     monkeypatch.setenv("PRLMFUSE_HOME", str(tmp_path / "home"))

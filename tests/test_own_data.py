@@ -36,7 +36,7 @@ def _text_files(root):
 
 def test_data_text_prints_the_lines_that_build_the_same_corpus(tmp_path, capsys, monkeypatch):
     from prlmfuse.config import load_pipeline
-    from prlmfuse.pipeline import ensure_data
+    from prlmfuse.pipeline_inputs import ensure_data
 
     files = _text_files(tmp_path / "my files")
     args = ["data", "text", tmp_path / "corpus", "--src-lang", "en", "--tgt-lang", "ja"]
@@ -96,7 +96,7 @@ def _readme_pipeline(root: Path) -> Path:
 
 def test_readme_own_data_pipeline_loads_and_builds_its_corpus(tmp_path):
     from prlmfuse.config import load_pipeline
-    from prlmfuse.pipeline import ensure_data
+    from prlmfuse.pipeline_inputs import ensure_data
     from prlmfuse.plan import plan_lines
 
     cfg = load_pipeline(_readme_pipeline(tmp_path))
@@ -124,7 +124,7 @@ def test_readme_own_data_pipeline_runs_as_written(tmp_path):
 
 def test_readme_hf_data_section_builds_its_corpus(tmp_path):
     from prlmfuse.config import load_pipeline
-    from prlmfuse.pipeline import ensure_data
+    from prlmfuse.pipeline_inputs import ensure_data
 
     datasets = pytest.importorskip("datasets")
     full, hf_data = _readme_blocks()[:2]

@@ -218,7 +218,8 @@ def test_only_train_and_only_evaluate_say_which_stage_to_run_first(tiny_pipeline
     root, path, _ = tiny_pipeline
     from prlmfuse.config import load_pipeline
     from prlmfuse.errors import UserError
-    from prlmfuse.pipeline import ensure_data, run_pipeline
+    from prlmfuse.pipeline import run_pipeline
+    from prlmfuse.pipeline_inputs import ensure_data
 
     cfg = load_pipeline(path)
     cfg.workdir = tmp_path / "work"
@@ -304,7 +305,7 @@ def test_the_same_pipeline_file_runs_under_torchrun(tiny_pipeline, tmp_path):
 def test_selected_runs_build_only_the_caches_they_read(tiny_pipeline, tmp_path):
     root, path, _ = tiny_pipeline
     from prlmfuse.config import load_pipeline
-    from prlmfuse.pipeline import build_caches, ensure_data
+    from prlmfuse.pipeline_inputs import build_caches, ensure_data
 
     second_prlm = small_runs.tiny_prlm(tmp_path / "other", layers=2, width=16)
     text = path.read_text(encoding="utf-8").replace(
@@ -334,7 +335,7 @@ def test_a_cached_layer_the_prlm_lacks_names_the_entry_before_any_cache_is_built
     root, path, _ = tiny_pipeline
     from prlmfuse.config import load_pipeline
     from prlmfuse.errors import UserError
-    from prlmfuse.pipeline import build_caches, ensure_data
+    from prlmfuse.pipeline_inputs import build_caches, ensure_data
 
     second_prlm = small_runs.tiny_prlm(tmp_path / "other", layers=2, width=16)
     text = path.read_text(encoding="utf-8").replace(
@@ -386,7 +387,7 @@ def test_features_held_in_memory_are_counted_per_run_at_once_and_refused_past_wh
     """in_memory_features: each run's process holds its own copy of its train and dev caches; the plan says
     how much the runs trained at once hold, and a plan or a training that would not fit is refused first."""
     root, path, _ = tiny_pipeline
-    from prlmfuse import pipeline
+    from prlmfuse import pipeline, pipeline_inputs
     from prlmfuse.cache_features import CacheReader, in_memory_bytes
     from prlmfuse.config import load_pipeline
     from prlmfuse.plan import plan_lines
@@ -398,9 +399,9 @@ def test_features_held_in_memory_are_counted_per_run_at_once_and_refused_past_wh
     other.write_text(text.replace("PRLM", prlm).replace("workdir: work", f"workdir: {tmp_path / 'work'}")
                      .replace(str(root / "prlm"), prlm), encoding="utf-8")
     cfg = load_pipeline(other)
-    corpus = pipeline.ensure_data(cfg)
-    jobs = pipeline.build_caches(cfg, corpus)
-    caches = pipeline.caches_for_run(cfg.run("fused"), jobs, cfg)[0]
+    corpus = pipeline_inputs.ensure_data(cfg)
+    jobs = pipeline_inputs.build_caches(cfg, corpus)
+    caches = pipeline_inputs.caches_for_run(cfg.run("fused"), jobs, cfg)[0]
     one_run = sum(in_memory_bytes(caches[split]) for split in ("train", "dev"))
     reader = CacheReader(caches["train"], in_memory=True)  # what the reader really holds, train split
     held = sum(a.nbytes for arrays in reader._memory.values() for a in arrays.values())

@@ -160,7 +160,7 @@ def test_a_corpus_registered_before_inputs_were_recorded_is_taken_as_it_is_then_
     """A workdir from before the corpus recorded its inputs keeps its corpus (and so its caches and runs);
     `prlmfuse run` records the inputs, and from then on an edit of data.files is noticed."""
     from prlmfuse.config import load_pipeline
-    from prlmfuse.pipeline import corpus_dir, ensure_data
+    from prlmfuse.pipeline_inputs import corpus_dir, ensure_data
 
     raw = tmp_path / "raw"
     shutil.copytree(world["root"] / "corpus" / "raw", raw)

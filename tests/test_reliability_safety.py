@@ -183,7 +183,7 @@ def _pipeline(tmp_path: Path, ckpt: Path, trust: str) -> Path:
 def test_trust_remote_code_only_when_pipeline_yaml_sets_it(trained, tmp_path, monkeypatch, trust, expected):
     import prlmfuse.cache_features
     import prlmfuse.prlms
-    from prlmfuse import pipeline
+    from prlmfuse import pipeline_inputs
     from prlmfuse.config import load_pipeline
 
     ckpt = small_runs.tiny_prlm(tmp_path / "bert")
@@ -198,12 +198,12 @@ def test_trust_remote_code_only_when_pipeline_yaml_sets_it(trained, tmp_path, mo
     def build_cache(*args, **kwargs):
         seen.append(("build_cache", kwargs["trust_remote_code"]))
 
-    # Patched where they live and in the pipeline, which may import either name at module level.
+    # Patched where they live and in the module that builds the caches, which may import either name at module level.
     for module, name, fake in ((prlmfuse.prlms, "resolve_checkpoint", resolve),
                                (prlmfuse.cache_features, "build_cache", build_cache)):
         monkeypatch.setattr(module, name, fake)
-        monkeypatch.setattr(pipeline, name, fake, raising=False)
-    pipeline.build_caches(cfg, trained["corpus"])
+        monkeypatch.setattr(pipeline_inputs, name, fake, raising=False)
+    pipeline_inputs.build_caches(cfg, trained["corpus"])
     assert seen and all(value is expected for _, value in seen), seen
 
 

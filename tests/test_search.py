@@ -51,7 +51,7 @@ def _dev_updates(run_dir: Path) -> list[int]:
 def test_a_search_prunes_the_settings_that_cannot_learn_and_never_reads_test(world, tmp_path, monkeypatch):
     from prlmfuse import search as searching
     from prlmfuse.config import load_pipeline
-    from prlmfuse.pipeline import corpus_dir, ensure_data
+    from prlmfuse.pipeline_inputs import corpus_dir, ensure_data
     from prlmfuse.train_fused import run_dir as rundir
 
     cfg = load_pipeline(sw.write_pipeline(tmp_path, world))
@@ -182,7 +182,7 @@ def test_a_killed_search_resumes_its_running_trial_and_trains_no_trial_twice(wor
 
 def test_two_searches_share_one_journal_and_split_the_trials_between_them(world, tmp_path):
     from prlmfuse.config import load_pipeline
-    from prlmfuse.pipeline import ensure_data
+    from prlmfuse.pipeline_inputs import ensure_data
 
     path = sw.write_pipeline(tmp_path, world)
     ensure_data(load_pipeline(path))
@@ -258,7 +258,7 @@ def test_a_worker_whose_lease_was_taken_over_stops_and_tells_the_study_nothing(w
     from prlmfuse import search as searching
     from prlmfuse.config import load_pipeline
     from prlmfuse.fileio import atomic_write_json
-    from prlmfuse.pipeline import build_caches, ensure_data
+    from prlmfuse.pipeline_inputs import build_caches, ensure_data
     from prlmfuse.train_fused import run_dir as rundir
 
     cfg = load_pipeline(sw.write_pipeline(tmp_path, world))

@@ -20,7 +20,7 @@ SPACE = "{lr: [0.003, 1.0e-7], layer: [-2, concat]}"
 def build_world(root: Path) -> dict:
     """Corpus files, a tiny PrLM, and its train/dev/test caches built once under root/cache."""
     from prlmfuse.config import load_pipeline
-    from prlmfuse.pipeline import build_caches, ensure_data
+    from prlmfuse.pipeline_inputs import build_caches, ensure_data
 
     small_runs.small_bible(root / "corpus", train=80, dev=8, test=8)
     prlm = small_runs.tiny_prlm(root / "prlm", layers=2, width=32)
@@ -68,7 +68,7 @@ train:
 def with_data(path: Path) -> Path:
     """The pipeline's corpus registered in its workdir (`prlmfuse run --only data`), for `train` to find."""
     from prlmfuse.config import load_pipeline
-    from prlmfuse.pipeline import ensure_data
+    from prlmfuse.pipeline_inputs import ensure_data
 
     ensure_data(load_pipeline(path))
     return path
