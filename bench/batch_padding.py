@@ -57,7 +57,7 @@ def target_first_batches(src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens:
 def storage_window_batches(storage: np.ndarray, src_lens: np.ndarray, tgt_lens: np.ndarray, max_tokens: int,
                            window: int, seed: int) -> list[list[int]]:
     """The batches of train.read_window `window` over a cache that stores the sentences in `storage` order."""
-    from prlmfuse.train_fused.data import StorageWindowBatchSampler
+    from prlmfuse.train_fused.batch_samplers import StorageWindowBatchSampler
 
     return StorageWindowBatchSampler(src_lens, tgt_lens, max_tokens, storage, window=window, seed=seed).batches
 
@@ -77,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     from prlmfuse.corpora import build_bible, load_corpus
     from prlmfuse.fileio import prlmfuse_home
     from prlmfuse.errors import UserError
+    from prlmfuse.train_fused.batch_samplers import TokenBudgetBatchSampler
     from prlmfuse.train_fused.bpe import train_bpe
     from prlmfuse.train_fused.buckets import STEPS_PER_OCTAVE, BatchShapes
-    from prlmfuse.train_fused.data import TokenBudgetBatchSampler
 
     try:
         corpus = load_corpus(Path(args.corpus)) if args.corpus else build_bible(prlmfuse_home() / "corpora" / "bible-en-ja")

@@ -406,8 +406,9 @@ def time_loader(cache: Path, corpus, workers: int, seconds: float, max_tokens: i
     """The trainer's loader over `cache` for `seconds` after its first batch, pages dropped before and behind it
     (drop_pages False: the page cache serves what it holds). lane: "library", "h5py" (H5pyReader) or
     "private" (PrivateMemoryPairs)."""
+    from prlmfuse.train_fused.batch_samplers import StorageWindowBatchSampler, TokenBudgetBatchSampler
     from prlmfuse.train_fused.branches import PrLMBranch
-    from prlmfuse.train_fused.data import PairDataset, StorageWindowBatchSampler, TokenBudgetBatchSampler, make_loader
+    from prlmfuse.train_fused.data import PairDataset, make_loader
 
     reader = H5pyReader(cache) if lane == "h5py" else CacheReader(cache)
     # BPE side: the PrLM's length less its two special tokens (the source's </s> is added back).

@@ -85,10 +85,10 @@ def step_section(report, sizes, device: torch.device, shared: dict) -> dict:
     from gpu_report import free_memory
     from gpu_train import compile_with, step_flops
     from prlmfuse.distributed import DistContext
+    from prlmfuse.train_fused.batch_samplers import TokenBudgetBatchSampler
     from prlmfuse.train_fused.bpe import PAD_ID
     from prlmfuse.train_fused.buckets import BatchShapes, BucketBatchSampler, prlm_lengths
     from prlmfuse.train_fused.config import PrLMUse, RunConfig
-    from prlmfuse.train_fused.data import TokenBudgetBatchSampler
     from prlmfuse.train_fused.modeling import FusedTransformer
     from prlmfuse.train_fused.trainer import Trainer
 

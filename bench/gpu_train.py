@@ -29,7 +29,7 @@ def step_flops(model, src_tokens: int, tgt_tokens: int) -> float:
 
 def fixed_sampler(batches: list[list[int]], max_tokens: int):
     """A batch sampler that yields exactly `batches`, in order (every system reads the same ones)."""
-    from prlmfuse.train_fused.data import TokenBudgetBatchSampler
+    from prlmfuse.train_fused.batch_samplers import TokenBudgetBatchSampler
 
     sampler = TokenBudgetBatchSampler(np.ones(1, dtype=np.int64), np.ones(1, dtype=np.int64), max_tokens, shuffle=False)
     sampler.batches = batches
@@ -70,10 +70,11 @@ def train_section(report: Report, sizes: Sizes, device: torch.device, scratch: P
     from train_throughput import _LivePrLM
     from prlmfuse.cache_features import CacheReader, build_cache
     from prlmfuse.distributed import DistContext
+    from prlmfuse.train_fused.batch_samplers import TokenBudgetBatchSampler
     from prlmfuse.train_fused.bpe import train_bpe
     from prlmfuse.train_fused.branches import PrLMBranch
     from prlmfuse.train_fused.config import PrLMSpec, PrLMUse, RunConfig
-    from prlmfuse.train_fused.data import PairDataset, TokenBudgetBatchSampler, make_loader
+    from prlmfuse.train_fused.data import PairDataset, make_loader
     from prlmfuse.train_fused.modeling import FusedTransformer
     from prlmfuse.train_fused.trainer import Trainer, loader_workers
 

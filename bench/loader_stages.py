@@ -107,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from prlmfuse.cache_features import CacheReader
     from prlmfuse.precision import machine_line
+    from prlmfuse.train_fused.batch_samplers import StorageWindowBatchSampler
     from prlmfuse.train_fused.branches import PrLMBranch
-    from prlmfuse.train_fused.data import PairDataset, StorageWindowBatchSampler
+    from prlmfuse.train_fused.data import PairDataset
 
     cache = args.cache
     if cache is None:

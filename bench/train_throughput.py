@@ -184,11 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     from prlmfuse.prlms import prepare_alias, resolve_checkpoint
     from prlmfuse.fileio import prlmfuse_home
     from prlmfuse.train_fused import trainer as trainer_module
+    from prlmfuse.train_fused.batch_samplers import TokenBudgetBatchSampler
     from prlmfuse.train_fused.bpe import train_bpe
     from prlmfuse.train_fused.config import PrLMUse, RunConfig
-    from prlmfuse.train_fused.data import (
-        PairDataset, TokenBudgetBatchSampler, make_loader,
-    )
+    from prlmfuse.train_fused.data import PairDataset, make_loader
     from prlmfuse.distributed import DistContext
     from prlmfuse.train_fused.modeling import FusedTransformer, PrLMSpec
     from prlmfuse.precision import resolve_runtime

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+from prlmfuse.train_fused.batch_samplers import TokenBudgetBatchSampler
 from prlmfuse.train_fused.bpe import PAD_ID
 from prlmfuse.train_fused.buckets import BatchShapes, BucketBatchSampler, bucket_length
-from prlmfuse.train_fused.data import PairDataset, TokenBudgetBatchSampler
+from prlmfuse.train_fused.data import PairDataset
 
 from helpers import small_runs
 

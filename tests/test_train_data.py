@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from prlmfuse.cache_features import CacheReader
-from prlmfuse.train_fused.bpe import BOS_ID, EOS_ID, PAD_ID
-from prlmfuse.train_fused.data import (
-    WINDOWS_SHUFFLED_TOGETHER, PairDataset, StorageWindowBatchSampler, TokenBudgetBatchSampler, make_loader,
+from prlmfuse.train_fused.batch_samplers import (
+    WINDOWS_SHUFFLED_TOGETHER, StorageWindowBatchSampler, TokenBudgetBatchSampler,
 )
+from prlmfuse.train_fused.bpe import BOS_ID, EOS_ID, PAD_ID
+from prlmfuse.train_fused.data import PairDataset, make_loader
 from prlmfuse.train_fused.branches import PrLMBranch
 from prlmfuse.train_fused.trainer import inverse_sqrt_lr
 

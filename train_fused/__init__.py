@@ -7,6 +7,7 @@
 
 Modules: config (RunConfig, ModelConfig and their rules), run_dir (the run directory's files, run.json,
 trainer state), weights (load_run, averages), branches (a PrLM branch opened over its cache), data (batches),
+batch_samplers (which pairs form each batch, in what order),
 modeling (the model; its parts in blocks and layer_selection), trainer (the loop), run_setup (train_run),
 checkpointing (writing checkpoints), bpe.
 The rest is imported on first use, so `prlmfuse.train_fused.config` (read by the pipeline

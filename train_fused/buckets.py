@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prlmfuse.train_fused.data import TokenBudgetBatchSampler
+from prlmfuse.train_fused.batch_samplers import TokenBudgetBatchSampler
 
 # Lengths up to 64 round to multiples of 8 (tensor cores work in such tiles); above it, an octave
 # holds this many steps, so a class is at most 1/STEPS_PER_OCTAVE longer than the one below it.

@@ -32,12 +32,11 @@ from prlmfuse.distributed import DistContext, all_reduce_sum, barrier, reduce_gr
 from prlmfuse.errors import UserError
 from prlmfuse.precision import Runtime, free_memory, grad_scaler, is_out_of_memory, prepare_device, resolve_runtime
 from prlmfuse.train_fused import checkpointing, out_of_memory as oom, run_dir as rundir
+from prlmfuse.train_fused.batch_samplers import StorageWindowBatchSampler, TokenBudgetBatchSampler
 from prlmfuse.train_fused.bpe import PAD_ID
 from prlmfuse.train_fused.buckets import BatchShapes, BucketBatchSampler, prlm_lengths
 from prlmfuse.train_fused.config import RunConfig
-from prlmfuse.train_fused.data import (
-    Batch, PairDataset, StorageWindowBatchSampler, TokenBudgetBatchSampler, make_loader,
-)
+from prlmfuse.train_fused.data import Batch, PairDataset, make_loader
 from prlmfuse.train_fused.metrics_log import MetricsLog
 from prlmfuse.train_fused.modeling import FusedTransformer
 from prlmfuse.train_fused.out_of_memory import split_batch
