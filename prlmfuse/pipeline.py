@@ -25,6 +25,7 @@ from prlmfuse.pipeline_inputs import (CacheJob, _say, _selected_runs, build_cach
                                       ensure_data, ensure_workdir, resolve_run, run_path)
 from prlmfuse.train_fused import run_dir as rundir
 from prlmfuse.train_fused.config import RunConfig, is_baseline_seed
+from prlmfuse.train_fused.run_dir_upkeep import training_lock
 
 
 # ---------------------------------------------------------------------------- training
@@ -195,7 +196,7 @@ def _set_aside_if_stale(out: Path, corpus) -> None:
     if not _is_stale(out, corpus):
         return
     aside = out.with_name(f"{out.name}.stale-{time.strftime('%Y%m%d-%H%M%S')}")
-    with rundir.training_lock(out):  # never move a run directory from under its trainer
+    with training_lock(out):  # never move a run directory from under its trainer
         os.rename(out, aside)
     _say(f"train: {out} was trained on an earlier version of the corpus; moved it to {aside} to train it again")
 

@@ -6,10 +6,10 @@
     load_run(run_dir, weights="average"|"best"|"last", *, last=5) -> (model in eval mode, BPE, run_info)
 
 Modules: config (RunConfig, ModelConfig and their rules), run_dir (the run directory's files, run.json,
-trainer state), weights (load_run, averages), branches (a PrLM branch opened over its cache), data (batches),
-batch_samplers (which pairs form each batch, in what order),
-modeling (the model; its parts in blocks and layer_selection), trainer (the loop), run_setup (train_run),
-checkpointing (writing checkpoints), bpe.
+trainer state), run_dir_upkeep (its lock, a `--fresh` start's set-aside run), weights (load_run, averages),
+branches (a PrLM branch opened over its cache), data (batches), batch_samplers (which pairs form each batch,
+in what order), modeling (the model; its parts in blocks and layer_selection), trainer (the loop), run_setup
+(train_run), checkpointing (writing checkpoints), bpe.
 The rest is imported on first use, so `prlmfuse.train_fused.config` (read by the pipeline
 parser) stays cheap to import.
 """

@@ -28,7 +28,6 @@ from prlmfuse.train_fused.run_dir import (
     TrainingState,
     checkpoint_file_update,
     complete_checkpoints,
-    discard_previous_run,
     epoch_end_checkpoints,
     latest_trainer_state,
     optimizer_path,
@@ -37,6 +36,7 @@ from prlmfuse.train_fused.run_dir import (
     state_path,
     weights_path,
 )
+from prlmfuse.train_fused.run_dir_upkeep import discard_previous_run
 from prlmfuse.train_fused.weights import load_weights
 
 

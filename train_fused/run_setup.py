@@ -26,6 +26,9 @@ from prlmfuse.train_fused.branches import PrLMBranch, open_branch
 from prlmfuse.train_fused.config import RunConfig
 from prlmfuse.train_fused.data import PairDataset, cap_source
 from prlmfuse.train_fused.modeling import FusedTransformer
+from prlmfuse.train_fused.run_dir_upkeep import (
+    remove_stale_temps, set_aside_for_fresh_start, settle_previous_run, training_lock,
+)
 from prlmfuse.train_fused.trainer import DevHook, Trainer
 
 logger = logging.getLogger(__name__)
@@ -135,9 +138,9 @@ def train_run(
     branches = open_run_branches(run, corpus, caches)
     with contextlib.ExitStack() as stack:
         if ctx.is_main:
-            stack.enter_context(rundir.training_lock(run_dir))
+            stack.enter_context(training_lock(run_dir))
             # Safe only under the lock: a killed save's temp file is nobody's now.
-            rundir.remove_stale_temps(run_dir)
+            remove_stale_temps(run_dir)
         try:
             return _train_locked(run, corpus, branches, run_dir, ctx, resume=resume, progress=progress, runtime=runtime,
                                  dev_hook=dev_hook)
@@ -151,11 +154,11 @@ def train_run(
 def _train_locked(run: RunConfig, corpus, branches: dict[str, list[PrLMBranch]], run_dir: Path, ctx: DistContext, *,
                   resume: bool, progress: bool, runtime: Runtime, dev_hook: DevHook | None = None) -> Path:
     if ctx.is_main:
-        rundir.settle_previous_run(run_dir, resume=resume)
+        settle_previous_run(run_dir, resume=resume)
         # Not read first: --fresh also starts over from a trainer state too damaged to resume.
         if not resume and any((run_dir / name).exists()
                               for name in (rundir.TRAINER_STATE, rundir.CHECKPOINT_DIR, rundir.RESUME_DIR)):
-            rundir.set_aside_for_fresh_start(run_dir)
+            set_aside_for_fresh_start(run_dir)
     barrier(ctx)
     # A stop signal's resume point where it is newer than the last checkpoint.
     existing = rundir.state_to_resume(run_dir)

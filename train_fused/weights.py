@@ -19,6 +19,7 @@ from prlmfuse.fileio import FileDigests, atomic_path
 from prlmfuse.train_fused import run_dir as rd
 from prlmfuse.train_fused.bpe import BPE
 from prlmfuse.train_fused.modeling import FusedTransformer, ModelConfig
+from prlmfuse.train_fused.run_dir_upkeep import averaging_lock
 
 WEIGHTS_CHOICES = ("best", "last", "average")
 
@@ -53,7 +54,7 @@ def average_checkpoints(
     if not Path(run_dir).is_dir():
         raise UserError(f"no complete checkpoints under {Path(run_dir) / rd.CHECKPOINT_DIR}; train the run first")
     try:
-        with rd.averaging_lock(Path(run_dir)):
+        with averaging_lock(Path(run_dir)):
             return _average_checkpoints(run_dir, last, out, average)
     except OSError as e:
         # A run directory this process may not write (shared, read-only) still serves an average made before.
