@@ -36,7 +36,7 @@ the ratio is the median over quiet cycles as above (default 8 rounds). The other
 process start: child processes, the variants alternating, each child one round of 16 timed cycles
 (default 5 rounds); the ratio is the median over quiet rounds, printed with the peak-memory ratio.
   nll     the NLL logged beside the loss as a separate logsumexp over the logits vs derived from
-          the smoothed loss (train_fused.trainer.label_smoothed_sums)
+          the smoothed loss (train_fused.update_step.label_smoothed_sums)
   rows    output logits and loss over every padded target position vs the real ones only
 """
 
@@ -183,7 +183,6 @@ def main(argv: list[str] | None = None) -> int:
     from prlmfuse.cache_features import build_cache
     from prlmfuse.prlms import prepare_alias, resolve_checkpoint
     from prlmfuse.fileio import prlmfuse_home
-    from prlmfuse.train_fused import trainer as trainer_module
     from prlmfuse.train_fused.batch_samplers import TokenBudgetBatchSampler
     from prlmfuse.train_fused.bpe import train_bpe
     from prlmfuse.train_fused.config import PrLMUse, RunConfig
@@ -193,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     from prlmfuse.precision import resolve_runtime
     from prlmfuse.cache_features import CacheReader
     from prlmfuse.train_fused.branches import PrLMBranch, open_branch
+    from prlmfuse.train_fused import update_step
     from prlmfuse.train_fused.trainer import Trainer
 
     home = Path(args.home) if args.home else prlmfuse_home()
@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             batch = batch.to(self.device)
             with self.runtime.autocast():
                 logits = self.model(batch.src_tokens, batch.tgt_in, batch.prlm)
-            return trainer_module.label_smoothed_sums(logits, batch.tgt_out, self.run.label_smoothing)
+            return update_step.label_smoothed_sums(logits, batch.tgt_out, self.run.label_smoothing)
 
     trainer_class = AllRowsTrainer if args.logit_rows == "all" else Trainer
 
@@ -408,17 +408,17 @@ SWITCH_NAMES = ("nll",)
 def _switches(name: str) -> dict:
     """{variant: function that sets it} for the switch `name`, prlmfuse's own functions captured
     before anything replaces them."""
-    from prlmfuse.train_fused import trainer
+    from prlmfuse.train_fused import update_step
 
-    from_loss = trainer.label_smoothed_sums
+    from_loss = update_step.label_smoothed_sums
 
     def setter(module, attribute, value):
         return lambda: setattr(module, attribute, value)
 
     return {
-        # trainer.label_smoothed_sums is what Trainer._forward_sums calls
-        "nll": {"logsumexp": setter(trainer, "label_smoothed_sums", _logsumexp_nll_sums),
-                "fromloss": setter(trainer, "label_smoothed_sums", from_loss)},
+        # update_step.label_smoothed_sums is what Trainer._forward_sums (UpdateStepMixin's) calls
+        "nll": {"logsumexp": setter(update_step, "label_smoothed_sums", _logsumexp_nll_sums),
+                "fromloss": setter(update_step, "label_smoothed_sums", from_loss)},
     }[name]
 
 

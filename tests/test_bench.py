@@ -88,17 +88,17 @@ def test_train_bench_counts_worker_cpu_time(monkeypatch):
 def test_train_bench_switches_end_on_prlmfuses_default(monkeypatch):
     """Every --compare switch of bench/train_throughput.py really swaps something, and its second
     variant (the one each cycle ends on) puts prlmfuse's own setting back."""
-    from prlmfuse.train_fused import trainer
+    from prlmfuse.train_fused import update_step
 
     bench = _train_bench(monkeypatch)
-    before = trainer.label_smoothed_sums
+    before = update_step.label_smoothed_sums
     assert bench.SWITCH_NAMES == ("nll",)
     for name in bench.SWITCH_NAMES:
         without, default = bench._switches(name).values()
         without()
-        assert trainer.label_smoothed_sums is not before, name
+        assert update_step.label_smoothed_sums is not before, name
         default()
-        assert trainer.label_smoothed_sums is before, name
+        assert update_step.label_smoothed_sums is before, name
 
 
 def test_train_bench_compare_choices_name_existing_settings(monkeypatch):

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from prlmfuse.errors import UserError
 from prlmfuse.evaluate.decode import beam_search, greedy, hypothesis_score
 from prlmfuse.train_fused.modeling import FusedTransformer, ModelConfig, PrLMFeatures, PrLMSpec
-from prlmfuse.train_fused.trainer import label_smoothed_sums
+from prlmfuse.train_fused.update_step import label_smoothed_sums
 
 torch.set_num_threads(1)
 

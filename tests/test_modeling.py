@@ -14,7 +14,7 @@ from prlmfuse.errors import UserError
 from prlmfuse.train_fused.blocks import FlowMerge
 from prlmfuse.train_fused.config import LAYER_MODES, PRESETS, SIDES, ModelConfig, PrLMSpec
 from prlmfuse.train_fused.modeling import DecoderLayer, EncoderLayer, EncoderOut, FusedTransformer, PrLMFeatures
-from prlmfuse.train_fused.trainer import label_smoothed_sums
+from prlmfuse.train_fused.update_step import label_smoothed_sums
 
 torch.set_num_threads(1)
 

@@ -26,7 +26,7 @@ from prlmfuse.train_fused import PrLMUse, load_run, train_run
 from prlmfuse.train_fused import checkpointing
 from prlmfuse.train_fused import run_dir as rundir
 from prlmfuse.train_fused import weights
-from prlmfuse.train_fused.trainer import inverse_sqrt_lr
+from prlmfuse.train_fused.update_step import inverse_sqrt_lr
 
 from helpers import reliability, small_runs
 

@@ -17,7 +17,7 @@ from prlmfuse.train_fused.batch_samplers import (
 from prlmfuse.train_fused.bpe import BOS_ID, EOS_ID, PAD_ID
 from prlmfuse.train_fused.data import PairDataset, make_loader
 from prlmfuse.train_fused.branches import PrLMBranch
-from prlmfuse.train_fused.trainer import inverse_sqrt_lr
+from prlmfuse.train_fused.update_step import inverse_sqrt_lr
 
 from helpers import small_runs
 
@@ -198,7 +198,7 @@ def _pairs(n: int, seed: int = 0):
 @pytest.mark.parametrize("vocab, dtype, smoothing", [(50, torch.float32, 0.1), (8000, torch.bfloat16, 0.1),
                                                     (8000, torch.float32, 0.3), (50, torch.float32, 0.0)])
 def test_loss_sums_are_torch_cross_entropy_over_real_tokens(vocab, dtype, smoothing):
-    from prlmfuse.train_fused.trainer import label_smoothed_sums
+    from prlmfuse.train_fused.update_step import label_smoothed_sums
 
     g = torch.Generator().manual_seed(3)
     # bf16 logits of a training-sized vocabulary, as autocast hands them over; the logged NLL is
