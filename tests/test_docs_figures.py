@@ -86,22 +86,25 @@ def run_count(file: str) -> Callable[[], float]:
     return lambda: len(_json(file)["rows"])
 
 
-def controls_row(doc: str, section: str, label: str, name: str, against: str | None = None) -> Quote:
-    """A table row of the controls over seeds: params, BLEU mean ± sd, Δ ± sd vs the baseline with the largest p,
-    then (README's glance, `against`) Δ ± sd vs another system with its largest p, or "–", then the seeds."""
+def seeds_row(doc: str, section: str, label: str, name: str, against: str | None = None,
+              file: str | None = None) -> Quote:
+    """A table row of a system over seeds (`file`, default the controls): params, BLEU mean ± sd, Δ ± sd vs the
+    baseline with the largest p, then (`against`) Δ ± sd vs another system with its largest p, or "–", then the
+    seeds."""
+    file = file or CONTROLS
     p_word = "p ≤ " if doc == "README.md" else "≤ "
     delta = rf"(\S+) ± ([\d.]+) \({p_word}([\d.]+)\)"
     cells = [r"([\d.]+)M", r"([\d.]+) ± ([\d.]+)", delta]
-    figures = [params_millions(CONTROLS, name), system(CONTROLS, name, "mean"), system(CONTROLS, name, "sd"),
-               system(CONTROLS, name, "delta_mean"), system(CONTROLS, name, "delta_sd"), largest_p(CONTROLS, name)]
+    figures = [params_millions(file, name), system(file, name, "mean"), system(file, name, "sd"),
+               system(file, name, "delta_mean"), system(file, name, "delta_sd"), largest_p(file, name)]
     if against == "–":
         cells.append("–")
     elif against is not None:
         cells.append(delta)
-        figures += [against_system(CONTROLS, name, against, "delta_mean"),
-                    against_system(CONTROLS, name, against, "delta_sd"), largest_p(CONTROLS, name, against)]
+        figures += [against_system(file, name, against, "delta_mean"),
+                    against_system(file, name, against, "delta_sd"), largest_p(file, name, against)]
     cells.append(r"(\d+)")
-    figures.append(lambda: len(system(CONTROLS, name, "runs")()))
+    figures.append(lambda: len(system(file, name, "runs")()))
     return Quote(doc, section, rf"^\| {re.escape(label)} \| " + " \\| ".join(cells) + r" \|$", tuple(figures))
 
 
@@ -124,11 +127,11 @@ QUOTES: list[Quote] = [
           r"^\| baseline: no PrLM \| ([\d.]+)M \| ([\d.]+) ± ([\d.]+) \| – \| – \| (\d+) \|$",
           (params_millions(CONTROLS, "baseline"), system(CONTROLS, "baseline", "mean"),
            system(CONTROLS, "baseline", "sd"), lambda: len(system(CONTROLS, "baseline", "runs")()))),
-    controls_row("README.md", "Results at a glance", "fused: MiniLM-L6's penultimate layer, sum after the FFN, both sides",
+    seeds_row("README.md", "Results at a glance", "fused: MiniLM-L6's penultimate layer, sum after the FFN, both sides",
                  "fused", against="baseline-matched-fused"),
-    controls_row("README.md", "Results at a glance", "widened baseline: no PrLM, FFN widened to fused's parameters",
+    seeds_row("README.md", "Results at a glance", "widened baseline: no PrLM, FFN widened to fused's parameters",
                  "baseline-matched-fused", against="–"),
-    controls_row("README.md", "Results at a glance", "fused, each sentence reading another's features",
+    seeds_row("README.md", "Results at a glance", "fused, each sentence reading another's features",
                  "fused-shuffled", against="baseline-matched-fused"),
     Quote("README.md", "Results at a glance",
           r"still falling; (\d) seeds\), fused reaches ([\d.]+) ± ([\d.]+) BLEU, the baseline ([\d.]+) ± "
@@ -139,21 +142,13 @@ QUOTES: list[Quote] = [
     Quote("README.md", "Results at a glance",
           r"e5 trails its baseline \((\S+), p ([\d.]+), one\s+seed\)",
           (row("ja-en.json", "fused", "delta", "bleu"), row("ja-en.json", "fused", "p_value", "bleu"))),
-    Quote("README.md", "Results at a glance",
-          r"^\| default†: all MiniLM-L6 layers \(Concat\), after add&norm1, both sides \| ([\d.]+)M \| ([\d.]+) \| "
-          r"(\S+) \(p ([\d.]+)\) \| (\S+) \(p ([\d.]+)\) \| (\d+) \|$",
-          (params_millions(DEFAULT, "default"), row(DEFAULT, "default", "bleu"), row(DEFAULT, "default", "delta", "bleu"),
-           row(DEFAULT, "default", "p_value", "bleu"), against_row(DEFAULT, "default", "baseline-matched-default", "delta"),
-           against_row(DEFAULT, "default", "baseline-matched-default", "p_value"),
-           lambda: len(system(DEFAULT, "default", "runs")()))),
-    Quote("README.md", "Results at a glance",
-          r"^\| widened baseline of the default† \| ([\d.]+)M \| ([\d.]+) \| (\S+) \(p ([\d.]+)\) \| – \| (\d+) \|$",
-          (params_millions(DEFAULT, "baseline-matched-default"), row(DEFAULT, "baseline-matched-default", "bleu"),
-           row(DEFAULT, "baseline-matched-default", "delta", "bleu"),
-           row(DEFAULT, "baseline-matched-default", "p_value", "bleu"),
-           lambda: len(system(DEFAULT, "baseline-matched-default", "runs")()))),
-    Quote("README.md", "Results at a glance", r"beside its own\s+baseline \(([\d.]+) BLEU\)",
-          (row(DEFAULT, "baseline", "bleu"),)),
+    seeds_row("README.md", "Results at a glance",
+              "default†: all MiniLM-L6 layers (Concat), after add&norm1, both sides", "default",
+              against="baseline-matched-default", file=DEFAULT),
+    seeds_row("README.md", "Results at a glance", "widened baseline of the default†", "baseline-matched-default",
+              against="–", file=DEFAULT),
+    Quote("README.md", "Results at a glance", r"each beside\s+its own baseline \(([\d.]+) ± ([\d.]+) BLEU\)",
+          (system(DEFAULT, "baseline", "mean"), system(DEFAULT, "baseline", "sd"))),
     # README: the demo
     Quote("README.md", "Quick start",
           r"its two runs train for (\d+) and (\d+) minutes side by side",
@@ -166,6 +161,8 @@ QUOTES: list[Quote] = [
     Quote("README.md", "Your own data", r"`layers: all` caches every hidden state: ([\d.]+) times the disk of one",
           (lambda: _json("default/cost/bible-en-minilm-l6-all.json")["size_on_disk"]
            / _json("default/cost/bible-en-minilm-l6-penultimate.json")["size_on_disk"],)),
+    Quote("README.md", "Your own data", r"a training step of the default takes ([\d.]+) times the baseline's",
+          (lambda: _json("default/cost/train-step-xeon-amx.json")["result"]["f_over_a"],)),
 ] + [
     # README: what each example file took
     Quote("README.md", "Reproducing the results", rf"^\| `{re.escape(example)}` \| [^|]+ \| (\d+) \| ([\d.]+) h \|$",
@@ -193,10 +190,10 @@ QUOTES += [
     Quote(RESULTS_MD, SUMMARY, r"^\| baseline: no PrLM \| ([\d.]+)M \| ([\d.]+) ± ([\d.]+) \| – \| (\d+) \|$",
           (params_millions(CONTROLS, "baseline"), system(CONTROLS, "baseline", "mean"),
            system(CONTROLS, "baseline", "sd"), lambda: len(system(CONTROLS, "baseline", "runs")()))),
-    controls_row(RESULTS_MD, SUMMARY, "fused: MiniLM-L6's penultimate layer after the FFN, both sides", "fused"),
-    controls_row(RESULTS_MD, SUMMARY, "baseline widened to fused's parameters", "baseline-matched-fused"),
-    controls_row(RESULTS_MD, SUMMARY, "fused, each sentence reading another sentence's features", "fused-shuffled"),
-    controls_row(RESULTS_MD, SUMMARY, "fused, reading an untrained MiniLM", "fused-untrained"),
+    seeds_row(RESULTS_MD, SUMMARY, "fused: MiniLM-L6's penultimate layer after the FFN, both sides", "fused"),
+    seeds_row(RESULTS_MD, SUMMARY, "baseline widened to fused's parameters", "baseline-matched-fused"),
+    seeds_row(RESULTS_MD, SUMMARY, "fused, each sentence reading another sentence's features", "fused-shuffled"),
+    seeds_row(RESULTS_MD, SUMMARY, "fused, reading an untrained MiniLM", "fused-untrained"),
     Quote(RESULTS_MD, SUMMARY,
           r"fused reaches ([\d.]+) ± ([\d.]+) BLEU and the baseline ([\d.]+) ± ([\d.]+)\s+\((\S+) ± ([\d.]+), "
           r"p ≤ ([\d.]+), (\d) seeds\)",
@@ -221,13 +218,12 @@ QUOTES += [
            against_row(TABLE3, "side-source", "fused", "delta", sign=-1.0),
            against_row(TABLE3, "side-source", "fused", "p_value"))),
 ] + [
-    Quote(RESULTS_MD, SUMMARY, rf"^\| {re.escape(label)} \| ([\d.]+)M \| ([\d.]+) \| (\S+) \(([\d.]+)\) \|$",
-          (params_millions(DEFAULT, run), row(DEFAULT, run, "bleu"), row(DEFAULT, run, "delta", "bleu"),
-           row(DEFAULT, run, "p_value", "bleu")))
-    for label, run in [("default", "default"), ("baseline widened to the default's parameters", "baseline-matched-default")]
-] + [
-    Quote(RESULTS_MD, SUMMARY, r"^\| its own baseline \| ([\d.]+)M \| ([\d.]+) \| – \|$",
-          (params_millions(DEFAULT, "baseline"), row(DEFAULT, "baseline", "bleu"))),
+    seeds_row(RESULTS_MD, SUMMARY, "default", "default", file=DEFAULT),
+    seeds_row(RESULTS_MD, SUMMARY, "baseline widened to the default's parameters", "baseline-matched-default",
+              file=DEFAULT),
+    Quote(RESULTS_MD, SUMMARY, r"^\| its own baseline \| ([\d.]+)M \| ([\d.]+) ± ([\d.]+) \| – \| (\d+) \|$",
+          (params_millions(DEFAULT, "baseline"), system(DEFAULT, "baseline", "mean"), system(DEFAULT, "baseline", "sd"),
+           lambda: len(system(DEFAULT, "baseline", "runs")()))),
 ] + [
     Quote(RESULTS_MD, SUMMARY, rf"^\| {re.escape(label)} \| ([\d.]+) \| (\S+) \(([\d.]+)\) \|$",
           (row(PRLMS, run, "bleu"), row(PRLMS, run, "delta", "bleu"), row(PRLMS, run, "p_value", "bleu")))
