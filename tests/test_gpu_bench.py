@@ -133,6 +133,15 @@ def test_gpu_node_script_refuses_bad_input_in_one_line_before_writing_anything(t
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("name", ["PROBE_UPDATES", "HEADLINE_UPDATES", "DECODE_SECONDS"])
+def test_gpu_node_script_refuses_a_budget_that_is_not_a_whole_number(tmp_path, name):
+    done = subprocess.run(["bash", str(NODE_SCRIPT), "out", "60", "headline"], capture_output=True, text=True,
+                          timeout=60, cwd=tmp_path, env={**os.environ, name: "1.5"})
+    assert done.returncode == 2
+    assert done.stderr.strip() == f"gpu_node.sh: {name} must be a whole number, got '1.5'"
+    assert not (tmp_path / "out").exists()
+
+
 def test_gpu_node_script_runs_its_steps_in_order_on_node_pipeline_files(tmp_path):
     # A node tree: the two pipeline files the steps derive from, a bundle whose install does nothing, and
     # a `prlmfuse` that records its arguments and leaves a run behind, so the steps and the packing run
