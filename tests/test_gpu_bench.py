@@ -133,6 +133,30 @@ def test_gpu_node_script_refuses_bad_input_in_one_line_before_writing_anything(t
     assert not (tmp_path / "out").exists()
 
 
+def test_gpu_node_headline_decodes_what_training_saved_when_the_deadline_stops_it(tmp_path):
+    # Training that runs into DECODE_SECONDS is stopped there; the runs have saved what they trained, and the
+    # step still decodes test in the time it kept.
+    repo = BENCH.parents[1]
+    tree = tmp_path / "tree"
+    (tree / "examples").mkdir(parents=True)
+    (tree / "offline").mkdir()
+    shutil.copy(repo / "examples" / "default-en-ja-base.yaml", tree / "examples")
+    (tree / "offline" / "install.sh").write_text("echo installed\n")
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub = bin_dir / "prlmfuse"
+    stub.write_text('#!/usr/bin/env bash\necho "$@" >> calls.txt\ncase "$*" in *"--only train"*) sleep 60 ;; esac\n')
+    stub.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "DECODE_SECONDS": "20"}
+    done = subprocess.run(["bash", str(NODE_SCRIPT), str(tmp_path / "out"), "40", "headline"],
+                          capture_output=True, text=True, timeout=120, cwd=tree, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    calls = (tree / "calls.txt").read_text().splitlines()
+    assert [c.rsplit("--only ", 1)[1] for c in calls] == ["cache", "train", "evaluate --no-score"]
+    session = (tmp_path / "out" / "session.txt").read_text()
+    assert "(stopped at the deadline)" in session and "test is decoded from the checkpoints the runs have" in session
+
+
 @pytest.mark.parametrize("name", ["PROBE_UPDATES", "HEADLINE_UPDATES", "DECODE_SECONDS"])
 def test_gpu_node_script_refuses_a_budget_that_is_not_a_whole_number(tmp_path, name):
     done = subprocess.run(["bash", str(NODE_SCRIPT), "out", "60", "headline"], capture_output=True, text=True,
