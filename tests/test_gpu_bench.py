@@ -133,21 +133,29 @@ def test_gpu_node_script_refuses_bad_input_in_one_line_before_writing_anything(t
     assert not (tmp_path / "out").exists()
 
 
-def test_gpu_node_headline_decodes_what_training_saved_when_the_deadline_stops_it(tmp_path):
-    # Training that runs into DECODE_SECONDS is stopped there; the runs have saved what they trained, and the
-    # step still decodes test in the time it kept.
+def _node_tree(tmp_path, files: list[str], stub: str, **settings: str):
+    """A node tree holding `files` (repo paths), a bundle whose install does nothing, and a `prlmfuse` on PATH
+    that runs the bash `stub` after recording its arguments in calls.txt: (tree, env for gpu_node.sh)."""
     repo = BENCH.parents[1]
     tree = tmp_path / "tree"
     (tree / "examples").mkdir(parents=True)
     (tree / "offline").mkdir()
-    shutil.copy(repo / "examples" / "default-en-ja-base.yaml", tree / "examples")
+    for name in files:
+        shutil.copy(repo / name, tree / name)
     (tree / "offline" / "install.sh").write_text("echo installed\n")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    stub = bin_dir / "prlmfuse"
-    stub.write_text('#!/usr/bin/env bash\necho "$@" >> calls.txt\ncase "$*" in *"--only train"*) sleep 60 ;; esac\n')
-    stub.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "DECODE_SECONDS": "20"}
+    prlmfuse = bin_dir / "prlmfuse"
+    prlmfuse.write_text('#!/usr/bin/env bash\necho "$@" >> calls.txt\n' + stub)
+    prlmfuse.chmod(0o755)
+    return tree, {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", **settings}
+
+
+def test_gpu_node_headline_decodes_what_training_saved_when_the_deadline_stops_it(tmp_path):
+    # Training that runs into DECODE_SECONDS is stopped there; the runs have saved what they trained, and the
+    # step still decodes test in the time it kept.
+    tree, env = _node_tree(tmp_path, ["examples/default-en-ja-base.yaml"],
+                           'case "$*" in *"--only train"*) sleep 60 ;; esac\n', DECODE_SECONDS="20")
     done = subprocess.run(["bash", str(NODE_SCRIPT), str(tmp_path / "out"), "40", "headline"],
                           capture_output=True, text=True, timeout=120, cwd=tree, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -172,23 +180,11 @@ def test_gpu_node_script_runs_its_steps_in_order_on_node_pipeline_files(tmp_path
     # here in seconds; the pipeline files they write must load and point at the bundle's checkpoint.
     from prlmfuse.config import load_pipeline
 
-    repo = BENCH.parents[1]
-    tree = tmp_path / "tree"
-    (tree / "examples").mkdir(parents=True)
-    (tree / "offline").mkdir()
-    shutil.copy(repo / "examples" / "results-en-ja-base.yaml", tree / "examples")
-    shutil.copy(repo / "examples" / "default-en-ja-base.yaml", tree / "examples")
-    shutil.copy(repo / "pipeline.yaml", tree)
-    (tree / "offline" / "install.sh").write_text("echo installed\n")
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    stub = bin_dir / "prlmfuse"
-    stub.write_text('#!/usr/bin/env bash\necho "$@" >> calls.txt\n'
-                    'd=$(dirname "$2")/../work/$(basename "$2" .yaml)/runs/baseline.seed-1; mkdir -p "$d"\n'
-                    'echo "{}" > "$d/metrics.jsonl"; echo weights > "$d/best.safetensors"\n')
-    stub.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PROBE_UPDATES": "7", "HEADLINE_UPDATES": "9",
-           "DECODE_SECONDS": "5"}
+    tree, env = _node_tree(
+        tmp_path, ["examples/results-en-ja-base.yaml", "examples/default-en-ja-base.yaml", "pipeline.yaml"],
+        'd=$(dirname "$2")/../work/$(basename "$2" .yaml)/runs/baseline.seed-1; mkdir -p "$d"\n'
+        'echo "{}" > "$d/metrics.jsonl"; echo weights > "$d/best.safetensors"\n',
+        PROBE_UPDATES="7", HEADLINE_UPDATES="9", DECODE_SECONDS="5")
     done = subprocess.run(["bash", str(NODE_SCRIPT), str(tmp_path / "out"), "120", "probe", "headline", "demo"],
                           capture_output=True, text=True, timeout=120, cwd=tree, env=env)
     assert done.returncode == 0, done.stdout + done.stderr
