@@ -43,6 +43,14 @@ def collapse_warnings(rows: list[RunResult]) -> list[str]:
     return lines
 
 
+def footnote_against(compared: list[str], baseline: str | None) -> str:
+    """What Δ and p were computed against: the baseline, or, where the baseline has several seeds, the
+    baseline run of each run's own seed, named, so that a reader does not take one for the other."""
+    if compared == [baseline]:
+        return "paired bootstrap against the baseline"
+    return "paired bootstrap against the baseline run of each run's own seed: " + ", ".join(compared)
+
+
 def summary_lines(results: EvaluationResults) -> list[str]:
     """Results file, scores with delta and p, a warning for each run that writes few distinct outputs,
     two examples side by side with the reference, plot paths."""
@@ -69,8 +77,9 @@ def summary_lines(results: EvaluationResults) -> list[str]:
         elif r.run == results.baseline:
             score += "  (baseline)"
         lines.append(score)
-    if any(metric in r.delta for r in rows):
-        lines.append(f"  * p < {SIGNIFICANCE:g} (paired bootstrap against the baseline)")
+    compared = sorted({r.compared_with or results.baseline for r in rows if metric in r.delta})
+    if compared:
+        lines.append(f"  * p < {SIGNIFICANCE:g} ({footnote_against(compared, results.baseline)})")
     lines += collapse_warnings(results.rows)
 
     plots = ", ".join(str(files[name]) for name in ("scores.png", "dev_loss.png") if files[name].is_file())

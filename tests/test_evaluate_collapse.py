@@ -4,6 +4,7 @@ results row and table, with a warning in the summary; `report` shows them, also 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,22 @@ def test_the_summary_warns_of_a_collapsed_run_only(tmp_path):
         EvaluationResults(tmp_path, None, [_row("half", half)], SETTINGS)))
     unscored = EvaluationResults(tmp_path, "healthy", [_row("collapsed", COLLAPSED)], {**SETTINGS, "scored": False})
     assert any(line.startswith("warning: collapsed wrote 3/10") for line in summary_lines(unscored))
+
+
+def test_the_summary_footnote_names_the_baselines_the_deltas_were_computed_against(tmp_path):
+    def compared(run: str, seed: int, against: str | None) -> RunResult:
+        row = replace(_row(run, HEALTHY), seed=seed)
+        return row if against is None else replace(row, delta={"bleu": 1.0}, p_value={"bleu": 0.01},
+                                                  compared_with=against)
+
+    one_seed = [compared("baseline", 1, None), compared("fused", 1, "baseline")]
+    footnote = summary_lines(EvaluationResults(tmp_path, "baseline", one_seed, SETTINGS))[-3]
+    assert footnote == "  * p < 0.05 (paired bootstrap against the baseline)"
+    # With a baseline per seed, fused.seed-2 was compared with baseline.seed-2, not with the named baseline.
+    seeds = one_seed + [compared("baseline.seed-2", 2, "baseline"), compared("fused.seed-2", 2, "baseline.seed-2")]
+    footnote = summary_lines(EvaluationResults(tmp_path, "baseline", seeds, SETTINGS))[-3]
+    assert footnote == ("  * p < 0.05 (paired bootstrap against the baseline run of each run's own seed: "
+                        "baseline, baseline.seed-2)")
 
 
 @pytest.mark.parametrize("task", ["translation", "summarization"])
