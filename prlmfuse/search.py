@@ -37,8 +37,10 @@ prlmfuse.search_report the --dry-run plan, the table and --confirm.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
+import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,8 +53,8 @@ from prlmfuse.fileio import atomic_write_json
 from prlmfuse.launch import Task, launch, require, say
 from prlmfuse.pipeline_inputs import (build_caches, caches_for_run, cache_jobs, ensure_data, ensure_workdir,
                                       resolve_run, run_path)
-from prlmfuse.search_report import (TABLE_JSON, TABLE_MD, confirm_search, dry_run_lines, summary_lines,
-                                    table_markdown, train_confirm_run, write_table)
+from prlmfuse.search_report import (TABLE_JSON, TABLE_MD, check_dir, confirm_search, dry_run_lines, pruned_to_check,
+                                    summary_lines, table_markdown, train_confirm_run, write_table)
 from prlmfuse.search_space import SearchConfig
 from prlmfuse.search_study import (JOURNAL, LEASES, Heartbeat, amount, claims_lock, holds_lease, import_optuna,
                                    lease_path, lease_state, new_lease, open_study, read_lease, search_dir, the_search,
@@ -61,8 +63,8 @@ from prlmfuse.train_fused import run_dir as rundir
 
 # What callers import from here (the `search` command among them), wherever it is defined.
 __all__ = ["TABLE_JSON", "TABLE_MD", "claim_next", "dry_run_lines", "open_study", "run_search", "search_dir",
-           "summary_lines", "table_markdown", "the_search", "train_confirm_run", "trials_pipeline", "with_runs",
-           "work", "worker_identity", "worker_task", "write_table"]
+           "summary_lines", "table_markdown", "the_search", "train_check_run", "train_confirm_run", "trials_pipeline",
+           "with_runs", "work", "worker_identity", "worker_task", "write_table"]
 
 logger = logging.getLogger(__name__)
 
@@ -252,6 +254,77 @@ def _lease_lost(name: str, lease: Path, when: str) -> None:
                    "nothing", name, when, holder.get("owner", "no worker"))
 
 
+# ---------------------------------------------------------------------------- --check-pruned
+
+
+def _check_copy(cfg: PipelineConfig, name: str) -> Path:
+    """The check's copy of pruned trial `name`'s run directory, its pruner's stop cleared, so that training resumes
+    it from the checkpoint where it was pruned; the trial's own directory stays as the search left it (the table's
+    record). Copied under a temporary name and renamed, so that a copy cut short by a kill is never trained on."""
+    out = check_dir(cfg, name)
+    if out.is_dir():
+        return out
+    trial_dir = run_path(trials_pipeline(cfg), name)
+    state = rundir.latest_trainer_state(trial_dir)
+    if state is None or state.stopped != "pruned":
+        raise UserError(f"{trial_dir} holds no pruned trial to train on; rerun `prlmfuse search {cfg.path}` to "
+                        "finish the search first")
+    partial = out.with_name(out.name + ".copying")
+    shutil.rmtree(partial, ignore_errors=True)
+    shutil.copytree(trial_dir, partial, ignore=shutil.ignore_patterns(rundir.LOCK, rundir.RESUME_DIR))
+    for path in (partial / rundir.TRAINER_STATE, rundir.state_path(partial, state.update)):
+        if path.is_file():
+            record = json.loads(path.read_text())
+            record.pop("stopped", None)
+            atomic_write_json(path, record)
+    os.replace(partial, out)
+    return out
+
+
+def train_check_run(cfg: PipelineConfig, name: str, *, progress: bool = True) -> Path:
+    """`search PIPELINE --check-run NAME`: train pruned trial NAME's copy on to the full budget, with no pruner."""
+    from prlmfuse.precision import resolve_runtime
+    from prlmfuse.train_fused import train_run
+
+    search = the_search(cfg)
+    run = next((t for t in search.trials if t.name == name), None)
+    if run is None:
+        raise UserError(f"--check-run {name!r}: search {search.name} has no such trial")
+    tcfg = trials_pipeline(cfg)
+    corpus = ensure_data(tcfg, build=False)
+    out = _check_copy(cfg, name)
+    caches = [{split: c[split] for split in TRAIN_SPLITS}
+              for c in caches_for_run(run, cache_jobs(tcfg, corpus, [name]), tcfg)]
+    with _trial_log(out / rundir.TRAIN_LOG):
+        return train_run(resolve_run(tcfg, run), corpus, caches, out, resume=True, progress=progress,
+                         runtime=resolve_runtime(cfg.device, cfg.precision))
+
+
+def check_pruned(cfg: PipelineConfig, table: dict, count: int, *, jobs: int, wait: bool) -> bool:
+    """--check-pruned COUNT: train the COUNT pruned trials with the best dev loss at the last rung they reached on to
+    the full budget, each from a copy of its run directory, to see whether the pruner stopped a setting better than
+    the winner. False while SLURM tasks run on (--no-wait)."""
+    chosen = [r["run"] for r in pruned_to_check(table, count)]
+    if not chosen:
+        say(f"search: {table['search']} pruned no trial: nothing to check")
+        return True
+    say(f"search: training {', '.join(chosen)} on to {amount(table['full_budget'], table['unit'])} from where they were "
+        f"pruned, to check the pruner -> {check_dir(cfg, '')}")
+    for name in chosen:  # in the driver, before any child starts
+        _check_copy(cfg, name)
+    on_cluster = cfg.launcher.kind != "local"
+    if len(chosen) == 1 and not on_cluster:
+        train_check_run(cfg, chosen[0])
+        return True
+    argv = ("search", os.path.abspath(cfg.path), "--device", cfg.device, "--precision", cfg.precision, "--launcher",
+            "local", "--check-run")
+    tasks = [Task(f"check-{name}", (*argv, name), check_dir(cfg, name).parent / f"{name}.log", check_dir(cfg, name))
+             for name in chosen]
+    launch(tasks, cfg.launcher, workdir=cfg.workdir, parallel=min(jobs, len(tasks)), wait=wait, label="check",
+           what="checks of pruned trials")
+    return wait
+
+
 # ---------------------------------------------------------------------------- the driver
 
 
@@ -289,9 +362,10 @@ def worker_task(cfg: PipelineConfig, index: int) -> Task:
 
 
 def run_search(cfg: PipelineConfig, *, jobs: int | None = None, wait: bool = True, confirm: bool = False,
-               score: bool = True) -> dict | None:
-    """`prlmfuse search`: the grid's trials (resumed where they stopped), then the table; with `confirm`, the
-    winner and its baselines on test. Returns the table (None while SLURM workers run on, --no-wait)."""
+               score: bool = True, check: int = 0) -> dict | None:
+    """`prlmfuse search`: the grid's trials (resumed where they stopped), then the table; with `check`, that many
+    pruned trials trained on to the full budget; with `confirm`, the winner and its baselines on test. Returns the
+    table (None while SLURM tasks run on, --no-wait)."""
     from prlmfuse.distributed import rank_world
     from prlmfuse.precision import resolve_runtime
 
@@ -334,11 +408,17 @@ def run_search(cfg: PipelineConfig, *, jobs: int | None = None, wait: bool = Tru
         raise UserError(f"{len(failed)} of {len(table['trials'])} trials failed: "
                         + "; ".join(f"{r['run']} ({r['status']}; log {r['log']})" for r in failed)
                         + f"; the table so far is {search_dir(cfg) / TABLE_MD}; rerun the same command to retry them")
-    if confirm:
+    if check or confirm:
         open_trials = [r["run"] for r in table["trials"]
                        if r["status"] != "finished" and not r["status"].startswith("pruned")]
         if open_trials:
-            raise UserError(f"--confirm waits for every trial to end; still open: {', '.join(open_trials)}")
+            option = "--check-pruned" if check else "--confirm"
+            raise UserError(f"{option} waits for every trial to end; still open: {', '.join(open_trials)}")
+    if check:
+        if not check_pruned(cfg, table, check, jobs=jobs, wait=wait):
+            return None
+        table = write_table(cfg, study)
+    if confirm:
         table["confirm"] = confirm_search(cfg, table, parallel=jobs, wait=wait, score=score)
     return table
 

@@ -1,7 +1,8 @@
 """What a search reports and what follows it: the plan (`--dry-run`: the space, each trial's state and
 parameters, the most updates it can spend), the table of every trial (trials.md and trials.json in the search's
-folder) with the best setting and the updates spent as a share of the full grid's, and `--confirm`, which trains
-the best setting and its two baselines to the full budget and evaluates them on test once.
+folder) with the best setting and the updates spent as a share of the full grid's, the pruned trials that
+`--check-pruned` trained on to the full budget beside the best, and `--confirm`, which trains the best setting and
+its two baselines to the full budget and evaluates them on test once.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from prlmfuse.train_fused.config import RunConfig
 TABLE_MD = "trials.md"
 TABLE_JSON = "trials.json"
 CONFIRM = "confirm"
+CHECK = "check"  # the search folder's copies of pruned trials that --check-pruned trains on
 
 
 # ---------------------------------------------------------------------------- the table
@@ -85,6 +87,44 @@ def _updates_per_epoch(state, run: RunConfig) -> int | None:
     return -(-state.batches_per_epoch // run.update_freq)
 
 
+def check_dir(cfg: PipelineConfig, run: str) -> Path:
+    """Where --check-pruned trains pruned trial `run` on: a copy of its run directory in the search's folder."""
+    return search_dir(cfg) / CHECK / run
+
+
+def pruned_to_check(table: dict, count: int) -> list[dict]:
+    """The `count` pruned trials that came nearest to going on: those that reached the highest rung first, and among
+    them the lowest dev loss at it."""
+    pruned = [r for r in table["trials"] if r["status"].startswith("pruned") and r["dev_loss_at_rungs"]]
+
+    def nearest(row: dict) -> tuple[int, float]:
+        rung = max(row["dev_loss_at_rungs"], key=int)
+        return -int(rung), row["dev_loss_at_rungs"][rung]
+
+    return sorted(pruned, key=nearest)[:count]
+
+
+def _checked_rows(cfg: PipelineConfig, rows: list[dict]) -> list[dict]:
+    """The pruned trials --check-pruned trains on (their copies in the check folder): where each was pruned, how far
+    it has trained since, and its dev loss once it reached the full budget."""
+    search = the_search(cfg)
+    runs = {t.name: t for t in search.trials}
+    out = []
+    for row in rows:
+        copy = check_dir(cfg, row["run"])
+        if not copy.is_dir() or not row["dev_loss_at_rungs"]:
+            continue
+        state = rundir.state_to_resume(copy)
+        rung = max(row["dev_loss_at_rungs"], key=int)
+        done = state is not None and rundir.stop_reason(runs[row["run"]], state) is not None
+        out.append({"run": row["run"], "setting": row["setting"], "pruned_at": int(rung),
+                    "dev_loss_when_pruned": row["dev_loss_at_rungs"][rung],
+                    "updates": state.update if state is not None else 0,
+                    "dev_loss": state.last_dev_loss if done else None,
+                    "status": "trained to the full budget" if done else "training on", "log": str(copy / rundir.TRAIN_LOG)})
+    return out
+
+
 def write_table(cfg: PipelineConfig, study) -> dict:
     """trials.json and trials.md in the search's folder: every trial, the best setting, the updates spent."""
     search = the_search(cfg)
@@ -107,6 +147,10 @@ def write_table(cfg: PipelineConfig, study) -> dict:
                    for s in ("finished", "pruned", "running", "stopped", "waiting", "failed")},
         "test_read": False,
     }
+    checked = _checked_rows(cfg, rows)
+    if checked:
+        table["checked"] = checked
+        table["check_updates"] = sum(max(0, c["updates"] - c["pruned_at"]) for c in checked)
     directory = search_dir(cfg)
     atomic_write_json(directory / TABLE_JSON, table)
     atomic_write_text(directory / TABLE_MD, table_markdown(table))
@@ -133,6 +177,16 @@ def table_markdown(table: dict) -> str:
         cells = [r["run"], *(str(r["setting"][k]) for k in keys), f"{r['trainable_parameters']:,}", str(r["updates"]),
                  *(_fmt(r["dev_loss_at_rungs"].get(str(s))) for s in rungs), _fmt(r["dev_loss"]), r["status"]]
         lines.append("| " + " | ".join(cells) + " |")
+    checked = table.get("checked") or []
+    if checked:
+        lines += ["", "Pruned trials trained on to the full budget from where they were pruned (`--check-pruned`), "
+                  "to see whether the pruner stopped a setting better than the best:", "",
+                  "| trial | " + " | ".join(keys) + f" | pruned at | dev loss then | updates | dev loss @{table['full_budget']} |",
+                  "|" + "---|" * (len(keys) + 5)]
+        for c in checked:
+            lines.append("| " + " | ".join([c["run"], *(str(c["setting"][k]) for k in keys), str(c["pruned_at"]),
+                                            _fmt(c["dev_loss_when_pruned"]), str(c["updates"]), _fmt(c["dev_loss"])])
+                         + " |")
     lines.append("")
     lines += summary_lines(table)
     return "\n".join(lines) + "\n"
@@ -151,6 +205,27 @@ def summary_lines(table: dict) -> list[str]:
         full = amount(table["full_budget"], table["unit"])
         lines.append(f"spent: {table['updates_spent']:,} of the {table['full_grid_updates']:,} updates that train "
                      f"every setting to {full} ({100 * table['share_of_full_grid']:.0f}%)")
+    lines += _check_lines(table)
+    return lines
+
+
+def _check_lines(table: dict) -> list[str]:
+    """One line per pruned trial trained on: its dev loss at the full budget against the best's."""
+    best = table["best"]
+    lines = []
+    for c in table.get("checked") or []:
+        pruned = f"{c['run']} (pruned at {amount(c['pruned_at'], table['unit'])})"
+        if c["dev_loss"] is None:
+            lines.append(f"check: {pruned} is training on, at update {c['updates']}; rerun the same command to finish it")
+            continue
+        line = f"check: {pruned} trained on to {amount(table['full_budget'], table['unit'])}: dev loss {c['dev_loss']:.4f}"
+        if best is not None:
+            ahead = c["dev_loss"] < best["dev_loss"]
+            line += (f", {'below' if ahead else 'above'} the best's {best['dev_loss']:.4f}"
+                     + (": the pruner stopped a setting better than the best" if ahead else ""))
+        lines.append(line)
+    if table.get("checked"):
+        lines.append(f"check spent {table['check_updates']:,} updates more")
     return lines
 
 

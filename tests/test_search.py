@@ -136,6 +136,69 @@ def test_a_search_prunes_the_settings_that_cannot_learn_and_never_reads_test(wor
     assert rundir.state_to_resume(runs / "s-best").update == 16
 
 
+def test_check_pruned_trains_the_nearest_pruned_trials_on_from_copies_and_leaves_the_search_as_it_was(world, tmp_path):
+    from prlmfuse import search as searching
+    from prlmfuse.config import load_pipeline
+    from prlmfuse.train_fused import run_dir as rundir
+
+    cfg = load_pipeline(sw.write_pipeline(tmp_path, world))
+    table = searching.run_search(cfg)
+    runs = cfg.workdir / "runs"
+    rows = {r["run"]: r for r in table["trials"]}
+    pruned = [r["run"] for r in table["trials"] if r["status"].startswith("pruned")]
+    assert {"s-003", "s-004"} <= set(pruned) and "checked" not in table
+    # All were pruned at the first rung: the two with the lowest dev loss there are the nearest to going on.
+    nearest = sorted(pruned, key=lambda name: rows[name]["dev_loss_at_rungs"]["4"])[:2]
+    stamps = {p: p.stat().st_mtime_ns for p in runs.glob("s-00*/**/*") if p.is_file()}
+
+    # Two children at once: each resumes its copy from the checkpoint where its trial was pruned.
+    table = searching.run_search(cfg, check=2, jobs=2)
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps  # the trials' own directories are untouched
+    checked = {c["run"]: c for c in table["checked"]}
+    assert sorted(checked) == sorted(nearest)
+    for name, c in checked.items():
+        copy = cfg.workdir / "search" / "s" / "check" / name
+        state = rundir.state_to_resume(copy)
+        assert state.update == c["updates"] == 16 and state.stopped is None and c["pruned_at"] == 4
+        assert c["dev_loss"] == state.last_dev_loss and c["status"] == "trained to the full budget"
+        assert c["dev_loss_when_pruned"] == rows[name]["dev_loss_at_rungs"]["4"]
+        assert f"train: {name} resumes at update 4" in (copy / "train.log").read_text()
+        assert rundir.state_to_resume(runs / name).stopped == "pruned"
+    assert table["check_updates"] == 2 * 12 and table["updates_spent"] < table["full_grid_updates"]
+    lines = searching.summary_lines(table)
+    best = table["best"]["dev_loss"]
+    for name, c in checked.items():
+        side = "below" if c["dev_loss"] < best else "above"
+        assert (f"check: {name} (pruned at 4 updates) trained on to 16 updates: dev loss {c['dev_loss']:.4f}, "
+                f"{side} the best's {best:.4f}") in " ".join(lines)
+    assert lines[-1] == "check spent 24 updates more"
+    md = (cfg.workdir / "search" / "s" / "trials.md").read_text()
+    for name, c in checked.items():
+        setting = rows[name]["setting"]
+        assert f"| {name} | {setting['lr']} | {setting['layer']} | 4 | {c['dev_loss_when_pruned']:.4f} | 16 |" in md
+
+    # The same command again trains nothing more; asking for fewer checks keeps the ones done.
+    copies = {p: p.stat().st_mtime_ns for p in (cfg.workdir / "search" / "s" / "check").glob("*/trainer_state.json")}
+    again = searching.run_search(cfg, check=1)
+    assert {p: p.stat().st_mtime_ns for p in copies} == copies and again["checked"] == table["checked"]
+
+
+def test_the_check_lines_say_when_the_pruner_stopped_a_setting_better_than_the_best():
+    from prlmfuse.search_report import summary_lines
+
+    table = {"search": "s", "trials": [{}, {}], "counts": {"finished": 1, "pruned": 1, "running": 0, "stopped": 0,
+                                                           "waiting": 0, "failed": 0},
+             "best": {"run": "s-001", "setting": {"layer": "concat"}, "dev_loss": 4.40}, "full_budget": 3000,
+             "unit": "updates", "full_grid_updates": None, "check_updates": 2400,
+             "checked": [{"run": "s-002", "pruned_at": 600, "updates": 3000, "dev_loss": 4.35},
+                         {"run": "s-003", "pruned_at": 600, "updates": 1200, "dev_loss": None}]}
+    assert summary_lines(table)[2:] == [
+        "check: s-002 (pruned at 600 updates) trained on to 3000 updates: dev loss 4.3500, below the best's 4.4000: "
+        "the pruner stopped a setting better than the best",
+        "check: s-003 (pruned at 600 updates) is training on, at update 1200; rerun the same command to finish it",
+        "check spent 2,400 updates more"]
+
+
 # ---------------------------------------------------------------------------- kill and resume
 
 
