@@ -43,14 +43,6 @@ def collapse_warnings(rows: list[RunResult]) -> list[str]:
     return lines
 
 
-def footnote_against(compared: list[str], baseline: str | None) -> str:
-    """What Δ and p were computed against: the baseline, or, where the baseline has several seeds, the
-    baseline run of each run's own seed, named, so that a reader does not take one for the other."""
-    if compared == [baseline]:
-        return "paired bootstrap against the baseline"
-    return "paired bootstrap against the baseline run of each run's own seed: " + ", ".join(compared)
-
-
 def summary_lines(results: EvaluationResults) -> list[str]:
     """Results file, scores with delta and p, a warning for each run that writes few distinct outputs,
     two examples side by side with the reference, plot paths."""
@@ -74,12 +66,16 @@ def summary_lines(results: EvaluationResults) -> list[str]:
         if metric in r.delta:
             star = "*" if is_significant(r, metric) else ""
             score += f"  Δ {r.delta[metric]:+.2f}  p={r.p_value[metric]:.3f}{star}"
+            if r.compared_with not in (None, results.baseline):  # the baseline run of this run's own seed
+                score += f"  vs {r.compared_with}"
         elif r.run == results.baseline:
             score += "  (baseline)"
         lines.append(score)
-    compared = sorted({r.compared_with or results.baseline for r in rows if metric in r.delta})
-    if compared:
-        lines.append(f"  * p < {SIGNIFICANCE:g} ({footnote_against(compared, results.baseline)})")
+    deltas = [r for r in rows if metric in r.delta]
+    if deltas:
+        other = any(r.compared_with not in (None, results.baseline) for r in deltas)
+        against = "the baseline, or the run named after vs" if other else "the baseline"
+        lines.append(f"  * p < {SIGNIFICANCE:g} (paired bootstrap against {against})")
     lines += collapse_warnings(results.rows)
 
     plots = ", ".join(str(files[name]) for name in ("scores.png", "dev_loss.png") if files[name].is_file())

@@ -310,8 +310,14 @@ def check_pruned(cfg: PipelineConfig, table: dict, count: int, *, jobs: int, wai
         return True
     say(f"search: training {', '.join(chosen)} on to {amount(table['full_budget'], table['unit'])} from where they were "
         f"pruned, to check the pruner -> {check_dir(cfg, '')}")
+    runs = {t.name: t for t in the_search(cfg).trials}
     for name in chosen:  # in the driver, before any child starts
         _check_copy(cfg, name)
+    # A copy trained to the full budget by an earlier call is not launched again (a --no-wait rerun goes on).
+    chosen = [n for n in chosen if (s := rundir.state_to_resume(check_dir(cfg, n))) is None
+              or rundir.stop_reason(runs[n], s) is None]
+    if not chosen:
+        return True
     on_cluster = cfg.launcher.kind != "local"
     if len(chosen) == 1 and not on_cluster:
         train_check_run(cfg, chosen[0])

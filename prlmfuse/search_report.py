@@ -114,10 +114,15 @@ def _checked_rows(cfg: PipelineConfig, rows: list[dict]) -> list[dict]:
         copy = check_dir(cfg, row["run"])
         if not copy.is_dir() or not row["dev_loss_at_rungs"]:
             continue
-        state = rundir.state_to_resume(copy)
+        try:
+            state = rundir.state_to_resume(copy)
+        except UserError as e:  # a damaged copy: the table says so rather than failing every search call
+            out.append({"run": row["run"], "setting": row["setting"], "status": f"unreadable: {e}"})
+            continue
         rung = max(row["dev_loss_at_rungs"], key=int)
         done = state is not None and rundir.stop_reason(runs[row["run"]], state) is not None
         out.append({"run": row["run"], "setting": row["setting"], "pruned_at": int(rung),
+                    "updates_when_pruned": row["updates"],
                     "dev_loss_when_pruned": row["dev_loss_at_rungs"][rung],
                     "updates": state.update if state is not None else 0,
                     "dev_loss": state.last_dev_loss if done else None,
@@ -150,7 +155,8 @@ def write_table(cfg: PipelineConfig, study) -> dict:
     checked = _checked_rows(cfg, rows)
     if checked:
         table["checked"] = checked
-        table["check_updates"] = sum(max(0, c["updates"] - c["pruned_at"]) for c in checked)
+        table["check_updates"] = sum(max(0, c["updates"] - c["updates_when_pruned"]) for c in checked
+                                     if "updates" in c)
     directory = search_dir(cfg)
     atomic_write_json(directory / TABLE_JSON, table)
     atomic_write_text(directory / TABLE_MD, table_markdown(table))
@@ -183,7 +189,7 @@ def table_markdown(table: dict) -> str:
                   "to see whether the pruner stopped a setting better than the best:", "",
                   "| trial | " + " | ".join(keys) + f" | pruned at | dev loss then | updates | dev loss @{table['full_budget']} |",
                   "|" + "---|" * (len(keys) + 5)]
-        for c in checked:
+        for c in (c for c in checked if "updates" in c):  # an unreadable copy is named in the lines below
             lines.append("| " + " | ".join([c["run"], *(str(c["setting"][k]) for k in keys), str(c["pruned_at"]),
                                             _fmt(c["dev_loss_when_pruned"]), str(c["updates"]), _fmt(c["dev_loss"])])
                          + " |")
@@ -214,6 +220,9 @@ def _check_lines(table: dict) -> list[str]:
     best = table["best"]
     lines = []
     for c in table.get("checked") or []:
+        if "updates" not in c:
+            lines.append(f"check: {c['run']}'s copy is {c['status']}")
+            continue
         pruned = f"{c['run']} (pruned at {amount(c['pruned_at'], table['unit'])})"
         if c["dev_loss"] is None:
             lines.append(f"check: {pruned} is training on, at update {c['updates']}; rerun the same command to finish it")

@@ -82,20 +82,22 @@ def test_the_summary_warns_of_a_collapsed_run_only(tmp_path):
     assert any(line.startswith("warning: collapsed wrote 3/10") for line in summary_lines(unscored))
 
 
-def test_the_summary_footnote_names_the_baselines_the_deltas_were_computed_against(tmp_path):
+def test_the_summary_names_the_baseline_behind_each_delta_where_it_is_not_the_named_one(tmp_path):
     def compared(run: str, seed: int, against: str | None) -> RunResult:
         row = replace(_row(run, HEALTHY), seed=seed)
         return row if against is None else replace(row, delta={"bleu": 1.0}, p_value={"bleu": 0.01},
                                                   compared_with=against)
 
     one_seed = [compared("baseline", 1, None), compared("fused", 1, "baseline")]
-    footnote = summary_lines(EvaluationResults(tmp_path, "baseline", one_seed, SETTINGS))[-3]
-    assert footnote == "  * p < 0.05 (paired bootstrap against the baseline)"
-    # With a baseline per seed, fused.seed-2 was compared with baseline.seed-2, not with the named baseline.
+    lines = summary_lines(EvaluationResults(tmp_path, "baseline", one_seed, SETTINGS))
+    assert lines[-3] == "  * p < 0.05 (paired bootstrap against the baseline)" and not any(" vs " in x for x in lines)
+    # With a baseline per seed, fused.seed-2 was compared with baseline.seed-2, baseline.seed-2 with the named one.
     seeds = one_seed + [compared("baseline.seed-2", 2, "baseline"), compared("fused.seed-2", 2, "baseline.seed-2")]
-    footnote = summary_lines(EvaluationResults(tmp_path, "baseline", seeds, SETTINGS))[-3]
-    assert footnote == ("  * p < 0.05 (paired bootstrap against the baseline run of each run's own seed: "
-                        "baseline, baseline.seed-2)")
+    lines = summary_lines(EvaluationResults(tmp_path, "baseline", seeds, SETTINGS))
+    assert lines[-3] == "  * p < 0.05 (paired bootstrap against the baseline, or the run named after vs)"
+    scores = {line.split(":")[0].strip(): line for line in lines if line.startswith("  ") and "Δ" in line}
+    assert scores["fused.seed-2"].endswith("p=0.010*  vs baseline.seed-2")
+    assert scores["baseline.seed-2"].endswith("p=0.010*") and scores["fused"].endswith("p=0.010*")
 
 
 @pytest.mark.parametrize("task", ["translation", "summarization"])
