@@ -53,8 +53,9 @@ from prlmfuse.fileio import atomic_write_json
 from prlmfuse.launch import Task, launch, require, say
 from prlmfuse.pipeline_inputs import (build_caches, caches_for_run, cache_jobs, ensure_data, ensure_workdir,
                                       resolve_run, run_path)
-from prlmfuse.search_report import (TABLE_JSON, TABLE_MD, check_dir, confirm_search, dry_run_lines, pruned_to_check,
-                                    summary_lines, table_markdown, train_confirm_run, write_table)
+from prlmfuse.search_report import (CHECK, TABLE_JSON, TABLE_MD, check_dir, check_progress, confirm_search,
+                                    dry_run_lines, pruned_to_check, summary_lines, table_markdown, train_confirm_run,
+                                    write_table)
 from prlmfuse.search_space import SearchConfig
 from prlmfuse.search_study import (JOURNAL, LEASES, Heartbeat, amount, claims_lock, holds_lease, import_optuna,
                                    lease_path, lease_state, new_lease, open_study, read_lease, search_dir, the_search,
@@ -161,6 +162,11 @@ def _rung_reporter(search: SearchConfig, trial, lease: Path | None = None, nonce
     return DevHook(at_updates=at, after=after)
 
 
+def _train_dev_caches(run, jobs, tcfg: PipelineConfig) -> list[dict]:
+    """A trial's train and dev caches only: its run.json names no test cache, and nothing opens one."""
+    return [{split: c[split] for split in TRAIN_SPLITS} for c in caches_for_run(run, jobs, tcfg)]
+
+
 @contextlib.contextmanager
 def _trial_log(path: Path):
     """The prlmfuse loggers' records also in the trial's train.log while it trains."""
@@ -212,8 +218,7 @@ def work(cfg: PipelineConfig, *, progress: bool = True) -> int:
                 f"{' resumed' if claim.resumed else ''} -> {out}")
             try:
                 with _trial_log(out / rundir.TRAIN_LOG), Heartbeat(lease):
-                    # Its train and dev caches only: a trial's run.json names no test cache, and nothing opens one.
-                    caches = [{split: c[split] for split in TRAIN_SPLITS} for c in caches_for_run(run, jobs, tcfg)]
+                    caches = _train_dev_caches(run, jobs, tcfg)
                     train_run(resolve_run(tcfg, run), corpus, caches, out, resume=True, progress=progress,
                               runtime=runtime, dev_hook=_rung_reporter(search, claim.trial, lease, claim.nonce))
             except LeaseLost as e:
@@ -293,8 +298,7 @@ def train_check_run(cfg: PipelineConfig, name: str, *, progress: bool = True) ->
     tcfg = trials_pipeline(cfg)
     corpus = ensure_data(tcfg, build=False)
     out = _check_copy(cfg, name)
-    caches = [{split: c[split] for split in TRAIN_SPLITS}
-              for c in caches_for_run(run, cache_jobs(tcfg, corpus, [name]), tcfg)]
+    caches = _train_dev_caches(run, cache_jobs(tcfg, corpus, [name]), tcfg)
     with _trial_log(out / rundir.TRAIN_LOG):
         return train_run(resolve_run(tcfg, run), corpus, caches, out, resume=True, progress=progress,
                          runtime=resolve_runtime(cfg.device, cfg.precision))
@@ -309,13 +313,11 @@ def check_pruned(cfg: PipelineConfig, table: dict, count: int, *, jobs: int, wai
         say(f"search: {table['search']} pruned no trial: nothing to check")
         return True
     say(f"search: training {', '.join(chosen)} on to {amount(table['full_budget'], table['unit'])} from where they were "
-        f"pruned, to check the pruner -> {check_dir(cfg, '')}")
-    runs = {t.name: t for t in the_search(cfg).trials}
+        f"pruned, to check the pruner -> {search_dir(cfg) / CHECK}")
     for name in chosen:  # in the driver, before any child starts
         _check_copy(cfg, name)
     # A copy trained to the full budget by an earlier call is not launched again (a --no-wait rerun goes on).
-    chosen = [n for n in chosen if (s := rundir.state_to_resume(check_dir(cfg, n))) is None
-              or rundir.stop_reason(runs[n], s) is None]
+    chosen = [name for name in chosen if not check_progress(cfg, name)[1]]
     if not chosen:
         return True
     on_cluster = cfg.launcher.kind != "local"
@@ -324,7 +326,7 @@ def check_pruned(cfg: PipelineConfig, table: dict, count: int, *, jobs: int, wai
         return True
     argv = ("search", os.path.abspath(cfg.path), "--device", cfg.device, "--precision", cfg.precision, "--launcher",
             "local", "--check-run")
-    tasks = [Task(f"check-{name}", (*argv, name), check_dir(cfg, name).parent / f"{name}.log", check_dir(cfg, name))
+    tasks = [Task(f"check-{name}", (*argv, name), search_dir(cfg) / CHECK / f"{name}.log", check_dir(cfg, name))
              for name in chosen]
     launch(tasks, cfg.launcher, workdir=cfg.workdir, parallel=min(jobs, len(tasks)), wait=wait, label="check",
            what="checks of pruned trials")

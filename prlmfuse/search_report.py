@@ -104,23 +104,28 @@ def pruned_to_check(table: dict, count: int) -> list[dict]:
     return sorted(pruned, key=nearest)[:count]
 
 
+def check_progress(cfg: PipelineConfig, run: str) -> tuple[rundir.TrainingState | None, bool]:
+    """Pruned trial `run`'s check copy: its trainer state (None before it trained) and whether it reached the full
+    budget."""
+    trial = next(t for t in the_search(cfg).trials if t.name == run)
+    state = rundir.state_to_resume(check_dir(cfg, run))
+    return state, state is not None and rundir.stop_reason(trial, state) is not None
+
+
 def _checked_rows(cfg: PipelineConfig, rows: list[dict]) -> list[dict]:
     """The pruned trials --check-pruned trains on (their copies in the check folder): where each was pruned, how far
     it has trained since, and its dev loss once it reached the full budget."""
-    search = the_search(cfg)
-    runs = {t.name: t for t in search.trials}
     out = []
     for row in rows:
         copy = check_dir(cfg, row["run"])
         if not copy.is_dir() or not row["dev_loss_at_rungs"]:
             continue
         try:
-            state = rundir.state_to_resume(copy)
+            state, done = check_progress(cfg, row["run"])
         except UserError as e:  # a damaged copy: the table says so rather than failing every search call
             out.append({"run": row["run"], "setting": row["setting"], "status": f"unreadable: {e}"})
             continue
         rung = max(row["dev_loss_at_rungs"], key=int)
-        done = state is not None and rundir.stop_reason(runs[row["run"]], state) is not None
         out.append({"run": row["run"], "setting": row["setting"], "pruned_at": int(rung),
                     "updates_when_pruned": row["updates"],
                     "dev_loss_when_pruned": row["dev_loss_at_rungs"][rung],

@@ -40,7 +40,8 @@ def search(pipeline, parallel, dry_run, confirm, check_pruned, no_score, launche
     same command resumes a killed or preempted search (finished and pruned trials kept, a running one
     resumed from its checkpoint), and several workers share it. The end is a table of every trial
     (WORKDIR/search/NAME/trials.md and .json) with the best setting and the updates spent; --check-pruned N adds
-    the N nearest-to-going-on pruned settings trained to the full budget. Test is never read, until --confirm. Needs optuna (and submitit for --launcher slurm): pip install 'prlmfuse[search]'.
+    the N nearest-to-going-on pruned settings trained to the full budget. Test is never read, until --confirm.
+    Needs optuna (and submitit for --launcher slurm): pip install 'prlmfuse[search]'.
     """
     from prlmfuse import search as searching
 
