@@ -13,6 +13,11 @@ _TESTS = str(Path(__file__).parent)
 if _TESTS not in sys.path:
     sys.path.insert(0, _TESTS)
 
+# submitit configures logging (logging.config.dictConfig) when first imported, which closes every handler
+# registered so far; absl's handler (rouge-score imports absl) then closes the stream it was made with, which
+# in a test is pytest's capture of an earlier test. Imported here, before any test, it finds none to close.
+import submitit  # noqa: E402,F401
+
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `cuda` skip where torch sees no GPU, so one command runs them on a GPU machine."""
