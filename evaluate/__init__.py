@@ -5,7 +5,8 @@
     paired_bootstrap(hyps_a, hyps_b, refs, *, tgt_lang, metric="bleu", n_samples=1000, seed=12345) -> p-value
     evaluate_runs(run_dirs, *, out, test_sets=None, baseline=None, <decode settings>, batch_tokens,
                   progress=True) -> EvaluationResults
-        results.md / results.csv / results.json, hyp.<run>.<test>.txt, scores.png, dev_loss.png in `out`
+        results.md / results.csv / results.json, hyp.<run>.<test>.txt, scores.png, dev_loss.png,
+        dev_loss.json in `out`
     summary_lines(results) -> list[str]   what to print after an evaluation: scores, delta and p, examples, plots
     score_evaluation(folder) -> EvaluationResults   scores what `evaluate_runs(score=False)` decoded elsewhere
     merge_evaluations(results_json_files, out) -> Report

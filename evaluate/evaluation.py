@@ -246,7 +246,16 @@ def evaluate_runs(
     else:  # a plot of an earlier evaluation in this folder is not of these hypotheses
         (out / "scores.png").unlink(missing_ok=True)
     plot_dev_loss(runs, out / "dev_loss.png", baseline_name)
+    write_dev_curves(runs, out / "dev_loss.json")
     return results
+
+
+def write_dev_curves(runs: list[RunView], path: Path) -> None:
+    """Each run's dev loss at every dev evaluation, as the plot draws it, for tables that quote it."""
+    atomic_write_json(path, {
+        "what": "each run's dev loss at every dev evaluation, [update, loss], from its metrics.jsonl",
+        "runs": {run.name: [[update, loss] for update, loss in rundir.read_dev_curve(run.run_dir)] for run in runs},
+    })
 
 
 # What an unscored row records in place of scores (`evaluate_runs(score=False)`).

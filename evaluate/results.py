@@ -150,6 +150,7 @@ class EvaluationResults:
             "results.json": self.out / "results.json",
             "scores.png": self.out / "scores.png",
             "dev_loss.png": self.out / "dev_loss.png",
+            "dev_loss.json": self.out / "dev_loss.json",
         }
 
 

@@ -107,10 +107,14 @@ def test_evaluate_runs_writes_every_file_and_skips_unchanged_runs(world):
     out = world["root"] / "eval"
     results = evaluate_runs([world["baseline"], world["fused"]], out=out, beam=2, average_last=3, progress=False)
     assert results.baseline == "baseline"  # the one run without PrLM branches
-    for name in ("results.md", "results.csv", "results.json", "scores.png", "dev_loss.png",
+    for name in ("results.md", "results.csv", "results.json", "scores.png", "dev_loss.png", "dev_loss.json",
                  "hyp.baseline.test.txt", "hyp.fused.test.txt"):
         assert (out / name).is_file(), name
     assert (out / "scores.png").read_bytes()[:4] == b"\x89PNG"
+    curves = json.loads((out / "dev_loss.json").read_text())["runs"]
+    for name in ("baseline", "fused"):  # the dev evaluations metrics.jsonl records, in order
+        logged = [json.loads(line) for line in (world[name] / "metrics.jsonl").read_text().splitlines()]
+        assert curves[name] == [[r["update"], r["dev_loss"]] for r in logged if "dev_loss" in r] != []
     assert len(read_lines(out / "hyp.fused.test.txt")) == 10
     fused = results.row("fused")
     assert fused.prlm == "tiny-bert" and fused.layer == "-2" and fused.merge == "sum"
