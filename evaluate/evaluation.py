@@ -245,17 +245,14 @@ def evaluate_runs(
         plot_scores(results, out / "scores.png")
     else:  # a plot of an earlier evaluation in this folder is not of these hypotheses
         (out / "scores.png").unlink(missing_ok=True)
-    plot_dev_loss(runs, out / "dev_loss.png", baseline_name)
-    write_dev_curves(runs, out / "dev_loss.json")
-    return results
-
-
-def write_dev_curves(runs: list[RunView], path: Path) -> None:
-    """Each run's dev loss at every dev evaluation, as the plot draws it, for tables that quote it."""
-    atomic_write_json(path, {
+    curves = {run.name: rundir.read_dev_curve(run.run_dir) for run in runs}
+    plot_dev_loss(runs, curves, out / "dev_loss.png", baseline_name)
+    # The plotted curves as numbers too, for tables that quote them.
+    atomic_write_json(out / "dev_loss.json", {
         "what": "each run's dev loss at every dev evaluation, [update, loss], from its metrics.jsonl",
-        "runs": {run.name: [[update, loss] for update, loss in rundir.read_dev_curve(run.run_dir)] for run in runs},
+        "runs": {name: [list(point) for point in curve] for name, curve in curves.items()},
     })
+    return results
 
 
 # What an unscored row records in place of scores (`evaluate_runs(score=False)`).

@@ -11,7 +11,6 @@ import numpy as np
 from prlmfuse.evaluate.results import SIGNIFICANCE, EvaluationResults, is_significant, row_label, setting_label
 from prlmfuse.evaluate.runs import RunView
 from prlmfuse.fileio import atomic_write_bytes
-from prlmfuse.train_fused import run_dir as rundir
 
 
 _BASELINE_COLOR = "#7f7f7f"
@@ -75,8 +74,10 @@ def plot_scores(results: EvaluationResults, path: Path) -> None:
     plt.close(fig)
 
 
-def plot_dev_loss(runs: list[RunView], path: Path, baseline: str | None = None) -> None:
-    """Dev loss against updates of every run, from their metrics.jsonl, labelled with each run's setting."""
+def plot_dev_loss(runs: list[RunView], curves: dict[str, list[tuple[int, float]]], path: Path,
+                  baseline: str | None = None) -> None:
+    """Dev loss against updates of every run (`curves`: run name -> its metrics.jsonl's (update, dev loss)),
+    labelled with each run's setting."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -86,7 +87,7 @@ def plot_dev_loss(runs: list[RunView], path: Path, baseline: str | None = None) 
     colors = _colors([r.name for r in runs], baseline)
     plotted = 0
     for run in runs:
-        curve = rundir.read_dev_curve(run.run_dir)
+        curve = curves[run.name]
         if curve:
             xs, ys = zip(*curve)
             ax.plot(xs, ys, marker="o", markersize=3, color=colors[run.name],
