@@ -15,8 +15,9 @@ from prlmfuse.train_fused.matching import trainable_parameters
 
 
 def _measured_speed(cfg: PipelineConfig) -> float | None:
-    """Updates per second seen so far in this workdir's runs (their last logged records)."""
-    speeds = [float(r["updates_per_s"]) for run in cfg.train.runs
+    """Batches per second seen so far in this workdir's runs (their last logged records): a run's update is
+    update_freq batches, so runs of different update_freq are timed in the same unit."""
+    speeds = [float(r["updates_per_s"]) * run.update_freq for run in cfg.train.runs
               for r in rundir.read_metrics(run_path(cfg, run.name))[-20:] if r.get("updates_per_s")]
     return sum(speeds) / len(speeds) if speeds else None
 
@@ -50,7 +51,7 @@ def plan_lines(cfg: PipelineConfig, names: list[str] | None, parallel: int = 1) 
             lines.append(f"cache: {e.name} ({layers}, {e.dtype or cfg.cache.dtype}) train/dev/test "
                          f"[to build once the corpus exists]")
     speed = _measured_speed(cfg)
-    total_updates = total_tokens = runs_left = 0
+    total_updates = total_batches = total_tokens = runs_left = 0
     for run in _selected_runs(cfg, names):
         out = run_path(cfg, run.name)
         state, done = rundir.training_progress(run, rundir.state_to_resume(out))
@@ -66,6 +67,7 @@ def plan_lines(cfg: PipelineConfig, names: list[str] | None, parallel: int = 1) 
         lines.append(f"       {_effective_settings(cfg, run)}")
         if run.max_updates is not None and not state.startswith("done"):
             total_updates += max(0, run.max_updates - done)
+            total_batches += max(0, run.max_updates - done) * run.update_freq
             total_tokens += max(0, run.max_updates - done) * run.max_tokens * run.update_freq
             runs_left += 1
     if jobs is not None:
@@ -74,11 +76,12 @@ def plan_lines(cfg: PipelineConfig, names: list[str] | None, parallel: int = 1) 
         if memory is not None:
             lines.append(memory)
     if total_updates:
-        lines.append(f"estimate: {total_updates} updates left, at most {total_tokens / 1e6:.1f}M tokens")
+        batches = f" ({total_batches} batches)" if total_batches != total_updates else ""
+        lines.append(f"estimate: {total_updates} updates left{batches}, at most {total_tokens / 1e6:.1f}M tokens")
         if speed:
             # Each run's logged rate is its own, whether or not others trained beside it.
             at_once = max(1, min(parallel, runs_left))
-            lines.append(f"estimate: about {total_updates / speed / at_once / 60:.0f} min at the {speed:.2f} updates/s "
+            lines.append(f"estimate: about {total_batches / speed / at_once / 60:.0f} min at the {speed:.2f} batches/s "
                          f"measured so far{f', {at_once} runs at once' if at_once > 1 else ''}")
         else:
             lines.append("estimate: time unknown until a run has logged its speed (metrics.jsonl)")

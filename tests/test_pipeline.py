@@ -197,9 +197,17 @@ def test_dry_run_estimate_counts_runs_trained_at_once(tmp_path):
     for run in ("baseline", "fused"):
         (tmp_path / "work" / "runs" / run).mkdir(parents=True)
         (tmp_path / "work" / "runs" / run / "metrics.jsonl").write_text('{"update": 1, "updates_per_s": 1.0}\n')
-    assert "estimate: about 20 min at the 1.00 updates/s measured so far" in plan_lines(cfg, None)
-    assert "estimate: about 10 min at the 1.00 updates/s measured so far, 2 runs at once" in plan_lines(cfg, None, 2)
-    assert "estimate: about 10 min at the 1.00 updates/s measured so far" in plan_lines(cfg, ["fused"], 2)
+    assert "estimate: about 20 min at the 1.00 batches/s measured so far" in plan_lines(cfg, None)
+    assert "estimate: about 10 min at the 1.00 batches/s measured so far, 2 runs at once" in plan_lines(cfg, None, 2)
+    assert "estimate: about 10 min at the 1.00 batches/s measured so far" in plan_lines(cfg, ["fused"], 2)
+
+    # A run of two batches an update takes twice the time per update: it logs half the updates/s, the same
+    # batches/s, and its 600 updates count as 1,200 batches.
+    path.write_text(text.replace("fused: {prlms:", "fused: {update_freq: 2, prlms:"), encoding="utf-8")
+    (tmp_path / "work" / "runs" / "fused" / "metrics.jsonl").write_text('{"update": 1, "updates_per_s": 0.5}\n')
+    lines = plan_lines(load_pipeline(path), None)
+    assert "estimate: 1200 updates left (1800 batches), at most 0.7M tokens" in lines
+    assert "estimate: about 30 min at the 1.00 batches/s measured so far" in lines
 
 
 def test_training_before_the_cache_exists_says_what_to_run(tiny_pipeline, tmp_path):
