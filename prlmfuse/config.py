@@ -107,6 +107,8 @@ class TrainConfig:
     jobs: int = 1
     # run name -> the key of train.runs it was written under (a grid's runs share their key)
     written_as: dict[str, str] = field(default_factory=dict)
+    # The command line's --max-updates: every run's budget this time, passed on to each child that trains one.
+    max_updates_override: int | None = None
 
 
 @dataclass

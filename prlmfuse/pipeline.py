@@ -38,7 +38,11 @@ def train_task(cfg: PipelineConfig, run: RunConfig, *, resume: bool = True, argv
     from prlmfuse.launch import Task
 
     out = run_path(cfg, run.name)
-    argv = list(argv or ["train", "--pipeline", os.path.abspath(cfg.path), "--runs", run.name])
+    if argv is None:
+        argv = ["train", "--pipeline", os.path.abspath(cfg.path), "--runs", run.name]
+        if cfg.train.max_updates_override is not None:
+            argv += ["--max-updates", str(cfg.train.max_updates_override)]
+    argv = list(argv)
     argv += ["--device", cfg.device, "--precision", cfg.precision, "--launcher", "local"]
     if not resume:
         argv.append("--fresh")

@@ -157,6 +157,47 @@ def test_jobs_trains_runs_in_their_own_processes_and_names_the_one_that_failed(t
     assert latest_trainer_state(runs / "fused").update == 6
 
 
+@pytest.mark.slow
+def test_max_updates_trains_a_run_on_in_steps_to_the_weights_of_one_straight_run(tiny_pipeline, tmp_path):
+    from safetensors.torch import load_file
+
+    from prlmfuse.train_fused import run_dir as rundir
+
+    root, path, _ = tiny_pipeline
+    trained = {}
+    for name in ("straight", "steps"):
+        pipe = tmp_path / name / "pipeline.yaml"
+        pipe.parent.mkdir()
+        pipe.write_text(path.read_text().replace("workdir: work", f"workdir: {tmp_path / name / 'work'}"))
+        for stage in ("data", "cache"):
+            built = _prlmfuse("run", str(pipe), "--only", stage, cwd=tmp_path)
+            assert built.returncode == 0, built.stderr[-3000:]
+        trained[name] = (pipe, tmp_path / name / "work" / "runs")
+    pipe, runs = trained["straight"]
+    # Every step as the straight run trains: two children of one thread each (threads change fp32 sums).
+    straight = _prlmfuse("train", "-p", str(pipe), "--runs", "baseline,fused", "-j", "2", cwd=tmp_path)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+
+    # Two steps of a budget curve: 3 updates (each run its own child, told the budget), then the file's 6.
+    pipe, runs = trained["steps"]
+    first = _prlmfuse("run", str(pipe), "--only", "train", "--runs", "baseline,fused", "-j", "2", "--max-updates", "3",
+                      cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert first.stderr.count("(own process, 1 thread(s);") == 2
+    for run in ("baseline", "fused"):
+        assert rundir.state_to_resume(runs / run).update == 3
+    plan = _prlmfuse("run", str(pipe), "--dry-run", "--max-updates", "3", cwd=tmp_path)
+    assert plan.stdout.count("[done at update 3]") == 2 and "budget 3 updates" in plan.stdout, plan.stdout
+    assert _prlmfuse("run", str(pipe), "--dry-run", cwd=tmp_path).stdout.count("budget 6 updates") == 2
+    second = _prlmfuse("train", "-p", str(pipe), "--runs", "baseline,fused", "-j", "2", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    for run in ("baseline", "fused"):
+        assert f"train: {run} resumes at update 3 from its last checkpoint" in (runs / run / "train.log").read_text()
+        a = load_file(str(rundir.weights_path(trained["straight"][1] / run, 6)))
+        b = load_file(str(rundir.weights_path(runs / run, 6)))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), run
+
+
 def _two_line_corpus_files(raw: Path) -> Path:
     """Six two-line corpus files in `raw`, for plans that never build the corpus."""
     raw.mkdir()

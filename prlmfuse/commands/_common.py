@@ -3,6 +3,7 @@ the decoding options of `evaluate` and `translate`, and the evaluation summary."
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import click
@@ -133,6 +134,22 @@ _precision_option = click.option(
     help="Autocast precision; auto is bf16 where the device multiplies it fast, fp16 on GPUs without bf16, "
     "else fp32. Overrides the pipeline file's `precision` (default: auto).",
 )
+
+
+_max_updates_option = click.option(
+    "--max-updates", "max_updates", type=click.IntRange(min=1),
+    help="Train each run to this many updates this time, in place of the pipeline file's max_updates (a max_epochs "
+    "the file sets still stops a run first). A run resumes where it stopped and the learning rate does not depend "
+    "on the budget, so a budget curve is one run trained on in steps, evaluated after each.",
+)
+
+
+def _budget_override(cfg, max_updates: int | None):
+    """The pipeline config with the command line's --max-updates as every run's budget."""
+    if max_updates is not None:
+        cfg.train.runs = [dataclasses.replace(run, max_updates=max_updates) for run in cfg.train.runs]
+        cfg.train.max_updates_override = max_updates
+    return cfg
 
 
 def _runtime_overrides(cfg, device: str | None, precision: str | None):

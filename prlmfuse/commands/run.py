@@ -6,9 +6,9 @@ from pathlib import Path
 
 import click
 
-from prlmfuse.commands._common import (_device_option, _jobs_option, _launcher_option, _launcher_overrides,
-                                       _load_pipeline, _no_wait_option, _precision_option, _print_summary,
-                                       _split_names, _variadic)
+from prlmfuse.commands._common import (_budget_override, _device_option, _jobs_option, _launcher_option,
+                                       _launcher_overrides, _load_pipeline, _max_updates_option, _no_wait_option,
+                                       _precision_option, _print_summary, _split_names, _variadic)
 from prlmfuse.errors import UserError
 
 
@@ -21,12 +21,14 @@ from prlmfuse.errors import UserError
 @click.option("--no-score", "no_score", is_flag=True,
               help="Evaluate by decoding only, on a machine without the metric's tokenizer (a GPU node without MeCab); "
               "`prlmfuse score` scores the results folder elsewhere.")
+@_max_updates_option
 @_jobs_option
 @_launcher_option
 @_no_wait_option
 @_device_option
 @_precision_option
-def run(pipeline, only, runs, more_runs, dry_run, no_score, parallel, launcher, no_wait, device, precision) -> None:
+def run(pipeline, only, runs, more_runs, dry_run, no_score, max_updates, parallel, launcher, no_wait, device,
+        precision) -> None:
     """Run a whole pipeline file: data -> cache -> train -> evaluate -> report.
 
     Finished steps are skipped, so running it again when all is done takes seconds.
@@ -43,7 +45,7 @@ def run(pipeline, only, runs, more_runs, dry_run, no_score, parallel, launcher, 
         raise UserError(f"pipeline file not found: {pipeline}; to select several runs, name the pipeline file first "
                         f"(`prlmfuse run pipeline.yaml --runs {names}`) or join them with commas "
                         f"(`--runs {names.replace(' ', ',')}`)")
-    cfg = _launcher_overrides(_load_pipeline(pipeline, device, precision), launcher, no_wait)
+    cfg = _launcher_overrides(_budget_override(_load_pipeline(pipeline, device, precision), max_updates), launcher, no_wait)
     names = _split_names(tuple(_variadic(runs, more_runs)))
     if dry_run:
         for line in plan_lines(cfg, names, parallel or cfg.train.jobs):

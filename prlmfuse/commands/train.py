@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import click
 
-from prlmfuse.commands._common import (_device_option, _jobs_option, _launcher_option, _launcher_overrides,
-                                       _load_pipeline, _no_wait_option, _precision_option, _split_names,
-                                       creatable_parent)
+from prlmfuse.commands._common import (_budget_override, _device_option, _jobs_option, _launcher_option,
+                                       _launcher_overrides, _load_pipeline, _max_updates_option, _no_wait_option,
+                                       _precision_option, _split_names, creatable_parent)
 
 
 @click.group(invoke_without_command=True)
@@ -17,13 +17,14 @@ from prlmfuse.commands._common import (_device_option, _jobs_option, _launcher_o
     help="Resume each run from its last checkpoint (the default: update count, learning-rate schedule and "
     "data order continue), or start runs over (the old run is kept until the new one saves a checkpoint).",
 )
+@_max_updates_option
 @_jobs_option
 @_launcher_option
 @_no_wait_option
 @_device_option
 @_precision_option
 @click.pass_context
-def train(ctx, pipeline, runs, resume, parallel, launcher, no_wait, device, precision) -> None:
+def train(ctx, pipeline, runs, resume, max_updates, parallel, launcher, no_wait, device, precision) -> None:
     """Stage two: train the runs of a pipeline file from its caches (no PrLM is loaded).
 
     Runs resume from their last checkpoint by default (`--resume`); `--fresh` starts them over.
@@ -34,7 +35,7 @@ def train(ctx, pipeline, runs, resume, parallel, launcher, no_wait, device, prec
         return
     from prlmfuse.pipeline import train_runs
 
-    cfg = _launcher_overrides(_load_pipeline(pipeline, device, precision), launcher, no_wait)
+    cfg = _launcher_overrides(_budget_override(_load_pipeline(pipeline, device, precision), max_updates), launcher, no_wait)
     train_runs(cfg, names=_split_names(runs), resume=resume, parallel=parallel or cfg.train.jobs, wait=not no_wait)
 
 
