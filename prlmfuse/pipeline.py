@@ -82,6 +82,8 @@ def train_runs(
             if state != BUILT:
                 raise UserError(f"cache {out} is not built; run `prlmfuse run {cfg.path} --only cache` first")
     runs = _selected_runs(cfg, names)
+    if resume and cfg.train.max_updates_override is not None:
+        _check_not_past_override(cfg, runs)
     # Each process holds its own copy: the runs trained at once, or under torchrun every rank of this node.
     # (An array task is a machine of its own.)
     features_in_memory(cfg, [r for r in runs if not resume or _left_to_train(cfg, r, corpus)], jobs,
@@ -115,6 +117,25 @@ def _available_memory() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def _check_not_past_override(cfg: PipelineConfig, runs: list[RunConfig]) -> None:
+    """--max-updates below where a run already is would leave its newest checkpoint past the budget its run.json
+    then records (and evaluate averaging saves from beyond it): refused before any run starts."""
+    limit = cfg.train.max_updates_override
+    for run in runs:
+        state = rundir.state_to_resume(run_path(cfg, run.name))
+        if state is not None and state.update > limit:
+            raise UserError(f"--max-updates {limit}: run {run.name} is already at update {state.update} "
+                            f"({run_path(cfg, run.name)}); give a budget of at least {state.update}, or leave "
+                            f"{run.name} out of --runs")
+
+
+def _rerun_command(cfg: PipelineConfig, *options: str) -> str:
+    """The `prlmfuse run` command line a message tells the user to run, with this command's --max-updates."""
+    if cfg.train.max_updates_override is not None:
+        options = (*options, f"--max-updates {cfg.train.max_updates_override}")
+    return " ".join(("prlmfuse run", str(cfg.path), *options))
 
 
 def _left_to_train(cfg: PipelineConfig, run: RunConfig, corpus) -> bool:
@@ -246,7 +267,7 @@ def evaluate_pipeline(cfg: PipelineConfig, names: list[str] | None = None, *, sc
     untrained = [r.name for r in selected if not rundir.list_checkpoints(run_path(cfg, r.name))]
     if untrained:
         raise UserError(f"not trained yet: {', '.join(untrained)} (no checkpoint under {cfg.workdir / 'runs'}); "
-                        f"run `prlmfuse run {cfg.path} --only train` first")
+                        f"run `{_rerun_command(cfg, '--only train')}` first")
     dirs = [run_path(cfg, r.name) for r in selected]
     if not is_main_process():
         return None
@@ -285,7 +306,7 @@ def run_pipeline(cfg: PipelineConfig, *, only: str | None = None, names: list[st
     if only in (None, "train"):
         train_runs(cfg, names, jobs=jobs, parallel=parallel, wait=wait)
         if not wait:
-            _say(f"evaluate: not started (--no-wait); run `prlmfuse run {cfg.path}` again once the array has ended")
+            _say(f"evaluate: not started (--no-wait); run `{_rerun_command(cfg)}` again once the array has ended")
             return None
         _stop_if_signalled("training finished; evaluation not started")
     if only in (None, "evaluate"):

@@ -197,6 +197,14 @@ def test_max_updates_trains_a_run_on_in_steps_to_the_weights_of_one_straight_run
         b = load_file(str(rundir.weights_path(runs / run, 6)))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), run
 
+    # A budget below where a run already is: one line, and its run.json keeps the budget it trained to.
+    info = (runs / "fused" / rundir.RUN_JSON).read_text()
+    back = _prlmfuse("train", "-p", str(pipe), "--runs", "fused", "--max-updates", "2", cwd=tmp_path)
+    assert back.returncode == 2 and back.stderr.strip().splitlines()[-1] == (
+        f"error: --max-updates 2: run fused is already at update 6 ({runs / 'fused'}); give a budget of at least 6, "
+        "or leave fused out of --runs"), back.stderr
+    assert (runs / "fused" / rundir.RUN_JSON).read_text() == info
+
 
 def _two_line_corpus_files(raw: Path) -> Path:
     """Six two-line corpus files in `raw`, for plans that never build the corpus."""

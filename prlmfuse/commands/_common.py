@@ -138,9 +138,10 @@ _precision_option = click.option(
 
 _max_updates_option = click.option(
     "--max-updates", "max_updates", type=click.IntRange(min=1),
-    help="Train each run to this many updates this time, in place of the pipeline file's max_updates (a max_epochs "
-    "the file sets still stops a run first). A run resumes where it stopped and the learning rate does not depend "
-    "on the budget, so a budget curve is one run trained on in steps, evaluated after each.",
+    help="Train each run to this many updates this time, in place of the pipeline file's max_updates (the run's "
+    "max_epochs, 50 unless the file sets it null, still stops it first). A run resumes where it stopped and the "
+    "learning rate does not depend on the budget, so a budget curve is one run trained on in steps of save_every "
+    "multiples (the saves an average reads are then a straight run's), each step evaluated into its own --out.",
 )
 
 
