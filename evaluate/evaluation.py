@@ -249,8 +249,10 @@ def evaluate_runs(
     plot_dev_loss(runs, curves, out / "dev_loss.png", baseline_name)
     # The plotted curves as numbers too, for tables that quote them.
     atomic_write_json(out / "dev_loss.json", {
-        "what": "each run's dev loss at every dev evaluation, [update, loss], from its metrics.jsonl",
+        "what": "each run's dev loss (runs: label-smoothed, as trained and plotted; nll: its NLL, comparable "
+                "across label smoothing) at every dev evaluation, [update, loss], from its metrics.jsonl",
         "runs": {name: [list(point) for point in curve] for name, curve in curves.items()},
+        "nll": {run.name: [list(point) for point in rundir.read_dev_curve(run.run_dir, "dev_nll_loss")] for run in runs},
     })
     return results
 

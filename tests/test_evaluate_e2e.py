@@ -111,10 +111,11 @@ def test_evaluate_runs_writes_every_file_and_skips_unchanged_runs(world):
                  "hyp.baseline.test.txt", "hyp.fused.test.txt"):
         assert (out / name).is_file(), name
     assert (out / "scores.png").read_bytes()[:4] == b"\x89PNG"
-    curves = json.loads((out / "dev_loss.json").read_text())["runs"]
+    curves = json.loads((out / "dev_loss.json").read_text())
     for name in ("baseline", "fused"):  # the dev evaluations metrics.jsonl records, in order
         logged = [json.loads(line) for line in (world[name] / "metrics.jsonl").read_text().splitlines()]
-        assert curves[name] == [[r["update"], r["dev_loss"]] for r in logged if "dev_loss" in r] != []
+        assert curves["runs"][name] == [[r["update"], r["dev_loss"]] for r in logged if "dev_loss" in r] != []
+        assert curves["nll"][name] == [[r["update"], r["dev_nll_loss"]] for r in logged if "dev_loss" in r] != []
     assert len(read_lines(out / "hyp.fused.test.txt")) == 10
     fused = results.row("fused")
     assert fused.prlm == "tiny-bert" and fused.layer == "-2" and fused.merge == "sum"

@@ -400,9 +400,10 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict]:
     return records
 
 
-def read_dev_curve(run_dir: str | os.PathLike) -> list[tuple[int, float]]:
-    """(update, dev loss) of every dev evaluation in a run's metrics.jsonl."""
-    points = {r["update"]: float(r["dev_loss"]) for r in read_metrics(run_dir) if isinstance(r.get("dev_loss"), (int, float))}
+def read_dev_curve(run_dir: str | os.PathLike, key: str = "dev_loss") -> list[tuple[int, float]]:
+    """(update, dev loss) of every dev evaluation in a run's metrics.jsonl: the loss training minimises
+    (label-smoothed), or with key="dev_nll_loss" its NLL, which runs of different label smoothing share."""
+    points = {r["update"]: float(r[key]) for r in read_metrics(run_dir) if isinstance(r.get(key), (int, float))}
     return sorted(points.items())
 
 
