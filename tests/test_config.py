@@ -407,4 +407,4 @@ def test_the_plan_counts_every_batch_of_an_update(tmp_path):
                for line in lines), lines
     assert any(line.startswith("train: eight ") and line.endswith("budget 300 updates of 8 x 4096-token batches per update")
                for line in lines), lines
-    assert "estimate: 600 updates left, at most 11.1M tokens" in lines  # 300 x 4096 x (1 + 8)
+    assert "estimate: 600 updates left (2700 batches), at most 11.1M tokens" in lines  # 300 x 4096 x (1 + 8)
