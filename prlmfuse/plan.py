@@ -66,9 +66,10 @@ def plan_lines(cfg: PipelineConfig, names: list[str] | None, parallel: int = 1) 
         lines.append(f"train: {run.name:<28} [{state}] PrLM: {prlms}; budget {budget} of {per_update}")
         lines.append(f"       {_effective_settings(cfg, run)}")
         if run.max_updates is not None and not state.startswith("done"):
-            total_updates += max(0, run.max_updates - done)
-            total_batches += max(0, run.max_updates - done) * run.update_freq
-            total_tokens += max(0, run.max_updates - done) * run.max_tokens * run.update_freq
+            left = max(0, run.max_updates - done)
+            total_updates += left
+            total_batches += left * run.update_freq
+            total_tokens += left * run.update_freq * run.max_tokens
             runs_left += 1
     if jobs is not None:
         memory = features_in_memory(cfg, [r for r in _selected_runs(cfg, names) if _left_to_train(cfg, r, corpus)],
