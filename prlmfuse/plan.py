@@ -14,12 +14,25 @@ from prlmfuse.train_fused.config import RunConfig
 from prlmfuse.train_fused.matching import trainable_parameters
 
 
-def _measured_speed(cfg: PipelineConfig) -> float | None:
-    """Batches per second seen so far in this workdir's runs (their last logged records): a run's update is
-    update_freq batches, so runs of different update_freq are timed in the same unit."""
-    speeds = [float(r["updates_per_s"]) * run.update_freq for run in cfg.train.runs
-              for r in rundir.read_metrics(run_path(cfg, run.name))[-20:] if r.get("updates_per_s")]
-    return sum(speeds) / len(speeds) if speeds else None
+def _measured_speeds(cfg: PipelineConfig) -> dict[str, float]:
+    """Each run's batches per second seen so far in this workdir (the mean of its last logged records): a
+    run's update is update_freq batches, so runs of different update_freq are timed in the same unit."""
+    speeds = {}
+    for run in cfg.train.runs:
+        rates = [float(r["updates_per_s"]) * run.update_freq
+                 for r in rundir.read_metrics(run_path(cfg, run.name))[-20:] if r.get("updates_per_s")]
+        if rates:
+            speeds[run.name] = sum(rates) / len(rates)
+    return speeds
+
+
+def _speed_for(run: RunConfig, speeds: dict[str, float], runs: dict[str, RunConfig]) -> float | None:
+    """A run's own speed, else the mean of the timed runs of its kind (with a PrLM or without: the branch
+    changes the step's cost), else of every timed run."""
+    if run.name in speeds:
+        return speeds[run.name]
+    alike = [v for name, v in speeds.items() if bool(runs[name].prlms) == bool(run.prlms)] or list(speeds.values())
+    return sum(alike) / len(alike) if alike else None
 
 
 def plan_lines(cfg: PipelineConfig, names: list[str] | None, parallel: int = 1) -> list[str]:
@@ -50,8 +63,9 @@ def plan_lines(cfg: PipelineConfig, names: list[str] | None, parallel: int = 1) 
             layers = "all" if e.layers == "all" else ",".join(str(i) for i in e.layers)
             lines.append(f"cache: {e.name} ({layers}, {e.dtype or cfg.cache.dtype}) train/dev/test "
                          f"[to build once the corpus exists]")
-    speed = _measured_speed(cfg)
-    total_updates = total_batches = total_tokens = runs_left = 0
+    speeds, runs_by_name = _measured_speeds(cfg), {r.name: r for r in cfg.train.runs}
+    total_updates = total_batches = total_tokens = runs_left = untimed = 0
+    seconds = 0.0
     for run in _selected_runs(cfg, names):
         out = run_path(cfg, run.name)
         state, done = rundir.training_progress(run, rundir.state_to_resume(out))
@@ -71,6 +85,9 @@ def plan_lines(cfg: PipelineConfig, names: list[str] | None, parallel: int = 1) 
             total_batches += left * run.update_freq
             total_tokens += left * run.update_freq * run.max_tokens
             runs_left += 1
+            speed = _speed_for(run, speeds, runs_by_name)
+            seconds += left * run.update_freq / speed if speed else 0.0
+            untimed += run.name not in speeds
     if jobs is not None:
         memory = features_in_memory(cfg, [r for r in _selected_runs(cfg, names) if _left_to_train(cfg, r, corpus)],
                                     jobs, parallel)
@@ -79,11 +96,12 @@ def plan_lines(cfg: PipelineConfig, names: list[str] | None, parallel: int = 1) 
     if total_updates:
         batches = f" ({total_batches} batches)" if total_batches != total_updates else ""
         lines.append(f"estimate: {total_updates} updates left{batches}, at most {total_tokens / 1e6:.1f}M tokens")
-        if speed:
+        if speeds:
             # Each run's logged rate is its own, whether or not others trained beside it.
             at_once = max(1, min(parallel, runs_left))
-            lines.append(f"estimate: about {total_batches / speed / at_once / 60:.0f} min at the {speed:.2f} batches/s "
-                         f"measured so far{f', {at_once} runs at once' if at_once > 1 else ''}")
+            guessed = f" ({untimed} not yet timed: at the mean rate of timed runs of their kind, with or without a PrLM)" if untimed else ""
+            lines.append(f"estimate: about {seconds / at_once / 60:.0f} min at each run's measured batches/s{guessed}"
+                         f"{f', {at_once} runs at once' if at_once > 1 else ''}")
         else:
             lines.append("estimate: time unknown until a run has logged its speed (metrics.jsonl)")
     lines.append(f"evaluate: -> {cfg.workdir / cfg.evaluate.out} (beam {cfg.evaluate.beam}, average of last {cfg.evaluate.average_last}"

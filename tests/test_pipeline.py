@@ -246,9 +246,9 @@ def test_dry_run_estimate_counts_runs_trained_at_once(tmp_path):
     for run in ("baseline", "fused"):
         (tmp_path / "work" / "runs" / run).mkdir(parents=True)
         (tmp_path / "work" / "runs" / run / "metrics.jsonl").write_text('{"update": 1, "updates_per_s": 1.0}\n')
-    assert "estimate: about 20 min at the 1.00 batches/s measured so far" in plan_lines(cfg, None)
-    assert "estimate: about 10 min at the 1.00 batches/s measured so far, 2 runs at once" in plan_lines(cfg, None, 2)
-    assert "estimate: about 10 min at the 1.00 batches/s measured so far" in plan_lines(cfg, ["fused"], 2)
+    assert "estimate: about 20 min at each run's measured batches/s" in plan_lines(cfg, None)
+    assert "estimate: about 10 min at each run's measured batches/s, 2 runs at once" in plan_lines(cfg, None, 2)
+    assert "estimate: about 10 min at each run's measured batches/s" in plan_lines(cfg, ["fused"], 2)
 
     # A run of two batches an update takes twice the time per update: it logs half the updates/s, the same
     # batches/s, and its 600 updates count as 1,200 batches.
@@ -256,7 +256,19 @@ def test_dry_run_estimate_counts_runs_trained_at_once(tmp_path):
     (tmp_path / "work" / "runs" / "fused" / "metrics.jsonl").write_text('{"update": 1, "updates_per_s": 0.5}\n')
     lines = plan_lines(load_pipeline(path), None)
     assert "estimate: 1200 updates left (1800 batches), at most 0.7M tokens" in lines
-    assert "estimate: about 30 min at the 1.00 batches/s measured so far" in lines
+    assert "estimate: about 30 min at each run's measured batches/s" in lines
+
+    # Each run at its own rate: the baseline at 4 batches/s takes 2.5 minutes for its 600, the fused run at
+    # 1 batch/s (its last records, not its first) 20 for its 1,200.
+    (tmp_path / "work" / "runs" / "baseline" / "metrics.jsonl").write_text('{"update": 1, "updates_per_s": 4.0}\n')
+    records = [{"update": i, "updates_per_s": 3.0 if i < 10 else 0.5} for i in range(40)]
+    (tmp_path / "work" / "runs" / "fused" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert "estimate: about 22 min at each run's measured batches/s" in plan_lines(load_pipeline(path), None)
+    # A run not yet timed takes the rate of timed runs of its kind: the fused run without its log is timed
+    # at no baseline's rate (there is no other fused run), so at the baseline's, the only one timed.
+    (tmp_path / "work" / "runs" / "fused" / "metrics.jsonl").unlink()
+    assert ("estimate: about 8 min at each run's measured batches/s (1 not yet timed: at the mean rate of timed "
+            "runs of their kind, with or without a PrLM)") in plan_lines(load_pipeline(path), None)
 
 
 def test_training_before_the_cache_exists_says_what_to_run(tiny_pipeline, tmp_path):
