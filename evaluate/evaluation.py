@@ -95,6 +95,7 @@ def evaluate_runs(
     seed: int = DEFAULT_SEED,
     progress: bool = True,
     score: bool = True,
+    at_update: int | None = None,
 ) -> EvaluationResults:
     """Decode and score every run on every test set; write results.md/csv/json, hypotheses and plots.
 
@@ -105,6 +106,8 @@ def evaluate_runs(
     every run (e.g. 'intl'); default by target language ('zh', 'ja-mecab', 'ko-mecab', '13a').
     score False: decode only, for a machine without the metric's tokenizer (a GPU node without MeCab);
     results.json records no scores, and `score_evaluation` (`prlmfuse score`) scores it where one is.
+    at_update: every run as it was at that update, a budget it reached and trained on past (a step of a
+    budget curve): the average of its saves up to there, and its row's cost and dev losses up to there.
     """
     out = Path(out)
     runtime = Runtime(resolve_runtime(device, "auto").device, torch.bfloat16 if bf16 else torch.float32)
@@ -135,7 +138,7 @@ def evaluate_runs(
     out.mkdir(parents=True, exist_ok=True)
 
     for run in runs:
-        weights = select_weights(run, average_last, average)
+        weights = select_weights(run, average_last, average, at_update)
         settings = DecodeSettings.for_run(
             run, no_repeat_ngram_size, beam=beam, lenpen=lenpen, max_len_a=max_len_a, max_len_b=max_len_b,
             min_len=min_len, bf16=bf16,
@@ -160,7 +163,7 @@ def evaluate_runs(
                 hyps, meta = reused
             else:
                 if model is None:
-                    model, bpe = load_model(run, weights, average)
+                    model, bpe = load_model(run, weights, average, at_update)
                     model.to(runtime.device)
                 cut: dict = {}
                 src_ids = encode_sources(bpe, src_lines, int(run.model_config.get("max_positions", 1024)),
@@ -213,7 +216,7 @@ def evaluate_runs(
                     checkpoints=[Path(p).name for p in meta.get("checkpoints", [])],
                     hyp_file=hyp_path.name, reused=reused is not None, signature=scores["signature"],
                     **hypothesis_figures(hyps, src_lines, task=run.task),
-                    main_metric=main_metric, **run.budget(),
+                    main_metric=main_metric, **run.budget(at_update),
                     seed=(run.record.get("train") or {}).get("seed"), tgt_lang=run.tgt_lang,
                     trainable_parameters=run.record.get("trainable_parameters"),
                     hyp_sha256=meta["hyp_sha256"], ref_file=ref_file, ref_sha256=refs_sha[(run.name, split)],
@@ -239,6 +242,8 @@ def evaluate_runs(
         "bootstrap_samples": bootstrap_samples, "seed": seed, "test_sets": splits,
         "machine": machine_line(runtime.device), "scored": score,
     }
+    if at_update is not None:  # absent otherwise, as in results.json files written before it existed
+        settings_record["at_update"] = at_update
     results = EvaluationResults(out=out, baseline=baseline_name, rows=rows, settings=settings_record)
     write_results(results)
     if score:

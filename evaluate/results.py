@@ -224,10 +224,11 @@ def results_markdown(results: EvaluationResults) -> str:
     """Tables in the style of the paper's Tables 1-5, one per test set, plus metric signatures."""
     lines = ["# prlmfuse evaluation", ""]
     s = results.settings
+    up_to = f"up to update {s['at_update']} " if s.get("at_update") else ""
     lines.append(
         f"beam {s['beam']}, length penalty {s['lenpen']}, average of the last {s['average_last']} "
         f"{'epoch-end ' if s.get('average') == 'epochs' else ''}checkpoints "
-        f"(0 = best), paired bootstrap {s['bootstrap_samples']} samples (seed {s['seed']}); "
+        f"{up_to}(0 = best), paired bootstrap {s['bootstrap_samples']} samples (seed {s['seed']}); "
         f"baseline: {results.baseline or 'none'}. Δ and p are against the baseline (two-sided paired bootstrap), "
         f"or against the baseline run of the same seed where it names one; * marks p < {SIGNIFICANCE:g}. "
         f"The baseline comes first, then the other runs by name."

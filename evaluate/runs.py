@@ -18,6 +18,7 @@ from safetensors import safe_open
 from prlmfuse.corpora import Corpus, load_corpus
 from prlmfuse.errors import UserError
 from prlmfuse.evaluate.settings import AVERAGE
+from prlmfuse.fileio import read_json
 from prlmfuse.train_fused import run_dir as rundir
 from prlmfuse.train_fused import weights as weights_of_runs
 from prlmfuse.train_fused.branches import PrLMBranch, open_branch
@@ -57,10 +58,19 @@ class RunView:
         """The run's source cap (RunConfig.max_source_tokens): decoding cuts the source as training did."""
         return (self.record.get("train") or {}).get("max_source_tokens")
 
-    def budget(self) -> dict:
+    def budget(self, at_update: int | None = None) -> dict:
         """What training cost and how it ended, from the trainer state: updates, target tokens seen, wall
         seconds, `stopped_by` (max_updates, max_epochs, patience; "" while unfinished) and
-        `epoch_dev_losses`, the dev loss at each epoch end, oldest first."""
+        `epoch_dev_losses`, the dev loss at each epoch end, oldest first. at_update: as the run was at that
+        budget end (its checkpoint's own state), though it trained on."""
+        if at_update is not None:
+            saved = read_json(rundir.state_path(self.run_dir, at_update), "checkpoint state")
+            state = rundir.TrainingState.from_dict(saved)
+            curve = [(u, loss) for u, loss in rundir.read_dev_curve(self.run_dir) if u <= at_update]
+            per_epoch = self._updates_per_epoch(state)
+            return {"updates": state.update, "train_tokens": state.tokens_seen, "train_seconds": state.wall_time,
+                    "stopped_by": "max_updates",
+                    "epoch_dev_losses": [loss for u, loss in curve if per_epoch and u % per_epoch == 0]}
         try:
             state = rundir.latest_trainer_state(self.run_dir)
         except UserError:
@@ -72,11 +82,17 @@ class RunView:
         if not state.batches_per_epoch:
             return {**spent, "stopped_by": "", "epoch_dev_losses": []}
         run = RunConfig.from_dict(self.record.get("train") or {"name": self.name})
-        # An epoch ends with an update of its own, so epoch ends fall every ceil(batches / update_freq) updates.
-        per_epoch = -(-state.batches_per_epoch // run.update_freq)
+        per_epoch = self._updates_per_epoch(state)
         curve = rundir.read_dev_curve(self.run_dir)
         return {**spent, "stopped_by": rundir.stop_reason(run, state) or "",
                 "epoch_dev_losses": [loss for update, loss in curve if update % per_epoch == 0]}
+
+    def _updates_per_epoch(self, state: rundir.TrainingState) -> int | None:
+        # An epoch ends with an update of its own, so epoch ends fall every ceil(batches / update_freq) updates.
+        if not state.batches_per_epoch:
+            return None
+        run = RunConfig.from_dict(self.record.get("train") or {"name": self.name})
+        return -(-state.batches_per_epoch // run.update_freq)
 
     def corpus_digest(self) -> str:
         """One sha256 over the digests of every file of the corpus the run trained on."""
@@ -150,12 +166,19 @@ def open_run(run_dir: str | os.PathLike) -> RunView:
     return RunView(run_dir, str(record.get("name") or run_dir.name), record, corpus, checkpoints)
 
 
-def select_weights(run: RunView, average_last: int, average: str = AVERAGE) -> list[Path]:
+def select_weights(run: RunView, average_last: int, average: str = AVERAGE, at_update: int | None = None) -> list[Path]:
     """The weight files a decode uses: the newest `average_last` complete checkpoints (average "saves")
     or epoch-end checkpoints (average "epochs"), fewer if fewer exist; or best.safetensors for
-    average_last=0 (and, for "saves", when no checkpoint is complete)."""
+    average_last=0 (and, for "saves", when no checkpoint is complete). at_update: the newest up to that
+    update, a budget end of the run (`rundir.saves_at_budget_end`)."""
     if average_last < 0:
         raise UserError(f"average_last must be >= 0 (0 = best checkpoint), got {average_last}")
+    if at_update is not None:
+        if average_last == 0:
+            raise UserError(f"--at-update {at_update} decodes the saves up to that update; best.safetensors "
+                            "(average_last 0) is the lowest dev loss of the whole run, so give average_last >= 1")
+        return [rundir.weights_path(run.run_dir, u)
+                for u in rundir.saves_at_budget_end(run.run_dir, at_update, average, average_last)]
     best = run.run_dir / rundir.BEST
     if average_last > 0 and average != "saves":
         ends = rundir.averageable_checkpoints(run.run_dir, average)
@@ -170,8 +193,8 @@ def select_weights(run: RunView, average_last: int, average: str = AVERAGE) -> l
     return list(run.checkpoints[-average_last:])
 
 
-def load_model(run: RunView, weights: Sequence[Path], average: str = AVERAGE):
-    """(model in eval mode, BPE) with exactly the weights `select_weights(run, K, average)` chose.
+def load_model(run: RunView, weights: Sequence[Path], average: str = AVERAGE, at_update: int | None = None):
+    """(model in eval mode, BPE) with exactly the weights `select_weights(run, K, average, at_update)` chose.
 
     Several checkpoints go through the run's average (kept as run_dir/average-last{K}.safetensors,
     or average-epochs{K}.safetensors, and rewritten only when the set changes).
@@ -183,7 +206,8 @@ def load_model(run: RunView, weights: Sequence[Path], average: str = AVERAGE):
         if Path(info["weights"]).resolve() != Path(weights[0]).resolve():
             weights_of_runs.load_weights(model, weights[0])
     else:
-        model, bpe, info = weights_of_runs.load_run(run.run_dir, "average", last=len(weights), average=average)
+        model, bpe, info = weights_of_runs.load_run(run.run_dir, "average", last=len(weights), average=average,
+                                                    at_update=at_update)
         # The average is picked again by name and count: it must hold exactly the checkpoints chosen.
         chosen = [Path(w).name for w in weights]
         averaged = [name for name, _sha256 in json.loads(_metadata(Path(info["weights"])).get("averaged", "[]"))]

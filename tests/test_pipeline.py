@@ -186,6 +186,10 @@ def test_max_updates_trains_a_run_on_in_steps_to_the_weights_of_one_straight_run
     assert first.stderr.count("(own process, 1 thread(s);") == 2
     for run in ("baseline", "fused"):
         assert rundir.state_to_resume(runs / run).update == 3
+    decode = ["--beam", "2", "--max-len-b", "5", "--average-last", "2", "--split", "dev"]
+    at_three = _prlmfuse("evaluate", "--runs", str(runs / "baseline"), str(runs / "fused"), "--out",
+                         str(tmp_path / "at-3"), *decode, cwd=tmp_path)
+    assert at_three.returncode == 0, at_three.stderr[-3000:]
     plan = _prlmfuse("run", str(pipe), "--dry-run", "--max-updates", "3", cwd=tmp_path)
     assert plan.stdout.count("[done at update 3]") == 2 and "budget 3 updates" in plan.stdout, plan.stdout
     assert _prlmfuse("run", str(pipe), "--dry-run", cwd=tmp_path).stdout.count("budget 6 updates") == 2
@@ -196,6 +200,25 @@ def test_max_updates_trains_a_run_on_in_steps_to_the_weights_of_one_straight_run
         a = load_file(str(rundir.weights_path(trained["straight"][1] / run, 6)))
         b = load_file(str(rundir.weights_path(runs / run, 6)))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), run
+
+    # The first step's saves outlived training on: decoded at update 3, the runs write what they wrote there.
+    again = _prlmfuse("evaluate", "--runs", str(runs / "baseline"), str(runs / "fused"), "--out",
+                      str(tmp_path / "again-3"), "--at-update", "3", *decode, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    first, later = (json.loads((tmp_path / out / "results.json").read_text())["rows"] for out in ("at-3", "again-3"))
+    assert [(r["run"], r["hyp_sha256"], r["updates"], r["checkpoints"]) for r in later] == \
+        [(r["run"], r["hyp_sha256"], r["updates"], r["checkpoints"]) for r in first]
+    assert {r["updates"] for r in later} == {3} and {r["stopped_by"] for r in later} == {"max_updates"}
+    assert rundir.latest_trainer_state(runs / "fused").budget_ends == [3, 6]
+    assert rundir.latest_trainer_state(trained["straight"][1] / "fused").budget_ends == [6]
+    assert "up to update 3 " in (tmp_path / "again-3" / "results.md").read_text()
+    # A run trained straight to 6 never stopped at 3: one line, exit 2.
+    straight = trained["straight"][1] / "fused"
+    refused = _prlmfuse("evaluate", "--runs", str(straight), "--out", str(tmp_path / "refused"), "--at-update", "3",
+                        *decode, cwd=tmp_path)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
+        f"error: {straight} reached no budget at update 3 (its budget ends: 6); a run is decoded at an earlier "
+        "update only where it stopped at a max_updates it was trained to"), refused.stderr
 
     # A budget below where a run already is: one line, and its run.json keeps the budget it trained to.
     info = (runs / "fused" / rundir.RUN_JSON).read_text()

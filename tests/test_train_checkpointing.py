@@ -154,3 +154,34 @@ def test_errors_are_user_errors(tmp_path):
     ck.save_weights(other, tmp_path / "other.safetensors")
     with pytest.raises(UserError, match="do not fit"):
         weights.load_weights(TiedLM(), tmp_path / "other.safetensors")
+
+
+def test_a_budget_trained_on_past_keeps_the_saves_its_average_reads(tmp_path):
+    # Saves at 1..4, a budget reached at 4 (recorded from there on), then trained on to 7: keep_last 2 keeps
+    # 6, 7 and, counted back from the budget end, 3, 4 -- what a run stopped at 4 kept.
+    model = TiedLM()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    saved = {}
+    for u in range(1, 8):
+        _train_some(model, opt, 1, seed=u)
+        state = _state(u)
+        state.budget_ends = [4] if u >= 4 else None
+        ck.save_checkpoint(tmp_path, model, opt, state, is_best=False, keep_last=2)
+        saved[u] = {k: v.clone() for k, v in load_file(str(rd.weights_path(tmp_path, u))).items()}
+        if u == 4:
+            at_four = weights.average_checkpoints(tmp_path, last=2)
+            straight = load_file(str(at_four))
+    assert rd.complete_checkpoints(tmp_path) == [3, 4, 6, 7]
+    assert rd.saves_at_budget_end(tmp_path, 4, "saves", 2) == [3, 4]
+    assert rd.saves_at_budget_end(tmp_path, 4, "saves", 5) == [3, 4]  # fewer, as the run stopped at 4 had
+    out = weights.average_checkpoints(tmp_path, last=2, at_update=4)
+    assert out == tmp_path / "average-last2-at4.safetensors"
+    again = load_file(str(out))
+    assert again.keys() == straight.keys() and all(torch.equal(again[k], straight[k]) for k in again)
+    # The newest average is still of the newest saves.
+    newest = load_file(str(weights.average_checkpoints(tmp_path, last=2)))
+    torch.testing.assert_close(newest["hidden.weight"], (saved[6]["hidden.weight"] + saved[7]["hidden.weight"]) / 2)
+    # An update the run did not stop at is refused, naming the budget ends it has.
+    with pytest.raises(UserError, match=r"reached no budget at update 6 \(its budget ends: 4\)"):
+        weights.average_checkpoints(tmp_path, last=2, at_update=6)
+    assert "budget_ends" not in _state(1).to_dict()  # a run that never reached a budget writes no key

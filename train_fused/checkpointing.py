@@ -157,12 +157,19 @@ def save_resume_point(run_dir: str | os.PathLike, model: torch.nn.Module, optimi
 
 def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int, keep_last_epochs: int = 0) -> None:
     """Delete all but the newest `keep_last` checkpoints and the newest `keep_last_epochs` epoch-end ones,
-    which an average over epochs reads (never the one trainer_state.json names)."""
+    which an average over epochs reads (never the one trainer_state.json names), and the same counted back
+    from each budget the run reached and trained on past (TrainingState.budget_ends), which an average of
+    the run as it was there reads."""
     run_dir = Path(run_dir)
-    keep = set(complete_checkpoints(run_dir)[-max(1, keep_last) :])
-    if keep_last_epochs > 0:
-        keep.update(epoch_end_checkpoints(run_dir)[-keep_last_epochs:])
+    saves = complete_checkpoints(run_dir)
+    epoch_ends = epoch_end_checkpoints(run_dir) if keep_last_epochs > 0 else []
     named = latest_trainer_state(run_dir)
+    ends = set(saves[-1:]) | set((named.budget_ends if named is not None else None) or [])
+    keep = set()
+    for end in ends:
+        keep.update([u for u in saves if u <= end][-max(1, keep_last):])
+        if keep_last_epochs > 0:
+            keep.update([u for u in epoch_ends if u <= end][-keep_last_epochs:])
     if named is not None:
         keep.add(named.update)
     for entry in (run_dir / CHECKPOINT_DIR).iterdir():

@@ -237,11 +237,16 @@ class TrainingState:
     # Why the trainer's dev hook stopped the run before its budget (a search's "pruned"), else None: the run
     # is over, as at a budget reached (`stop_reason`), and a rerun trains nothing more.
     stopped: str | None = None
+    # The updates at which the run reached a max_updates it was trained to, ascending: a run trained on past
+    # one keeps the saves an average at it reads (`prune_checkpoints`), so it can still be decoded there.
+    budget_ends: list[int] | None = None
 
     def to_dict(self) -> dict:
-        """The JSON object of a trainer state file (a run never stopped by a hook has no `stopped` key)."""
+        """The JSON object of a trainer state file (a run never stopped by a hook has no `stopped` key, one
+        that never reached a budget no `budget_ends`)."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {k: v for k, v in values.items() if v is not None or k not in (*CHECKPOINT_FIELDS, "stopped")}
+        return {k: v for k, v in values.items()
+                if v is not None or k not in (*CHECKPOINT_FIELDS, "stopped", "budget_ends")}
 
     @classmethod
     def from_dict(cls, data: dict) -> TrainingState:
@@ -299,6 +304,19 @@ def averageable_checkpoints(run_dir: str | os.PathLike, average: str) -> list[in
         raise UserError(f"{run_dir} has no checkpoint saved at an epoch end; train at least one full epoch "
                         "or average the last saves (average: saves)")
     return updates
+
+
+def saves_at_budget_end(run_dir: str | os.PathLike, update: int, average: str, count: int) -> list[int]:
+    """The `count` newest saves of kind `average` up to `update`, a budget the run reached and may have trained
+    on past: what an average of the run read when it stopped there (fewer if it kept fewer then; training on
+    keeps them, `prune_checkpoints`). Refused, in one line, where `update` is no budget end of the run."""
+    state = latest_trainer_state(run_dir)
+    ends = (state.budget_ends if state is not None else None) or []
+    if update not in ends:
+        reached = f"its budget ends: {', '.join(map(str, ends))}" if ends else "it records none"
+        raise UserError(f"{run_dir} reached no budget at update {update} ({reached}); a run is decoded at an "
+                        "earlier update only where it stopped at a max_updates it was trained to")
+    return [u for u in averageable_checkpoints(run_dir, average) if u <= update][-count:]
 
 
 def latest_trainer_state(run_dir: str | os.PathLike) -> TrainingState | None:

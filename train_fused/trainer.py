@@ -254,6 +254,9 @@ class Trainer(UpdateStepMixin):
             logger.info("train: %s %s at update %d%s", self.run.name, state.stopped, state.update,
                         f": {detail.strip()}" if detail.strip() else "")
         metrics.log(record)
+        if self.stop_reason() == "max_updates" and state.update not in (state.budget_ends or []):
+            # Recorded with the save, so that a run trained on later keeps what an average here reads.
+            state.budget_ends = [*(state.budget_ends or []), state.update]
         if self.ctx.is_main:
             checkpointing.save_checkpoint(
                 self.run_dir, self.model, self.optimizer, self._state_to_save(), is_best=is_best,

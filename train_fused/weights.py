@@ -40,12 +40,16 @@ def load_weights(model: torch.nn.Module, path: str | os.PathLike) -> None:
 
 
 def average_checkpoints(
-    run_dir: str | os.PathLike, last: int = 5, out: str | os.PathLike | None = None, *, average: str = "saves"
+    run_dir: str | os.PathLike, last: int = 5, out: str | os.PathLike | None = None, *, average: str = "saves",
+    at_update: int | None = None,
 ) -> Path:
     """Average the weights of the newest `last` checkpoints into one safetensors file.
 
     average: "saves" takes the newest saves, "epochs" the newest epoch-end saves (fewer if fewer exist).
-    Default output: run_dir/average-last{K}.safetensors (saves) or average-epochs{K}.safetensors.
+    at_update: the newest up to that update instead, a budget the run reached and trained on past
+    (`run_dir.saves_at_budget_end`).
+    Default output: run_dir/average-last{K}.safetensors (saves) or average-epochs{K}.safetensors, with
+    -at{U} before the suffix for at_update U.
     Its metadata lists the averaged checkpoints with their sha256, and an existing file over exactly
     those files is reused as is (a run retrained in place writes checkpoints of the same names with
     other weights). Done under the run directory's lock (averaging_lock): a trainer pruning
@@ -55,10 +59,11 @@ def average_checkpoints(
         raise UserError(f"no complete checkpoints under {Path(run_dir) / rd.CHECKPOINT_DIR}; train the run first")
     try:
         with averaging_lock(Path(run_dir)):
-            return _average_checkpoints(run_dir, last, out, average)
+            return _average_checkpoints(run_dir, last, out, average, at_update)
     except OSError as e:
         # A run directory this process may not write (shared, read-only) still serves an average made before.
-        found = _average_checkpoints(run_dir, last, out, average, reuse_only=True) if e.errno in _NOT_WRITABLE else None
+        found = (_average_checkpoints(run_dir, last, out, average, at_update, reuse_only=True)
+                 if e.errno in _NOT_WRITABLE else None)
         if found is None:
             raise
         return found
@@ -67,16 +72,17 @@ def average_checkpoints(
 _NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS)
 
 
-def _average_checkpoints(run_dir: str | os.PathLike, last: int, out: str | os.PathLike | None, average: str, *,
-                         reuse_only: bool = False) -> Path | None:
+def _average_checkpoints(run_dir: str | os.PathLike, last: int, out: str | os.PathLike | None, average: str,
+                         at_update: int | None = None, *, reuse_only: bool = False) -> Path | None:
     run_dir = Path(run_dir)
     if last < 1:
         raise UserError(f"average_checkpoints: last={last}; average at least 1 checkpoint")
     updates = rd.averageable_checkpoints(run_dir, average)
     if not updates:
         raise UserError(f"no complete checkpoints under {run_dir / rd.CHECKPOINT_DIR}; train the run first")
-    default_name = f"average-epochs{last}.safetensors" if average == "epochs" else f"average-last{last}.safetensors"
-    chosen = updates[-last:]
+    at = "" if at_update is None else f"-at{at_update}"
+    default_name = f"average-epochs{last}{at}.safetensors" if average == "epochs" else f"average-last{last}{at}.safetensors"
+    chosen = updates[-last:] if at_update is None else rd.saves_at_budget_end(run_dir, at_update, average, last)
     out = Path(out) if out is not None else run_dir / default_name
     digests = FileDigests()
     sources = json.dumps([[rd.weights_path(run_dir, u).name, digests.sha256(rd.weights_path(run_dir, u))] for u in chosen])
@@ -116,12 +122,13 @@ def _average_checkpoints(run_dir: str | os.PathLike, last: int, out: str | os.Pa
 
 
 def load_run(
-    run_dir: str | os.PathLike, weights: str = "average", *, last: int = 5, average: str = "saves"
+    run_dir: str | os.PathLike, weights: str = "average", *, last: int = 5, average: str = "saves",
+    at_update: int | None = None,
 ) -> tuple[FusedTransformer, BPE, dict]:
     """(model in eval mode with the chosen weights, the run's BPE, run.json + "weights" path).
 
     weights: "best" (lowest dev loss), "last" (newest checkpoint) or "average" (of the last `last`
-    saves, or epoch-end saves for average="epochs").
+    saves, or epoch-end saves for average="epochs"; up to `at_update`, a budget end, where given).
     """
     run_dir = Path(run_dir)
     if weights not in WEIGHTS_CHOICES:
@@ -137,7 +144,7 @@ def load_run(
             raise UserError(f"{run_dir} has no checkpoint yet; train the run first")
         path = run_dir / state.checkpoint
     else:
-        path = average_checkpoints(run_dir, last=last, average=average)
+        path = average_checkpoints(run_dir, last=last, average=average, at_update=at_update)
     load_weights(model, path)
     model.eval()
     info = dict(info)

@@ -141,7 +141,8 @@ _max_updates_option = click.option(
     help="Train each run to this many updates this time, in place of the pipeline file's max_updates (the run's "
     "max_epochs, 50 unless the file sets it null, still stops it first). A run resumes where it stopped and the "
     "learning rate does not depend on the budget, so a budget curve is one run trained on in steps of save_every "
-    "multiples (the saves an average reads are then a straight run's), each step evaluated into its own --out.",
+    "multiples (the saves an average reads are then a straight run's), each step evaluated into its own --out. "
+    "A step's saves outlive training on: `evaluate --at-update N` decodes the run as it was there.",
 )
 
 

@@ -19,12 +19,16 @@ from prlmfuse.commands._common import (_decode_options, _device_option_alone, _p
 @click.option("--no-score", "no_score", is_flag=True,
               help="Decode only, on a machine without the metric's tokenizer (e.g. a GPU node without MeCab): "
               "hypotheses, references and an unscored results.json; `prlmfuse score OUT` scores them elsewhere.")
+@click.option("--at-update", "at_update", type=click.IntRange(min=1),
+              help="Decode every run as it was at this update, a budget it was trained to before training on "
+              "(a step of a budget curve, `train --max-updates`): the average of its saves up to there, which "
+              "training on keeps. Refused for a run that did not stop there.")
 @_decode_options
 @_device_option_alone
-def evaluate(runs, more_runs, out, baseline, splits, no_score, device, **decoding) -> None:
+def evaluate(runs, more_runs, out, baseline, splits, no_score, at_update, device, **decoding) -> None:
     """Stage three: decode and score every run on its test set (or dev); write results.md and plots."""
     from prlmfuse.evaluate import evaluate_runs
 
     results = evaluate_runs(_variadic(runs, more_runs), out=out, baseline=baseline, device=device or "auto",
-                            test_sets=list(splits) or None, score=not no_score, **decoding)
+                            test_sets=list(splits) or None, score=not no_score, at_update=at_update, **decoding)
     _print_summary(results)
