@@ -37,7 +37,7 @@ from prlmfuse.fileio import atomic_write_json, atomic_write_text, read_json, rea
 logger = logging.getLogger(__name__)
 
 # Settings two evaluations must share for their rows to stand in one table (the machine may differ).
-SHARED_SETTINGS = ("beam", "lenpen", "average_last", "average", "max_len_a", "max_len_b", "min_len",
+SHARED_SETTINGS = ("beam", "lenpen", "average_last", "average", "at_update", "max_len_a", "max_len_b", "min_len",
                    "no_repeat_ngram_size", "bf16", "bleu_tokenize", "bootstrap_samples", "seed", "test_sets")
 # What every row of one test set must share, with how a refusal names it.
 SHARED_PER_TEST_SET = {"ref_sha256": "references", "num_sentences": "number of sentences",

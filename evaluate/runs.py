@@ -18,7 +18,6 @@ from safetensors import safe_open
 from prlmfuse.corpora import Corpus, load_corpus
 from prlmfuse.errors import UserError
 from prlmfuse.evaluate.settings import AVERAGE
-from prlmfuse.fileio import read_json
 from prlmfuse.train_fused import run_dir as rundir
 from prlmfuse.train_fused import weights as weights_of_runs
 from prlmfuse.train_fused.branches import PrLMBranch, open_branch
@@ -64,8 +63,7 @@ class RunView:
         `epoch_dev_losses`, the dev loss at each epoch end, oldest first. at_update: as the run was at that
         budget end (its checkpoint's own state), though it trained on."""
         if at_update is not None:
-            saved = read_json(rundir.state_path(self.run_dir, at_update), "checkpoint state")
-            state = rundir.TrainingState.from_dict(saved)
+            state = rundir.budget_state(self.run_dir, at_update)
             curve = [(u, loss) for u, loss in rundir.read_dev_curve(self.run_dir) if u <= at_update]
             per_epoch = self._updates_per_epoch(state)
             return {"updates": state.update, "train_tokens": state.tokens_seen, "train_seconds": state.wall_time,
@@ -169,16 +167,15 @@ def open_run(run_dir: str | os.PathLike) -> RunView:
 def select_weights(run: RunView, average_last: int, average: str = AVERAGE, at_update: int | None = None) -> list[Path]:
     """The weight files a decode uses: the newest `average_last` complete checkpoints (average "saves")
     or epoch-end checkpoints (average "epochs"), fewer if fewer exist; or best.safetensors for
-    average_last=0 (and, for "saves", when no checkpoint is complete). at_update: the newest up to that
-    update, a budget end of the run (`rundir.saves_at_budget_end`)."""
+    average_last=0 (and, for "saves", when no checkpoint is complete). at_update: the newest of the run as it
+    was at that update, its last or a budget end it trained on past (`rundir.budget_saves`)."""
     if average_last < 0:
         raise UserError(f"average_last must be >= 0 (0 = best checkpoint), got {average_last}")
     if at_update is not None:
         if average_last == 0:
             raise UserError(f"--at-update {at_update} decodes the saves up to that update; best.safetensors "
                             "(average_last 0) is the lowest dev loss of the whole run, so give average_last >= 1")
-        return [rundir.weights_path(run.run_dir, u)
-                for u in rundir.saves_at_budget_end(run.run_dir, at_update, average, average_last)]
+        return rundir.budget_saves(run.run_dir, at_update, average)[-average_last:]
     best = run.run_dir / rundir.BEST
     if average_last > 0 and average != "saves":
         ends = rundir.averageable_checkpoints(run.run_dir, average)

@@ -168,7 +168,9 @@ def test_max_updates_trains_a_run_on_in_steps_to_the_weights_of_one_straight_run
     for name in ("straight", "steps"):
         pipe = tmp_path / name / "pipeline.yaml"
         pipe.parent.mkdir()
-        pipe.write_text(path.read_text().replace("workdir: work", f"workdir: {tmp_path / name / 'work'}"))
+        # A save every update, two kept: a step's average (of 2) reads saves that training on prunes.
+        pipe.write_text(path.read_text().replace("workdir: work", f"workdir: {tmp_path / name / 'work'}")
+                        .replace("save_every: 3, keep_last: 3", "save_every: 1, keep_last: 2"))
         for stage in ("data", "cache"):
             built = _prlmfuse("run", str(pipe), "--only", stage, cwd=tmp_path)
             assert built.returncode == 0, built.stderr[-3000:]
@@ -209,6 +211,8 @@ def test_max_updates_trains_a_run_on_in_steps_to_the_weights_of_one_straight_run
     assert [(r["run"], r["hyp_sha256"], r["updates"], r["checkpoints"]) for r in later] == \
         [(r["run"], r["hyp_sha256"], r["updates"], r["checkpoints"]) for r in first]
     assert {r["updates"] for r in later} == {3} and {r["stopped_by"] for r in later} == {"max_updates"}
+    assert {tuple(r["checkpoints"]) for r in later} == {("update-00000002.safetensors", "update-00000003.safetensors")}
+    assert rundir.complete_checkpoints(runs / "fused") == [5, 6]  # pruned as ever; 2 and 3 kept in budgets/
     assert rundir.latest_trainer_state(runs / "fused").budget_ends == [3, 6]
     assert rundir.latest_trainer_state(trained["straight"][1] / "fused").budget_ends == [6]
     assert "up to update 3 " in (tmp_path / "again-3" / "results.md").read_text()
@@ -217,8 +221,8 @@ def test_max_updates_trains_a_run_on_in_steps_to_the_weights_of_one_straight_run
     refused = _prlmfuse("evaluate", "--runs", str(straight), "--out", str(tmp_path / "refused"), "--at-update", "3",
                         *decode, cwd=tmp_path)
     assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
-        f"error: {straight} reached no budget at update 3 (its budget ends: 6); a run is decoded at an earlier "
-        "update only where it stopped at a max_updates it was trained to"), refused.stderr
+        f"error: {straight} keeps no saves of update 3 (it trained on past none; its last update, 6); a run is "
+        "decoded at an earlier update where `train --max-updates` stopped it there before it trained on"), refused.stderr
 
     # A budget below where a run already is: one line, and its run.json keeps the budget it trained to.
     info = (runs / "fused" / rundir.RUN_JSON).read_text()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -157,31 +158,56 @@ def test_errors_are_user_errors(tmp_path):
 
 
 def test_a_budget_trained_on_past_keeps_the_saves_its_average_reads(tmp_path):
-    # Saves at 1..4, a budget reached at 4 (recorded from there on), then trained on to 7: keep_last 2 keeps
-    # 6, 7 and, counted back from the budget end, 3, 4 -- what a run stopped at 4 kept.
+    # Saves at 1..4 (keep_last 2), stopped at its budget of 4; then trained on to 7.
     model = TiedLM()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     saved = {}
     for u in range(1, 8):
+        if u == 5:  # what train does before it trains on from a budget end
+            ck.settle_budget_end(tmp_path, SimpleNamespace(max_updates=7, max_epochs=None, patience=None), rd.latest_trainer_state(tmp_path))
         _train_some(model, opt, 1, seed=u)
         state = _state(u)
         state.budget_ends = [4] if u >= 4 else None
         ck.save_checkpoint(tmp_path, model, opt, state, is_best=False, keep_last=2)
         saved[u] = {k: v.clone() for k, v in load_file(str(rd.weights_path(tmp_path, u))).items()}
         if u == 4:
-            at_four = weights.average_checkpoints(tmp_path, last=2)
-            straight = load_file(str(at_four))
-    assert rd.complete_checkpoints(tmp_path) == [3, 4, 6, 7]
-    assert rd.saves_at_budget_end(tmp_path, 4, "saves", 2) == [3, 4]
-    assert rd.saves_at_budget_end(tmp_path, 4, "saves", 5) == [3, 4]  # fewer, as the run stopped at 4 had
-    out = weights.average_checkpoints(tmp_path, last=2, at_update=4)
-    assert out == tmp_path / "average-last2-at4.safetensors"
-    again = load_file(str(out))
-    assert again.keys() == straight.keys() and all(torch.equal(again[k], straight[k]) for k in again)
-    # The newest average is still of the newest saves.
-    newest = load_file(str(weights.average_checkpoints(tmp_path, last=2)))
+            straight = load_file(str(weights.average_checkpoints(tmp_path, last=2)))
+            straight_all = load_file(str(weights.average_checkpoints(tmp_path, last=5)))
+    # checkpoints/ is pruned as ever, so a plain average is of the newest saves only; 3 and 4 were linked aside.
+    assert rd.complete_checkpoints(tmp_path) == [6, 7]
+    newest = load_file(str(weights.average_checkpoints(tmp_path, last=5)))
     torch.testing.assert_close(newest["hidden.weight"], (saved[6]["hidden.weight"] + saved[7]["hidden.weight"]) / 2)
-    # An update the run did not stop at is refused, naming the budget ends it has.
-    with pytest.raises(UserError, match=r"reached no budget at update 6 \(its budget ends: 4\)"):
+    assert [p.name for p in rd.budget_saves(tmp_path, 4, "saves")] == ["update-00000003.safetensors",
+                                                                     "update-00000004.safetensors"]
+    for last, expected in ((2, straight), (5, straight_all)):  # 5: the two it had then, as at update 4
+        out = weights.average_checkpoints(tmp_path, last=last, at_update=4)
+        assert out == tmp_path / f"average-last{last}-at4.safetensors"
+        again = load_file(str(out))
+        assert again.keys() == expected.keys() and all(torch.equal(again[k], expected[k]) for k in again)
+    assert rd.budget_state(tmp_path, 4).update == 4 and rd.budget_state(tmp_path, 7).update == 7
+    # An update the run did not stop at and train on past is refused, in one line naming what it has.
+    with pytest.raises(UserError, match=r"keeps no saves of update 6 \(the budget ends it trained on past: 4; its last "
+                                        r"update, 7\)"):
         weights.average_checkpoints(tmp_path, last=2, at_update=6)
+    with pytest.raises(UserError, match="no checkpoint saved at an epoch end by update 4"):
+        rd.budget_saves(tmp_path, 4, "epochs")
     assert "budget_ends" not in _state(1).to_dict()  # a run that never reached a budget writes no key
+
+
+def test_a_run_done_at_its_budget_records_it_where_its_state_does_not(tmp_path):
+    # A run stepped to 3 before budget ends were recorded (or stopped by a signal right after that save):
+    # asked for 3 again, it records the budget end in its files, so training on keeps what an average there reads.
+    model = TiedLM()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for u in (1, 2, 3):
+        _train_some(model, opt, 1, seed=u)
+        ck.save_checkpoint(tmp_path, model, opt, _state(u), is_best=False, keep_last=5)
+    state = rd.latest_trainer_state(tmp_path)
+    ck.settle_budget_end(tmp_path, SimpleNamespace(max_updates=3, max_epochs=None, patience=None), state)
+    assert state.budget_ends == [3]
+    assert rd.latest_trainer_state(tmp_path).budget_ends == [3]
+    assert json.loads(rd.state_path(tmp_path, 3).read_text())["budget_ends"] == [3]
+    assert "budget_ends" not in json.loads(rd.state_path(tmp_path, 2).read_text())
+    ck.settle_budget_end(tmp_path, SimpleNamespace(max_updates=9, max_epochs=None, patience=None), state)
+    assert sorted(p.name for p in rd.budget_dir(tmp_path, 3).iterdir()) == [
+        f"update-0000000{u}.{ext}" for u in (1, 2, 3) for ext in ("json", "safetensors")]

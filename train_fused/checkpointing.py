@@ -19,13 +19,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file, save_model
 
 from prlmfuse.errors import UserError
-from prlmfuse.fileio import atomic_path, atomic_write_json, disk_full_error, is_disk_full
+from prlmfuse.fileio import atomic_path, atomic_write_json, disk_full_error, fsync_dir, is_disk_full, read_json
 from prlmfuse.train_fused.run_dir import (
     BEST,
     CHECKPOINT_DIR,
     RESUME_DIR,
     TRAINER_STATE,
     TrainingState,
+    budget_dir,
     checkpoint_file_update,
     complete_checkpoints,
     epoch_end_checkpoints,
@@ -34,6 +35,7 @@ from prlmfuse.train_fused.run_dir import (
     relative_name,
     resume_paths,
     state_path,
+    stop_reason,
     weights_path,
 )
 from prlmfuse.train_fused.run_dir_upkeep import discard_previous_run
@@ -157,25 +159,50 @@ def save_resume_point(run_dir: str | os.PathLike, model: torch.nn.Module, optimi
 
 def prune_checkpoints(run_dir: str | os.PathLike, keep_last: int, keep_last_epochs: int = 0) -> None:
     """Delete all but the newest `keep_last` checkpoints and the newest `keep_last_epochs` epoch-end ones,
-    which an average over epochs reads (never the one trainer_state.json names), and the same counted back
-    from each budget the run reached and trained on past (TrainingState.budget_ends), which an average of
-    the run as it was there reads."""
+    which an average over epochs reads (never the one trainer_state.json names)."""
     run_dir = Path(run_dir)
-    saves = complete_checkpoints(run_dir)
-    epoch_ends = epoch_end_checkpoints(run_dir) if keep_last_epochs > 0 else []
+    keep = set(complete_checkpoints(run_dir)[-max(1, keep_last) :])
+    if keep_last_epochs > 0:
+        keep.update(epoch_end_checkpoints(run_dir)[-keep_last_epochs:])
     named = latest_trainer_state(run_dir)
-    ends = set(saves[-1:]) | set((named.budget_ends if named is not None else None) or [])
-    keep = set()
-    for end in ends:
-        keep.update([u for u in saves if u <= end][-max(1, keep_last):])
-        if keep_last_epochs > 0:
-            keep.update([u for u in epoch_ends if u <= end][-keep_last_epochs:])
     if named is not None:
         keep.add(named.update)
     for entry in (run_dir / CHECKPOINT_DIR).iterdir():
         update = checkpoint_file_update(entry.name)
         if update is not None and update not in keep:
             entry.unlink(missing_ok=True)
+
+
+def settle_budget_end(run_dir: str | os.PathLike, run, state: TrainingState) -> None:
+    """Before training from `state`, a scheduled checkpoint: where it is a budget end the run trains on past,
+    link the weights and trainer state of every save up to it (what an average of the run there reads) into
+    `budget_dir`, since pruning checkpoints/ will delete them; where the run is done at its max_updates but
+    the state does not say so (stepped before budget ends were recorded, or stopped by a signal right after
+    that save), record it."""
+    run_dir = Path(run_dir)
+    ends = state.budget_ends or []
+    reason = stop_reason(run, state)
+    if reason == "max_updates" and state.update not in ends:
+        state.budget_ends = [*ends, state.update]
+        for path in (state_path(run_dir, state.update), run_dir / TRAINER_STATE):
+            saved = read_json(path, "trainer state")
+            if saved.get("update") == state.update:
+                atomic_write_json(path, {**saved, "budget_ends": state.budget_ends})
+    elif reason is None and state.update in ends and not budget_dir(run_dir, state.update).is_dir():
+        target = budget_dir(run_dir, state.update)
+        building = target.with_name(f".{target.name}.building")
+        shutil.rmtree(building, ignore_errors=True)  # a kill left it half linked
+        building.mkdir(parents=True)
+        for update in complete_checkpoints(run_dir):
+            if update <= state.update:
+                for source in (weights_path(run_dir, update), state_path(run_dir, update)):
+                    try:
+                        os.link(source, building / source.name)  # files are replaced, never rewritten in place
+                    except OSError:
+                        shutil.copy2(source, building / source.name)
+        fsync_dir(building)
+        os.replace(building, target)
+        fsync_dir(target.parent)
 
 
 def load_checkpoint(

@@ -46,6 +46,7 @@ TENSORBOARD_DIR = "tensorboard"
 # apart from the scheduled checkpoints (no dev pass; never counted by keep_last or an average).
 RESUME_DIR = "resume"
 RESUME_STATE = "state.json"
+BUDGETS_DIR = "budgets"  # budgets/update-N/: saves kept from a budget end the run trained on past
 # `train --fresh` moves the run it replaces here; deleted once the new run has saved its first checkpoint.
 PREVIOUS_RUN = ".previous-run"
 
@@ -237,8 +238,8 @@ class TrainingState:
     # Why the trainer's dev hook stopped the run before its budget (a search's "pruned"), else None: the run
     # is over, as at a budget reached (`stop_reason`), and a rerun trains nothing more.
     stopped: str | None = None
-    # The updates at which the run reached a max_updates it was trained to, ascending: a run trained on past
-    # one keeps the saves an average at it reads (`prune_checkpoints`), so it can still be decoded there.
+    # The updates at which the run reached a max_updates it was trained to, ascending: before a run trains on
+    # past one, the saves an average there reads are linked into budget_dir, so it can still be decoded there.
     budget_ends: list[int] | None = None
 
     def to_dict(self) -> dict:
@@ -306,17 +307,45 @@ def averageable_checkpoints(run_dir: str | os.PathLike, average: str) -> list[in
     return updates
 
 
-def saves_at_budget_end(run_dir: str | os.PathLike, update: int, average: str, count: int) -> list[int]:
-    """The `count` newest saves of kind `average` up to `update`, a budget the run reached and may have trained
-    on past: what an average of the run read when it stopped there (fewer if it kept fewer then; training on
-    keeps them, `prune_checkpoints`). Refused, in one line, where `update` is no budget end of the run."""
+def budget_dir(run_dir: str | os.PathLike, update: int) -> Path:
+    """Where the saves an average at budget end `update` reads are linked before the run trains on past it."""
+    return Path(run_dir) / BUDGETS_DIR / f"update-{update:08d}"
+
+
+def budget_saves(run_dir: str | os.PathLike, update: int, average: str) -> list[Path]:
+    """Weight files, oldest first, that an average of kind `average` of the run as it was at `update` picks its
+    newest from: the checkpoints at the run's last update, at an earlier budget end the saves linked into
+    `budget_dir` before it trained on. Refused in one line elsewhere."""
     state = latest_trainer_state(run_dir)
-    ends = (state.budget_ends if state is not None else None) or []
-    if update not in ends:
-        reached = f"its budget ends: {', '.join(map(str, ends))}" if ends else "it records none"
-        raise UserError(f"{run_dir} reached no budget at update {update} ({reached}); a run is decoded at an "
-                        "earlier update only where it stopped at a max_updates it was trained to")
-    return [u for u in averageable_checkpoints(run_dir, average) if u <= update][-count:]
+    if state is not None and state.update == update:
+        return [weights_path(run_dir, u) for u in averageable_checkpoints(run_dir, average)]
+    folder = budget_dir(run_dir, update)
+    if not folder.is_dir():
+        ends = [u for u in (state.budget_ends if state is not None else None) or [] if budget_dir(run_dir, u).is_dir()]
+        kept = f"the budget ends it trained on past: {', '.join(map(str, ends))}" if ends else "it trained on past none"
+        last = f"its last update, {state.update}" if state is not None else "no update yet"
+        raise UserError(f"{run_dir} keeps no saves of update {update} ({kept}; {last}); a run is decoded at an "
+                        "earlier update where `train --max-updates` stopped it there before it trained on")
+    saves = []
+    for entry in sorted(folder.iterdir()):
+        m = _WEIGHTS_RE.match(entry.name)
+        if m and (folder / f"update-{m.group(1)}.json").is_file():
+            saves.append(entry)
+    if average == "epochs":
+        saves = [w for w in saves if is_epoch_end(TrainingState.from_dict(read_json(w.with_suffix(".json"), "checkpoint state")))]
+        if not saves:
+            raise UserError(f"{run_dir} had no checkpoint saved at an epoch end by update {update}; "
+                            "average the last saves (average: saves)")
+    return saves
+
+
+def budget_state(run_dir: str | os.PathLike, update: int) -> TrainingState:
+    """The trainer state of the run as it was at `update`: its last one, or an earlier budget end's (`budget_saves`)."""
+    state = latest_trainer_state(run_dir)
+    if state is not None and state.update == update:
+        return state
+    path = budget_saves(run_dir, update, "saves")[-1].with_suffix(".json")
+    return TrainingState.from_dict(read_json(path, "checkpoint state"))
 
 
 def latest_trainer_state(run_dir: str | os.PathLike) -> TrainingState | None:

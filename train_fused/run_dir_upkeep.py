@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 # what a kill -9 mid-save leaves behind (both write under the run directory's lock).
 _STALE_TEMP_RE = re.compile(r"^\.(update-\d{8}\.(safetensors|json)|optimizer-\d{8}\.safetensors|"
                             r"trainer_state\.json|state\.json|best\.safetensors|run\.json|bpe\.json|metrics\.jsonl|"
-                            r"average-(last|epochs)\d+\.safetensors)\..+\.tmp$"
+                            r"average-(last|epochs)\d+(-at\d+)?\.safetensors)\..+\.tmp$"
                             # safetensors' save_file writes through a Rust tempfile (".tmp" + 6 characters)
                             # in the target's folder, so a kill mid-save leaves one of those too.
                             r"|^\.tmp[A-Za-z0-9]{6}$")

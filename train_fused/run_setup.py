@@ -20,6 +20,7 @@ from prlmfuse.distributed import DistContext, barrier, broadcast_parameters, ini
 from prlmfuse.errors import SettingError, UserError
 from prlmfuse.fileio import disk_full_error, is_disk_full, read_lines
 from prlmfuse.precision import Runtime, resolve_runtime
+from prlmfuse.train_fused import checkpointing
 from prlmfuse.train_fused import run_dir as rundir
 from prlmfuse.train_fused.bpe import BPE, train_bpe_in_child
 from prlmfuse.train_fused.branches import PrLMBranch, open_branch
@@ -200,6 +201,8 @@ def _train_locked(run: RunConfig, corpus, branches: dict[str, list[PrLMBranch]],
 
     if existing is not None:
         trainer.restore(existing)
+        if ctx.is_main and not existing.checkpoint.startswith(rundir.RESUME_DIR):
+            checkpointing.settle_budget_end(run_dir, run, trainer.state)
         if ctx.is_main and rundir.stop_reason(run, existing) is None:
             source = "a stop signal's resume point" if existing.checkpoint.startswith(rundir.RESUME_DIR) else "its last checkpoint"
             logger.info("train: %s resumes at update %d from %s", run.name, existing.update, source)

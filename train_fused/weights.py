@@ -46,8 +46,8 @@ def average_checkpoints(
     """Average the weights of the newest `last` checkpoints into one safetensors file.
 
     average: "saves" takes the newest saves, "epochs" the newest epoch-end saves (fewer if fewer exist).
-    at_update: the newest up to that update instead, a budget the run reached and trained on past
-    (`run_dir.saves_at_budget_end`).
+    at_update: the newest of the run as it was at that update instead, a budget end it trained on past
+    (`run_dir.budget_saves`).
     Default output: run_dir/average-last{K}.safetensors (saves) or average-epochs{K}.safetensors, with
     -at{U} before the suffix for at_update U.
     Its metadata lists the averaged checkpoints with their sha256, and an existing file over exactly
@@ -77,15 +77,18 @@ def _average_checkpoints(run_dir: str | os.PathLike, last: int, out: str | os.Pa
     run_dir = Path(run_dir)
     if last < 1:
         raise UserError(f"average_checkpoints: last={last}; average at least 1 checkpoint")
-    updates = rd.averageable_checkpoints(run_dir, average)
-    if not updates:
-        raise UserError(f"no complete checkpoints under {run_dir / rd.CHECKPOINT_DIR}; train the run first")
+    if at_update is None:
+        updates = rd.averageable_checkpoints(run_dir, average)
+        if not updates:
+            raise UserError(f"no complete checkpoints under {run_dir / rd.CHECKPOINT_DIR}; train the run first")
+        chosen = [rd.weights_path(run_dir, u) for u in updates[-last:]]
+    else:
+        chosen = rd.budget_saves(run_dir, at_update, average)[-last:]
     at = "" if at_update is None else f"-at{at_update}"
     default_name = f"average-epochs{last}{at}.safetensors" if average == "epochs" else f"average-last{last}{at}.safetensors"
-    chosen = updates[-last:] if at_update is None else rd.saves_at_budget_end(run_dir, at_update, average, last)
     out = Path(out) if out is not None else run_dir / default_name
     digests = FileDigests()
-    sources = json.dumps([[rd.weights_path(run_dir, u).name, digests.sha256(rd.weights_path(run_dir, u))] for u in chosen])
+    sources = json.dumps([[path.name, digests.sha256(path)] for path in chosen])
     digests.save()
     if out.is_file():
         try:
@@ -98,15 +101,15 @@ def _average_checkpoints(run_dir: str | os.PathLike, last: int, out: str | os.Pa
         return None
     total: dict[str, torch.Tensor] = {}
     dtypes: dict[str, torch.dtype] = {}
-    for u in chosen:
+    for path in chosen:
         try:
-            tensors = load_file(str(rd.weights_path(run_dir, u)))
+            tensors = load_file(str(path))
         except SafetensorError as e:
-            raise UserError(f"weights file {rd.weights_path(run_dir, u)} is corrupt ({e}); delete that checkpoint "
+            raise UserError(f"weights file {path} is corrupt ({e}); delete that checkpoint "
                             "(its update-*.safetensors, optimizer-*.safetensors and .json) and average again") from None
         if total and set(tensors) != set(total):
             raise UserError(
-                f"checkpoint {rd.weights_path(run_dir, u)} has different tensors from the others; "
+                f"checkpoint {path} has different tensors from the others; "
                 "the run directory mixes two configurations"
             )
         for name, t in tensors.items():
@@ -117,7 +120,7 @@ def _average_checkpoints(run_dir: str | os.PathLike, last: int, out: str | os.Pa
                 total[name] = t.to(torch.float64)
     averaged = {name: (t / len(chosen)).to(dtypes[name]).contiguous() for name, t in total.items()}
     with atomic_path(out) as tmp:
-        save_file(averaged, str(tmp), metadata={"averaged": sources, "update": str(chosen[-1])})
+        save_file(averaged, str(tmp), metadata={"averaged": sources, "update": str(rd.checkpoint_file_update(chosen[-1].name))})
     return out
 
 

@@ -21,8 +21,8 @@ from prlmfuse.commands._common import (_decode_options, _device_option_alone, _p
               "hypotheses, references and an unscored results.json; `prlmfuse score OUT` scores them elsewhere.")
 @click.option("--at-update", "at_update", type=click.IntRange(min=1),
               help="Decode every run as it was at this update, a budget it was trained to before training on "
-              "(a step of a budget curve, `train --max-updates`): the average of its saves up to there, which "
-              "training on keeps. Refused for a run that did not stop there.")
+              "(a step of a budget curve, `train --max-updates`): the average of its saves up to there, linked "
+              "into RUN/budgets/ when it trained on. Refused for a run that kept none from there.")
 @_decode_options
 @_device_option_alone
 def evaluate(runs, more_runs, out, baseline, splits, no_score, at_update, device, **decoding) -> None:
