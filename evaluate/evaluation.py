@@ -250,14 +250,18 @@ def evaluate_runs(
         plot_scores(results, out / "scores.png")
     else:  # a plot of an earlier evaluation in this folder is not of these hypotheses
         (out / "scores.png").unlink(missing_ok=True)
-    curves = {run.name: rundir.read_dev_curve(run.run_dir) for run in runs}
+    def dev_curve(run, key: str = "dev_loss") -> list[tuple[int, float]]:
+        # Under at_update, the run as it was there: its dev evaluations up to that update.
+        return [(u, loss) for u, loss in rundir.read_dev_curve(run.run_dir, key) if at_update is None or u <= at_update]
+
+    curves = {run.name: dev_curve(run) for run in runs}
     plot_dev_loss(runs, curves, out / "dev_loss.png", baseline_name)
     # The plotted curves as numbers too, for tables that quote them.
     atomic_write_json(out / "dev_loss.json", {
         "what": "each run's dev loss (runs: label-smoothed, as trained and plotted; nll: its NLL, comparable "
                 "across label smoothing) at every dev evaluation, [update, loss], from its metrics.jsonl",
         "runs": {name: [list(point) for point in curve] for name, curve in curves.items()},
-        "nll": {run.name: [list(point) for point in rundir.read_dev_curve(run.run_dir, "dev_nll_loss")] for run in runs},
+        "nll": {run.name: [list(point) for point in dev_curve(run, "dev_nll_loss")] for run in runs},
     })
     return results
 

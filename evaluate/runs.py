@@ -62,7 +62,8 @@ class RunView:
         seconds, `stopped_by` (max_updates, max_epochs, patience; "" while unfinished) and
         `epoch_dev_losses`, the dev loss at each epoch end, oldest first. at_update: as the run was at that
         budget end (its checkpoint's own state), though it trained on."""
-        if at_update is not None:
+        latest = rundir.latest_trainer_state(self.run_dir) if at_update is not None else None
+        if at_update is not None and (latest is None or latest.update != at_update):
             state = rundir.budget_state(self.run_dir, at_update)
             curve = [(u, loss) for u, loss in rundir.read_dev_curve(self.run_dir) if u <= at_update]
             per_epoch = self._updates_per_epoch(state)

@@ -216,6 +216,8 @@ def test_max_updates_trains_a_run_on_in_steps_to_the_weights_of_one_straight_run
     assert rundir.latest_trainer_state(runs / "fused").budget_ends == [3, 6]
     assert rundir.latest_trainer_state(trained["straight"][1] / "fused").budget_ends == [6]
     assert "up to update 3 " in (tmp_path / "again-3" / "results.md").read_text()
+    dev_loss = [json.loads((tmp_path / out / "dev_loss.json").read_text()) for out in ("at-3", "again-3")]
+    assert dev_loss[1] == dev_loss[0] and max(u for u, _ in dev_loss[1]["nll"]["fused"]) == 3
     # A run trained straight to 6 never stopped at 3: one line, exit 2.
     straight = trained["straight"][1] / "fused"
     refused = _prlmfuse("evaluate", "--runs", str(straight), "--out", str(tmp_path / "refused"), "--at-update", "3",

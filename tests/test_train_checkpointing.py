@@ -185,6 +185,8 @@ def test_a_budget_trained_on_past_keeps_the_saves_its_average_reads(tmp_path):
         again = load_file(str(out))
         assert again.keys() == expected.keys() and all(torch.equal(again[k], expected[k]) for k in again)
     assert rd.budget_state(tmp_path, 4).update == 4 and rd.budget_state(tmp_path, 7).update == 7
+    assert [p.name for p in rd.budget_saves(tmp_path, 7, "saves")] == ["update-00000006.safetensors",
+                                                                     "update-00000007.safetensors"]
     # An update the run did not stop at and train on past is refused, in one line naming what it has.
     with pytest.raises(UserError, match=r"keeps no saves of update 6 \(the budget ends it trained on past: 4; its last "
                                         r"update, 7\)"):

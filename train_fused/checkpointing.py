@@ -200,6 +200,8 @@ def settle_budget_end(run_dir: str | os.PathLike, run, state: TrainingState) -> 
                         os.link(source, building / source.name)  # files are replaced, never rewritten in place
                     except OSError:
                         shutil.copy2(source, building / source.name)
+                        with open(building / source.name, "rb+") as copied:
+                            os.fsync(copied.fileno())
         fsync_dir(building)
         os.replace(building, target)
         fsync_dir(target.parent)

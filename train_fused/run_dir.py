@@ -11,6 +11,8 @@
     average-last{K}.safetensors               average of the newest K checkpoints (evaluation), naming
                                               the sha256 of each file it averaged
     average-epochs{K}.safetensors             the same over the newest K epoch-end checkpoints
+    average-last{K}-at{U}.safetensors         the same over the run as it was at update U (evaluate --at-update)
+    budgets/update-00000500/                  the saves (weights, state) up to a budget end it trained on past
     .previous-run/                            the run `train --fresh` replaces, until the new one saves
 
 The trainer writes these (train_fused.checkpointing for the checkpoint files); the evaluator and
@@ -317,9 +319,10 @@ def budget_saves(run_dir: str | os.PathLike, update: int, average: str) -> list[
     newest from: the checkpoints at the run's last update, at an earlier budget end the saves linked into
     `budget_dir` before it trained on. Refused in one line elsewhere."""
     state = latest_trainer_state(run_dir)
-    if state is not None and state.update == update:
-        return [weights_path(run_dir, u) for u in averageable_checkpoints(run_dir, average)]
     folder = budget_dir(run_dir, update)
+    if not folder.is_dir() and state is not None and state.update == update:
+        # A save past it may be complete where trainer_state.json was not yet rewritten (a kill, a full disk).
+        return [weights_path(run_dir, u) for u in averageable_checkpoints(run_dir, average) if u <= update]
     if not folder.is_dir():
         ends = [u for u in (state.budget_ends if state is not None else None) or [] if budget_dir(run_dir, u).is_dir()]
         kept = f"the budget ends it trained on past: {', '.join(map(str, ends))}" if ends else "it trained on past none"
@@ -342,7 +345,7 @@ def budget_saves(run_dir: str | os.PathLike, update: int, average: str) -> list[
 def budget_state(run_dir: str | os.PathLike, update: int) -> TrainingState:
     """The trainer state of the run as it was at `update`: its last one, or an earlier budget end's (`budget_saves`)."""
     state = latest_trainer_state(run_dir)
-    if state is not None and state.update == update:
+    if state is not None and state.update == update and not budget_dir(run_dir, update).is_dir():
         return state
     path = budget_saves(run_dir, update, "saves")[-1].with_suffix(".json")
     return TrainingState.from_dict(read_json(path, "checkpoint state"))
