@@ -153,7 +153,7 @@ QUOTES: list[Quote] = [
            system(EN_JA, "baseline", "mean"), system(EN_JA, "baseline", "sd"), system(EN_JA, "fused", "delta_mean"),
            system(EN_JA, "fused", "delta_sd"), largest_p(EN_JA, "fused"))),
     Quote("README.md", "Results at a glance",
-          r"setting trails its\s+baseline \((\S+), p ([\d.]+), one\s+seed\)",
+          r"setting trails its\s+baseline\s+\((\S+), p ([\d.]+), one\s+seed\)",
           (row("ja-en.json", "fused", "delta", "bleu"), row("ja-en.json", "fused", "p_value", "bleu"))),
     Quote("README.md", "Results at a glance", r"the default leads its own \((\S+), p ([\d.]+), one seed, on an AMD EPYC\)",
           (row(DEFAULT_JA_EN, "default", "delta", "bleu"), row(DEFAULT_JA_EN, "default", "p_value", "bleu"))),
