@@ -62,36 +62,25 @@ class RunView:
         seconds, `stopped_by` (max_updates, max_epochs, patience; "" while unfinished) and
         `epoch_dev_losses`, the dev loss at each epoch end, oldest first. at_update: as the run was at that
         budget end (its checkpoint's own state), though it trained on."""
-        latest = rundir.latest_trainer_state(self.run_dir) if at_update is not None else None
-        if at_update is not None and (latest is None or latest.update != at_update):
-            state = rundir.budget_state(self.run_dir, at_update)
-            curve = [(u, loss) for u, loss in rundir.read_dev_curve(self.run_dir) if u <= at_update]
-            per_epoch = self._updates_per_epoch(state)
-            return {"updates": state.update, "train_tokens": state.tokens_seen, "train_seconds": state.wall_time,
-                    "stopped_by": "max_updates",
-                    "epoch_dev_losses": [loss for u, loss in curve if per_epoch and u % per_epoch == 0]}
         try:
             state = rundir.latest_trainer_state(self.run_dir)
         except UserError:
             state = None
+        earlier = at_update is not None and (state is None or state.update != at_update)
+        if earlier:
+            state = rundir.budget_state(self.run_dir, at_update)
         if state is None:
             return {"updates": 0, "train_tokens": 0, "train_seconds": float("nan"), "stopped_by": "",
                     "epoch_dev_losses": []}
         spent = {"updates": state.update, "train_tokens": state.tokens_seen, "train_seconds": state.wall_time}
         if not state.batches_per_epoch:
-            return {**spent, "stopped_by": "", "epoch_dev_losses": []}
+            return {**spent, "stopped_by": "max_updates" if earlier else "", "epoch_dev_losses": []}
         run = RunConfig.from_dict(self.record.get("train") or {"name": self.name})
-        per_epoch = self._updates_per_epoch(state)
-        curve = rundir.read_dev_curve(self.run_dir)
-        return {**spent, "stopped_by": rundir.stop_reason(run, state) or "",
-                "epoch_dev_losses": [loss for update, loss in curve if update % per_epoch == 0]}
-
-    def _updates_per_epoch(self, state: rundir.TrainingState) -> int | None:
         # An epoch ends with an update of its own, so epoch ends fall every ceil(batches / update_freq) updates.
-        if not state.batches_per_epoch:
-            return None
-        run = RunConfig.from_dict(self.record.get("train") or {"name": self.name})
-        return -(-state.batches_per_epoch // run.update_freq)
+        per_epoch = -(-state.batches_per_epoch // run.update_freq)
+        curve = [(u, loss) for u, loss in rundir.read_dev_curve(self.run_dir) if not earlier or u <= at_update]
+        return {**spent, "stopped_by": "max_updates" if earlier else rundir.stop_reason(run, state) or "",
+                "epoch_dev_losses": [loss for update, loss in curve if update % per_epoch == 0]}
 
     def corpus_digest(self) -> str:
         """One sha256 over the digests of every file of the corpus the run trained on."""
