@@ -9,7 +9,7 @@ order, 64 at a time (cache_throughput.read_all, fresh reader, the page cache war
 their order alternating between rounds:
   library   the reader as shipped: a shard's arrays opened once (size and index read, crc32c checked), then
             each stretch of neighbouring sentences one ranged read (fs.cat_file) of its array's shard file
-  zarr_api  the same reader with the layout-2 check turned off at URLs (shards._back_to_back patched to None
+  zarr_api  the same reader with the layout-2 check turned off at URLs (shard_handle._back_to_back patched to None
             there), so every read goes through zarr's array API, which reads the shard's index and then
             each inner chunk the rows touch
 Reported: sentences/s (median of the rounds), the median of the rounds' library/zarr_api ratios, and the files
@@ -35,10 +35,10 @@ from cache_throughput import bible_sentences, read_all, write_corpus  # noqa: E4
 @contextlib.contextmanager
 def zarr_api_at_urls():
     """The zarr_api lane: at a URL, no array is taken as back to back, so zarr's API reads every one."""
-    from prlmfuse.cache_features import shards
+    from prlmfuse.cache_features import shard_handle
 
-    back_to_back = shards._back_to_back
-    with mock.patch.object(shards, "_back_to_back",
+    back_to_back = shard_handle._back_to_back
+    with mock.patch.object(shard_handle, "_back_to_back",
                            lambda location, name, array: None if location.url else back_to_back(location, name, array)):
         yield
 

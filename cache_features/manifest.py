@@ -26,7 +26,8 @@ from prlmfuse.fileio import StatMemo, sha256_file
 from .extract import LayerSelection, parse_layers
 from .codecs import STORAGE_DTYPES, check_dtype, pooled_storage_dtype, side_arrays, token_numpy_dtype
 from .location import Location
-from .shards import BACKENDS, LAYOUT, ShardChecksum, ShardHandle
+from .shard_handle import ShardHandle
+from .shards import BACKENDS, LAYOUT, ShardChecksum
 
 FORMAT_VERSION = 1  # bump when what is stored or the key changes: caches of another format are refused, never read
 # (how a backend lays the same arrays on disk has its own number, shards.LAYOUT, and the reader reads every one)

@@ -17,7 +17,7 @@ from prlmfuse.errors import UserError
 from .manifest import SHARD_DIR, expected_arrays, load_manifest
 from .codecs import decode, decode_to_transfer, numpy_view, side_arrays, transfer_dtype
 from .location import Location
-from .shards import ShardHandle
+from .shard_handle import ShardHandle
 
 
 # Neighbouring sentences at most this far apart in a shard are fetched with one read (the gap read and

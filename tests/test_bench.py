@@ -293,7 +293,7 @@ def test_cache_at_scale_h5py_lane_reads_through_h5py_what_the_library_reads(monk
     import numpy as np
 
     from prlmfuse.cache_features import CacheReader
-    from prlmfuse.cache_features.shards import ShardHandle
+    from prlmfuse.cache_features.shard_handle import ShardHandle
 
     bench = _module(BENCH / "cache_at_scale.py")
     fixture = Path(__file__).parent / "fixtures" / "cache-format" / "hdf5-float16"
@@ -319,7 +319,7 @@ def test_url_read_bench_lanes_read_the_same_values_by_ranged_reads_and_by_zarrs_
     """url_read's zarr_api lane must go through zarr's array API and its library lane through ranged reads, over
     the same values (a committed layout-2 cache at its file:// URL)."""
     from prlmfuse.cache_features import CacheReader
-    from prlmfuse.cache_features.shards import _FileRegion
+    from prlmfuse.cache_features.shard_handle import _FileRegion
 
     bench = _module(BENCH / "url_read.py")
     url = f"file://{(Path(__file__).parent / 'fixtures' / 'cache-format' / 'zarr-layout2-float16').resolve()}"

@@ -269,7 +269,7 @@ def test_zarr_at_a_url_is_read_by_one_ranged_read_a_stretch_its_index_checked_on
     import zarr
 
     from prlmfuse.cache_features.location import Location
-    from prlmfuse.cache_features.shards import ShardHandle
+    from prlmfuse.cache_features.shard_handle import ShardHandle
 
     url = f"memory://prlmfuse-ranged-{tmp_path.name}/cache" if url_scheme == "memory" else f"file://{tmp_path}/remote"
     local = CacheReader(build_cache(str(tiny["distilbert"]), corpus, tmp_path / "local", progress=False,
@@ -382,7 +382,7 @@ def test_hdf5_shards_read_by_file_offset_match_h5py_and_a_truncated_one_is_named
     import h5py
 
     from prlmfuse.cache_features.location import Location
-    from prlmfuse.cache_features.shards import ShardHandle
+    from prlmfuse.cache_features.shard_handle import ShardHandle
 
     out = tmp_path / "c"
     result = build_cache(str(tiny["gpt2"]), corpus, out, layers="-2,-1", backend="hdf5", dtype="int8",
@@ -425,10 +425,10 @@ def test_features_into_writes_each_sentence_into_its_padded_row_and_nothing_else
     """features_into fills out[k][:, :length] with what features() gives, whether the rows are read straight into
     out (a scatter read, split over several preadv calls here) or copied: sentences asked in any order, a
     sentence asked twice, neighbours across shards; the rows past each sentence are left as they were."""
-    from prlmfuse.cache_features import shards
+    from prlmfuse.cache_features import shard_handle
     from prlmfuse.cache_features.codecs import numpy_view
 
-    monkeypatch.setattr(shards, "IOV_MAX", 3)  # a stretch's scatter read takes many preadv calls
+    monkeypatch.setattr(shard_handle, "IOV_MAX", 3)  # a stretch's scatter read takes many preadv calls
     preadv = os.preadv
     # and each call returns less than asked, as reads from a network filesystem may
     monkeypatch.setattr(os, "preadv", lambda fd, buffers, offset: preadv(fd, [buffers[0][:1000]], offset))
@@ -452,7 +452,8 @@ def test_features_into_writes_each_sentence_into_its_padded_row_and_nothing_else
 @pytest.mark.parametrize("backend", ["hdf5", "zarr"])
 def test_read_into_fills_its_targets_skips_empty_ones_and_refuses_a_wrong_row_layout(tmp_path, backend):
     from prlmfuse.cache_features.location import Location
-    from prlmfuse.cache_features.shards import ArraySpec, ShardHandle, create_shard, shard_suffix
+    from prlmfuse.cache_features.shard_handle import ShardHandle
+    from prlmfuse.cache_features.shards import ArraySpec, create_shard, shard_suffix
 
     rows = np.arange(40 * 6, dtype=np.float16).reshape(40, 6)
     name = f"s{shard_suffix(backend)}"
@@ -474,7 +475,7 @@ def test_neighbouring_stored_sentences_are_read_together_and_match_one_by_one(ti
                                                                                backend, dtype):
     """features_many / pooled_many equal features / pooled sentence by sentence, in the order asked, and a
     stretch of the stored order costs one read per array and shard."""
-    from prlmfuse.cache_features.shards import ShardHandle
+    from prlmfuse.cache_features.shard_handle import ShardHandle
 
     build_cache(str(tiny["bert"]), corpus, tmp_path / "c", layers="1,-1", backend=backend, dtype=dtype,
                 progress=False, shard_bytes=4096, max_tokens=64)

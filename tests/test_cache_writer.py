@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from prlmfuse.cache_features import CacheReader, build_cache, verify_cache
-from prlmfuse.cache_features import background_writer, shards
+from prlmfuse.cache_features import background_writer, shard_handle, shards
 from prlmfuse.cache_features.location import Location
 from prlmfuse.errors import UserError
 
@@ -240,10 +240,10 @@ def test_a_zarr_shard_of_back_to_back_chunks_is_read_straight_from_its_file(tmp_
     group.create_array("chunk_files", shape=values.shape, dtype=values.dtype, chunks=(128, 32), compressors=None,
                        fill_value=0)[...] = values
 
-    ours = shards.ShardHandle(Location(tmp_path), "zarr", "ours.zarr")
-    theirs = shards.ShardHandle(Location(tmp_path), "zarr", "theirs.zarr")
-    assert isinstance(ours.arrays["layer_001"], shards._FileRegion)
-    assert not any(isinstance(a, shards._FileRegion) for a in theirs.arrays.values())
+    ours = shard_handle.ShardHandle(Location(tmp_path), "zarr", "ours.zarr")
+    theirs = shard_handle.ShardHandle(Location(tmp_path), "zarr", "theirs.zarr")
+    assert isinstance(ours.arrays["layer_001"], shard_handle._FileRegion)
+    assert not any(isinstance(a, shard_handle._FileRegion) for a in theirs.arrays.values())
     for handle, name in ((ours, "layer_001"), (theirs, "sharded"), (theirs, "chunk_files")):
         assert np.array_equal(handle.read(name), values)
         targets = np.full((60, 32), 7, np.float16)
@@ -255,7 +255,7 @@ def test_a_zarr_shard_of_back_to_back_chunks_is_read_straight_from_its_file(tmp_
     data[-20] ^= 0x01  # inside the index
     shard_file.write_bytes(bytes(data))
     with pytest.raises(OSError, match="crc32c"):
-        shards.ShardHandle(Location(tmp_path), "zarr", "ours.zarr")
+        shard_handle.ShardHandle(Location(tmp_path), "zarr", "ours.zarr")
     shard_file.write_bytes(bytes(data[:-1000]))  # truncated: its tail is no index
     with pytest.raises(OSError, match="truncated or damaged"):
-        shards.ShardHandle(Location(tmp_path), "zarr", "ours.zarr")
+        shard_handle.ShardHandle(Location(tmp_path), "zarr", "ours.zarr")

@@ -225,7 +225,7 @@ def assert_same_cache(path: Path, reference: Path) -> None:
     """Same manifest shards (names, counts, sha256), every sentence exactly once, equal features."""
     from prlmfuse.cache_features import CacheReader, verify_cache
     from prlmfuse.cache_features.location import Location
-    from prlmfuse.cache_features.shards import ShardHandle
+    from prlmfuse.cache_features.shard_handle import ShardHandle
 
     verify_cache(path)
     a, b = CacheReader(path), CacheReader(reference)
@@ -250,7 +250,7 @@ def assert_same_cache(path: Path, reference: Path) -> None:
 
 def _read_shard_array(cache: Path, manifest: dict, shard: str, array: str) -> np.ndarray:
     from prlmfuse.cache_features.location import Location
-    from prlmfuse.cache_features.shards import ShardHandle
+    from prlmfuse.cache_features.shard_handle import ShardHandle
 
     handle = ShardHandle(Location(cache), manifest["backend"], f"shards/{shard}")
     try:
