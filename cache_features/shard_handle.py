@@ -3,6 +3,7 @@ byte ranges straight from their files, any other zarr array through zarr's API."
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -11,7 +12,7 @@ import numpy as np
 from prlmfuse.errors import UserError
 
 from .location import Location
-from .shards import ArraySpec, crc32c, shard_index
+from .shards import ArraySpec, crc32c, plain_sharding, shard_index
 
 IOV_MAX = 1024  # buffers one preadv takes (POSIX's smallest IOV_MAX)
 
@@ -192,7 +193,7 @@ def _back_to_back(location: Location, name: str, array) -> _FileRegion | None:
     requests (the size, the index) once per shard a process opens; each read after it is one ranged read."""
     meta = array.metadata
     shape, dtype = tuple(array.shape), np.dtype(array.dtype)
-    if not _plain_sharding(array):
+    if not plain_sharding(array):
         return None
     shard_shape, inner = tuple(array.shards), tuple(array.chunks)
     if shard_shape[0] < shape[0] or shard_shape[1:] != shape[1:] or inner[1:] != shape[1:]:
@@ -218,22 +219,3 @@ def _back_to_back(location: Location, name: str, array) -> _FileRegion | None:
     if len(stored) == len(expected) and crc32c(stored[:-4]) == stored[-4:]:
         return None  # a valid index of another arrangement (e.g. empty chunks left out): zarr's API reads it
     raise OSError(f"{path}: the shard index fails its crc32c; the file is truncated or damaged")
-
-
-def _plain_sharding(array) -> bool:
-    """Whether a zarr array is stored through the sharding codec alone, with uncompressed little-endian inner chunks
-    and a little-endian index with its crc32c at the file's end: the arrangement LAYOUT 2 writes."""
-    import sys
-
-    from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec
-
-    codecs = getattr(array.metadata, "codecs", ())
-    if sys.byteorder != "little" or len(codecs) != 1 or not isinstance(codecs[0], ShardingCodec):
-        return False
-    sharding = codecs[0]
-    plain = lambda c: isinstance(c, BytesCodec) and getattr(c.endian, "value", c.endian) in (None, "little")  # noqa: E731
-    return (len(sharding.codecs) == 1 and plain(sharding.codecs[0]) and sharding.index_location.value == "end"
-            and len(sharding.index_codecs) == 2 and plain(sharding.index_codecs[0])
-            and isinstance(sharding.index_codecs[1], Crc32cCodec))
-
-

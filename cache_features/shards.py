@@ -203,6 +203,23 @@ def crc32c(data: bytes) -> bytes:
     return np.array([google_crc32c.value(data)], dtype="<u4").tobytes()
 
 
+def plain_sharding(array) -> bool:
+    """Whether a zarr array is stored through the sharding codec alone, with uncompressed little-endian inner chunks
+    and a little-endian index with its crc32c at the file's end: the arrangement LAYOUT 2 writes."""
+    import sys
+
+    from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec
+
+    codecs = getattr(array.metadata, "codecs", ())
+    if sys.byteorder != "little" or len(codecs) != 1 or not isinstance(codecs[0], ShardingCodec):
+        return False
+    sharding = codecs[0]
+    plain = lambda c: isinstance(c, BytesCodec) and getattr(c.endian, "value", c.endian) in (None, "little")  # noqa: E731
+    return (len(sharding.codecs) == 1 and plain(sharding.codecs[0]) and sharding.index_location.value == "end"
+            and len(sharding.index_codecs) == 2 and plain(sharding.index_codecs[0])
+            and isinstance(sharding.index_codecs[1], Crc32cCodec))
+
+
 class ZarrShardWriter(ShardWriter):
     """A Zarr v3 group of uncompressed arrays, each one file through zarr's sharding codec (LAYOUT["zarr"]).
 
@@ -244,7 +261,7 @@ class ZarrShardWriter(ShardWriter):
                     array, shape=spec.shape, dtype=spec.dtype, chunks=(rows,) + spec.shape[1:],
                     shards=(max(chunks, 1) * rows,) + spec.shape[1:], compressors=None, fill_value=0,
                 )
-                if not _plain_sharding(created):
+                if not plain_sharding(created):
                     raise RuntimeError(f"zarr {zarr.__version__} made {array} with codecs this writer does not write: "
                                        f"{created.metadata.codecs}")
                 self.inner[array] = (rows, chunks)

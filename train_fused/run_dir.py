@@ -320,10 +320,11 @@ def budget_saves(run_dir: str | os.PathLike, update: int, average: str) -> list[
     `budget_dir` before it trained on. Refused in one line elsewhere."""
     state = latest_trainer_state(run_dir)
     folder = budget_dir(run_dir, update)
-    if not folder.is_dir() and state is not None and state.update == update:
+    linked = folder.is_dir()
+    if not linked and state is not None and state.update == update:
         # A save past it may be complete where trainer_state.json was not yet rewritten (a kill, a full disk).
         return [weights_path(run_dir, u) for u in averageable_checkpoints(run_dir, average) if u <= update]
-    if not folder.is_dir():
+    if not linked:
         ends = [u for u in (state.budget_ends if state is not None else None) or [] if budget_dir(run_dir, u).is_dir()]
         kept = f"the budget ends it trained on past: {', '.join(map(str, ends))}" if ends else "it trained on past none"
         last = f"its last update, {state.update}" if state is not None else "no update yet"
