@@ -19,6 +19,12 @@
 #             without scoring (from the checkpoints the runs have, if training was stopped there),
 #             and `prlmfuse score work/headline/results` scores it where MeCab is
 #                                                               -> OUT/headline.tar.gz
+#   summarization  the summarization comparison at the paper's summarization width
+#             (examples/summarization-compare-debian-base.yaml; the bundle must carry its corpus):
+#             baseline, fused, default and the baseline matched to the default, seed 1, four at once,
+#             each stopped at SUMMARIZATION_UPDATES updates (default 1000), decoded as headline is and
+#             scored on the node (ROUGE needs no MeCab)
+#                                                               -> OUT/summarization.tar.gz
 #   demo      the shipped pipeline.yaml with --device cuda; where sacrebleu's ja-mecab tokenizer does
 #             not work (no --with-ja in the bundle) its evaluate stage decodes without scoring, and
 #             `prlmfuse score work/demo/results` scores the returned folder
@@ -32,7 +38,7 @@
 # under the time the node is lent for: the logs are packed after the last step stops.
 set -uo pipefail
 if [ $# -lt 3 ]; then
-    echo "usage: bash bench/gpu_node.sh OUT SECONDS STEP... (steps: bench, bench:SECTIONS, probe, headline, demo, tests)" >&2
+    echo "usage: bash bench/gpu_node.sh OUT SECONDS STEP... (steps: bench, bench:SECTIONS, probe, headline, summarization, demo, tests)" >&2
     exit 2
 fi
 out="$1"; seconds="$2"; shift 2
@@ -43,12 +49,13 @@ whole_number() {  # NAME VALUE: refuses a setting that is not a whole number
 }
 probe_updates="${PROBE_UPDATES:-400}"; whole_number PROBE_UPDATES "$probe_updates"
 headline_updates="${HEADLINE_UPDATES:-800}"; whole_number HEADLINE_UPDATES "$headline_updates"
+summarization_updates="${SUMMARIZATION_UPDATES:-1000}"; whole_number SUMMARIZATION_UPDATES "$summarization_updates"
 decode_seconds="${DECODE_SECONDS:-150}"; whole_number DECODE_SECONDS "$decode_seconds"
 decode_seconds=$((10#$decode_seconds))
 sections="grid,step,shapes,train,cache,decode,torchrun,compile,tests"  # bench/gpu.py's --only
 for step in "$@"; do
     case "$step" in
-    bench | probe | headline | demo | tests) ;;
+    bench | probe | headline | summarization | demo | tests) ;;
     bench:*)
         IFS=, read -ra wanted <<< "${step#bench:}"
         [ ${#wanted[@]} -gt 0 ] || { echo "gpu_node.sh: '$step' names no section; bench/gpu.py's are $sections" >&2; exit 2; }
@@ -57,7 +64,7 @@ for step in "$@"; do
                 *) echo "gpu_node.sh: '$step': bench/gpu.py has no section '$section'; its sections are $sections" >&2; exit 2 ;;
             esac
         done ;;
-    *) echo "gpu_node.sh: unknown step '$step'; steps: bench, bench:SECTIONS, probe, headline, demo, tests" >&2; exit 2 ;;
+    *) echo "gpu_node.sh: unknown step '$step'; steps: bench, bench:SECTIONS, probe, headline, summarization, demo, tests" >&2; exit 2 ;;
     esac
 done
 [ -f offline/install.sh ] || { echo "gpu_node.sh: no offline/install.sh here; run from the source tree with its bundle in offline/" >&2; exit 2; }
@@ -87,21 +94,35 @@ timed() {
 timed "$out/install.log" bash offline/install.sh || { tail -5 "$out/install.log" >> "$session" 2>/dev/null; exit 1; }
 # install.sh installs into python3's environment, whose scripts directory may not be on PATH.
 command -v prlmfuse > /dev/null || PATH="$(python3 -c 'import os, sys; print(os.path.dirname(sys.executable))'):$PATH"
-corpus=offline/corpus/bible-en-ja.tar.gz
 checkpoint=offline/checkpoints/minilm-l6
 
 # A pipeline file for this node: the checkpoint named by its bundled directory, the workdir under work/.
-node_pipeline() {  # SOURCE WORKDIR OUTFILE [max_updates]
+node_pipeline() {  # SOURCE WORKDIR OUTFILE CORPUS [max_updates]: CORPUS names the bundled corpus it reads
     sed -e "s#^workdir: .*#workdir: ../$2#" -e "s#minilm-l6#$checkpoint#" "$1" > "$3"
-    [ -n "${4:-}" ] && sed -i "s#^\(    max_updates:\).*#\1 $4#" "$3"
+    [ -n "${5:-}" ] && sed -i "s#^\(    max_updates:\).*#\1 $5#" "$3"
     mkdir -p "$2/data"
-    [ -f "$corpus" ] || say "no $corpus: the data stage builds the corpus here"
+    [ -f "offline/corpus/$4.tar.gz" ] || say "no offline/corpus/$4.tar.gz: the data stage must build $4 on this node"
     for c in offline/corpus/*.tar.gz; do if [ -f "$c" ]; then tar -xzf "$c" -C "$2/data"; fi; done
 }
 pack() {  # WORKDIR TARBALL FILE...: each run's logs, metrics and run.json, and those of the files that exist
     local workdir="$1" tarball="$2" kept=() f; shift 2
     for f in "$@" "$workdir"/runs/*/ "$workdir"/results; do [ -e "$f" ] && kept+=("$f"); done
     [ ${#kept[@]} -gt 0 ] && tar -czf "$tarball" --exclude='*.safetensors' --exclude='checkpoints' "${kept[@]}" 2>> "$session"
+}
+
+# One comparison on the GPU from offline/NAME.yaml (workdir work/NAME): cache, train (stopped DECODE_SECONDS
+# before the deadline), decode test from what was saved, then pack. NAME RUNS [evaluate's extra flags].
+compare_on_gpu() {
+    local name="$1" runs="$2" rc; shift 2
+    timed "work/$name/cache.log" prlmfuse run "offline/$name.yaml" --runs "$runs" --device cuda --only cache &&
+        { reserve=$decode_seconds; timed "work/$name/train.log" prlmfuse run "offline/$name.yaml" --runs "$runs" --device cuda --only train
+          rc=$?; reserve=0
+          # Stopped at its deadline (timeout's 124 or 137), each run has saved what it trained: decode that.
+          { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && say "training stopped at the deadline: test is decoded from the checkpoints the runs have"
+          [ $rc -eq 0 ] || [ $rc -eq 124 ] || [ $rc -eq 137 ]; } &&
+        timed "work/$name/decode.log" prlmfuse run "offline/$name.yaml" --runs "$runs" --device cuda --only evaluate "$@"
+    tail -4 "work/$name/train.log" "work/$name/decode.log" >> "$session" 2>/dev/null
+    pack "work/$name" "$out/$name.tar.gz" "offline/$name.yaml" "work/$name"/*.log
 }
 
 for step in "$@"; do
@@ -113,27 +134,23 @@ for step in "$@"; do
         grep -v '^  \[' /tmp/gpu_node-bench.txt | grep -v '^RESULT' | tail -30 >> "$session"
         ;;
     probe)
-        node_pipeline examples/results-en-ja-base.yaml work/probe offline/probe.yaml "$probe_updates"
+        node_pipeline examples/results-en-ja-base.yaml work/probe offline/probe.yaml bible-en-ja "$probe_updates"
         timed work/probe/cache.log prlmfuse run offline/probe.yaml --runs baseline.seed-1,fused.seed-1 --only cache &&
             timed work/probe/pipeline.log prlmfuse run offline/probe.yaml --runs baseline.seed-1,fused.seed-1 --only train
         tail -3 work/probe/pipeline.log >> "$session" 2>/dev/null
         pack work/probe "$out/probe.tar.gz" offline/probe.yaml work/probe/cache.log work/probe/pipeline.log
         ;;
     headline)
-        node_pipeline examples/default-en-ja-base.yaml work/headline offline/headline.yaml "$headline_updates"
-        runs=baseline,default,baseline-matched-default
-        timed work/headline/cache.log prlmfuse run offline/headline.yaml --runs "$runs" --device cuda --only cache &&
-            { reserve=$decode_seconds; timed work/headline/train.log prlmfuse run offline/headline.yaml --runs "$runs" --device cuda --only train
-              rc=$?; reserve=0
-              # Stopped at its deadline (timeout's 124 or 137), each run has saved what it trained: decode that.
-              { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && say "training stopped at the deadline: test is decoded from the checkpoints the runs have"
-              [ $rc -eq 0 ] || [ $rc -eq 124 ] || [ $rc -eq 137 ]; } &&
-            timed work/headline/decode.log prlmfuse run offline/headline.yaml --runs "$runs" --device cuda --only evaluate --no-score
-        tail -4 work/headline/train.log work/headline/decode.log >> "$session" 2>/dev/null
-        pack work/headline "$out/headline.tar.gz" offline/headline.yaml work/headline/*.log
+        node_pipeline examples/default-en-ja-base.yaml work/headline offline/headline.yaml bible-en-ja "$headline_updates"
+        compare_on_gpu headline baseline,default,baseline-matched-default --no-score
+        ;;
+    summarization)
+        node_pipeline examples/summarization-compare-debian-base.yaml work/summarization offline/summarization.yaml \
+            debian-descriptions "$summarization_updates"
+        compare_on_gpu summarization baseline,fused,default,baseline-matched-default
         ;;
     demo)
-        node_pipeline pipeline.yaml work/demo offline/demo.yaml
+        node_pipeline pipeline.yaml work/demo offline/demo.yaml bible-en-ja
         if python3 -c "import sacrebleu; sacrebleu.BLEU(tokenize='ja-mecab')" 2> /dev/null; then
             timed work/demo/run.log prlmfuse run offline/demo.yaml --device cuda
         else

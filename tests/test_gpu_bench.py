@@ -165,7 +165,7 @@ def test_gpu_node_headline_decodes_what_training_saved_when_the_deadline_stops_i
     assert "(stopped at the deadline)" in session and "test is decoded from the checkpoints the runs have" in session
 
 
-@pytest.mark.parametrize("name", ["PROBE_UPDATES", "HEADLINE_UPDATES", "DECODE_SECONDS"])
+@pytest.mark.parametrize("name", ["PROBE_UPDATES", "HEADLINE_UPDATES", "SUMMARIZATION_UPDATES", "DECODE_SECONDS"])
 def test_gpu_node_script_refuses_a_budget_that_is_not_a_whole_number(tmp_path, name):
     done = subprocess.run(["bash", str(NODE_SCRIPT), "out", "60", "headline"], capture_output=True, text=True,
                           timeout=60, cwd=tmp_path, env={**os.environ, name: "1.5"})
@@ -225,4 +225,44 @@ def test_gpu_node_script_runs_its_steps_in_order_on_node_pipeline_files(tmp_path
     with tarfile.open(tmp_path / "out" / "headline.tar.gz") as tar:
         names = tar.getnames()
     assert "offline/headline.yaml" in names and "work/headline/runs/baseline.seed-1/metrics.jsonl" in names
+    assert not any(n.endswith(".safetensors") for n in names)
+
+
+def test_gpu_node_summarization_trains_the_four_runs_on_the_bundled_corpus_and_scores_on_the_node(tmp_path):
+    # The node cannot fetch apt's lists: the step unpacks the bundled corpus where the data stage finds it,
+    # trains the four runs at the paper's summarization width to SUMMARIZATION_UPDATES, and evaluates with
+    # scoring (ROUGE needs no MeCab).
+    from prlmfuse.config import load_pipeline
+
+    tree, env = _node_tree(
+        tmp_path, ["examples/summarization-compare-debian-base.yaml"],
+        'd=$(dirname "$2")/../work/$(basename "$2" .yaml)/runs/fused; mkdir -p "$d"\n'
+        'echo "{}" > "$d/metrics.jsonl"; echo weights > "$d/best.safetensors"\n',
+        SUMMARIZATION_UPDATES="11", DECODE_SECONDS="5")
+    corpus = tmp_path / "debian-descriptions"
+    corpus.mkdir()
+    (corpus / "corpus.json").write_text("{}")
+    (tree / "offline" / "corpus").mkdir()
+    with tarfile.open(tree / "offline" / "corpus" / "debian-descriptions.tar.gz", "w:gz") as tar:
+        tar.add(corpus, arcname="debian-descriptions")
+    done = subprocess.run(["bash", str(NODE_SCRIPT), str(tmp_path / "out"), "60", "summarization"],
+                          capture_output=True, text=True, timeout=120, cwd=tree, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    runs = "--runs baseline,fused,default,baseline-matched-default --device cuda"
+    assert (tree / "calls.txt").read_text().splitlines() == [
+        f"run offline/summarization.yaml {runs} --only cache", f"run offline/summarization.yaml {runs} --only train",
+        f"run offline/summarization.yaml {runs} --only evaluate"]
+    assert (tree / "work" / "summarization" / "data" / "debian-descriptions" / "corpus.json").is_file()
+    assert "no offline/corpus" not in (tmp_path / "out" / "session.txt").read_text()
+    cfg = load_pipeline(tree / "offline" / "summarization.yaml")
+    assert cfg.workdir.resolve() == (tree / "work" / "summarization").resolve()
+    assert cfg.data.kind == "debian-descriptions" and cfg.train.defaults["preset"] == "summarization"
+    assert cfg.train.defaults["max_updates"] == 11 and cfg.evaluate.baseline == "baseline"
+    assert {r.name: [p.checkpoint for p in r.prlms] for r in cfg.train.runs} == {
+        "baseline": [], "fused": ["offline/checkpoints/minilm-l6"], "default": ["offline/checkpoints/minilm-l6"],
+        "baseline-matched-default": []}
+    with tarfile.open(tmp_path / "out" / "summarization.tar.gz") as tar:
+        names = tar.getnames()
+    assert "offline/summarization.yaml" in names and "work/summarization/runs/fused/metrics.jsonl" in names
     assert not any(n.endswith(".safetensors") for n in names)
