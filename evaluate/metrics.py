@@ -59,6 +59,14 @@ def _check_bleu_tokenize(name: str) -> str:
     return name
 
 
+def check_bleu_tokenizer(tgt_lang: str | None, bleu_tokenize: str | None = None) -> str:
+    """The BLEU tokenizer scoring a target language uses, once it has been seen to run here (UserError where
+    it cannot: MeCab or its dictionary missing)."""
+    tokenize = _check_bleu_tokenize(bleu_tokenize or bleu_tokenizer_for(tgt_lang))
+    _make_bleu(tokenize)
+    return tokenize
+
+
 def _make_bleu(tokenize: str, **kwargs) -> BLEU:
     try:
         return BLEU(tokenize=tokenize, **kwargs)

@@ -301,6 +301,16 @@ def run_pipeline(cfg: PipelineConfig, *, only: str | None = None, names: list[st
         corpus = ensure_data(cfg, build=False)
     if only == "data":
         return
+    if only is None and score:
+        # The evaluate stage scores with the target's BLEU tokenizer: one that cannot run here stops the
+        # command now, not once the caches are built and the runs trained.
+        from prlmfuse.evaluate.metrics import check_bleu_tokenizer
+
+        try:
+            check_bleu_tokenizer(corpus.tgt_lang)
+        except UserError as e:
+            raise UserError(f"{e}; or train and decode here with `{_rerun_command(cfg, '--no-score')}` and score "
+                            "the results folder with `prlmfuse score` where the tokenizer runs") from None
     # `--only train` finds (and checks) its caches itself; evaluation reads them from the run directories.
     jobs = build_caches(cfg, corpus, names) if only in (None, "cache") else None
     if only in (None, "train"):

@@ -460,6 +460,42 @@ def test_a_cached_layer_the_prlm_lacks_names_the_entry_before_any_cache_is_built
     assert str(e.value).startswith(f"{out_of_range}: train.runs.fused.prlms.0.layer: ") and "-4..3" in str(e.value)
 
 
+def test_a_bleu_tokenizer_that_cannot_run_here_stops_the_run_before_any_cache_or_training(tiny_pipeline, tmp_path,
+                                                                                          monkeypatch):
+    # Scoring is the last stage: a tokenizer missing here (MeCab for ja-mecab, mecab-ko for ko-mecab) must stop
+    # the command before hours of caching and training, not after; --no-score goes on, as on an offline node.
+    root, path, _ = tiny_pipeline
+    from prlmfuse import pipeline
+    from prlmfuse.config import load_pipeline
+    from prlmfuse.errors import UserError
+    from prlmfuse.evaluate import metrics
+
+    def no_mecab(tokenize, **kwargs):  # what sacrebleu raises where MeCab or its dictionary is missing
+        raise RuntimeError("Please install MeCab:\n    pip install mecab-python3")
+
+    monkeypatch.setattr(metrics, "BLEU", no_mecab)
+    cfg = load_pipeline(path)
+    cfg.workdir = tmp_path / "work"
+    with pytest.raises(UserError) as e:
+        pipeline.run_pipeline(cfg)
+    message = str(e.value)
+    assert "\n" not in message and "is not usable here (Please install MeCab: pip install mecab-python3)" in message
+    assert f"`prlmfuse run {path} --no-score`" in message and "`prlmfuse score`" in message
+    assert not list((tmp_path / "work").rglob("manifest.json")) and not (tmp_path / "work" / "runs").exists()
+
+    class PastTheCheck(Exception):
+        pass
+
+    def caches(*args, **kwargs):
+        raise PastTheCheck
+
+    monkeypatch.setattr(pipeline, "build_caches", caches)
+    with pytest.raises(PastTheCheck):
+        pipeline.run_pipeline(cfg, score=False)
+    with pytest.raises(PastTheCheck):
+        pipeline.run_pipeline(cfg, only="cache")
+
+
 def test_a_stage_run_before_the_one_it_needs_names_the_command_and_trains_nothing(tiny_pipeline, tmp_path):
     root, path, _ = tiny_pipeline
     from prlmfuse.config import load_pipeline
