@@ -3,8 +3,9 @@
 #
 #   bash bench/gpu_node.sh OUT SECONDS STEP...
 #
-# run from the source tree copied to the node with its bundle in offline/ (README: "Offline GPU
-# nodes"; build it with `prlmfuse bundle offline --checkpoints minilm-l6 --corpus DIR`). It installs
+# run from the source tree copied to the node with its bundle in offline/ (docs/cluster.md, "Offline GPU
+# nodes"): for the bench and tests steps `prlmfuse bundle offline` (no checkpoint: bench/gpu.py stands in
+# random weights of MiniLM's shape), for the others `--checkpoints minilm-l6 --corpus DIR` too). It installs
 # the bundle, unpacks its corpora, then runs the steps in the order given, each stopped when SECONDS
 # (counted from the start) run out, and a step that fails does not stop the next:
 #

@@ -45,7 +45,7 @@ def downloads(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def bundle(downloads, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("node") / "bundle"
-    build_bundle(out, checkpoints=["minilm-l6"], downloads=downloads)
+    build_bundle(out, checkpoints=["minilm-l6"], downloads=downloads, max_mb=1000)  # the parts, not the limit
     return out
 
 
@@ -115,6 +115,44 @@ def test_a_bundle_over_the_limit_is_refused_naming_each_part(downloads, tmp_path
     assert "over --max-mb 1" in message and "checkpoints/minilm-l6 4" in message and "wheels (" in message
     assert not out.exists()
     assert list(tmp_path.iterdir()) == []  # no temporary directory left beside it
+
+
+def test_the_limit_counts_the_source_tree_that_travels_beside_the_bundle(downloads, tmp_path, monkeypatch):
+    # A node's copy limit holds the checkout and its bundle together: a bundle that fits alone but not beside
+    # the tree is refused, naming both, and nothing is written.
+    from prlmfuse import bundle as bundle_module
+
+    monkeypatch.setattr(bundle_module, "source_tree_bytes", lambda tree, leave_out: 0)
+    alone = build_bundle(tmp_path / "alone", downloads=downloads, max_mb=1000)
+    limit = alone.total_bytes / (1 << 20) + 0.5
+    monkeypatch.setattr(bundle_module, "source_tree_bytes", lambda tree, leave_out: 1 << 18)  # 0.25 MiB
+    build_bundle(tmp_path / "fits", downloads=downloads, max_mb=limit)
+    assert (tmp_path / "fits" / "bundle.json").is_file()
+    monkeypatch.setattr(bundle_module, "source_tree_bytes", lambda tree, leave_out: 1 << 20)
+    with pytest.raises(UserError) as refused:
+        build_bundle(tmp_path / "over", downloads=downloads, max_mb=limit)
+    assert f"and the source tree beside it 1.0 MiB ({(alone.total_bytes + (1 << 20)) / (1 << 20):.1f} MiB together), " \
+           f"over --max-mb {limit:g}" in str(refused.value)
+    assert not (tmp_path / "over").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["alone", "fits"]
+
+
+def test_the_source_tree_counts_what_a_copy_of_the_checkout_carries(tmp_path):
+    from prlmfuse.bundle import source_tree_bytes
+
+    assert source_tree_bytes(tmp_path, []) is None  # no git checkout
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / ".gitignore").write_text("work/\n")  # 6 bytes
+    (tmp_path / "tracked.py").write_bytes(b"x" * 100)
+    subprocess.run([*git, "add", ".gitignore", "tracked.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "t"], check=True)
+    (tmp_path / "untracked.txt").write_bytes(b"y" * 10)  # not ignored: it travels
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "big.bin").write_bytes(b"z" * 5000)  # ignored
+    (tmp_path / "offline").mkdir()
+    (tmp_path / "offline" / "old.whl").write_bytes(b"w" * 3000)  # the bundle being replaced
+    assert source_tree_bytes(tmp_path, [tmp_path / "offline"]) == 6 + 100 + 10
+    assert source_tree_bytes(tmp_path, []) == 6 + 100 + 10 + 3000
 
 
 @pytest.mark.parametrize("args, needle", [

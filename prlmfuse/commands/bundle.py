@@ -16,8 +16,9 @@ from prlmfuse.commands._common import creatable_parent
 @click.option("--python", "python", default="3.12", show_default=True, metavar="X.Y", help="The node's Python.")
 @click.option("--platform", "platform", default="manylinux_2_28_x86_64", show_default=True,
               help="The node's wheel platform tag.")
-@click.option("--max-mb", "max_mb", default=60.0, show_default=True, type=float,
-              help="Refuse a bundle larger than this many MiB (leave room for the source tree).")
+@click.option("--max-mb", "max_mb", default=64.0, show_default=True, type=float,
+              help="Refuse a bundle that with the source tree copied beside it (git's tracked and unignored files) "
+                   "passes this many MiB: the node's copy limit.")
 @click.option("--corpus", "corpora", multiple=True, type=click.Path(),
               help="A corpus directory written by `prlmfuse data …`, for nodes that cannot build it; repeatable.")
 @click.option("--with-ja", "with_ja", is_flag=True,
@@ -28,7 +29,8 @@ def bundle(out: str, checkpoints: str, python: str, platform: str, max_mb: float
 
     The wheels prlmfuse needs that the node lacks (for the node's Python and platform), each named
     checkpoint as a local directory, optionally corpora, install.sh and bundle.json (every part with
-    its size and sha256). OUT appears only when the bundle is complete and within --max-mb.
+    its size and sha256). OUT appears only when the bundle is complete and, with the source tree, within
+    --max-mb.
     """
     from prlmfuse.bundle import build_bundle
 
