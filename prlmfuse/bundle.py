@@ -91,6 +91,55 @@ def write_checkpoint(alias: str, out: Path) -> None:
             shutil.copy2(path, out / path.name)
 
 
+def trim_embeddings(checkpoint: Path, corpus_dirs: list[Path]) -> dict:
+    """Store as zeros the input-embedding rows of the checkpoint directory that no source sentence of the corpora
+    reads, tokenized as the cache builder tokenizes them, and gzip its weights (install.sh unpacks them): the
+    hidden states of those sentences stay what the whole checkpoint gives, at a fraction of its size on the
+    wire. Other text would read zeros for its other pieces, so such a checkpoint serves these corpora only.
+    Returns what bundle.json records of it."""
+    import gzip
+
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from prlmfuse import corpora, prlms
+    from prlmfuse.cache_features.extract import encode_corpus
+
+    info = prlms.resolve_checkpoint(str(checkpoint))
+    model, tokenizer = prlms.load_prlm(info)
+    embedding = model.get_input_embeddings().weight
+    param = next(name for name, p in model.named_parameters() if p is embedding)
+    used = {int(i) for i in tokenizer.all_special_ids}
+    if tokenizer.pad_token_id is not None:
+        used.add(int(tokenizer.pad_token_id))
+    names = []
+    for directory in corpus_dirs:
+        corpus = corpora.load_corpus(directory)
+        names.append(Path(corpus.root).name)  # as corpus/<name>.tar.gz names it
+        for split in corpus.splits:
+            lines = corpus.src_path(split).read_text(encoding="utf-8").splitlines()
+            used.update(int(i) for i in np.unique(encode_corpus(tokenizer, lines, max_length=info.max_length).flat_ids))
+    del model
+    files = sorted(checkpoint.glob("*.safetensors"))
+    found = [(f, key) for f in files for key, t in load_file(f).items()
+             if (key == param or key.endswith("." + param)) and tuple(t.shape) == tuple(embedding.shape)]
+    if len(found) != 1:
+        raise UserError(f"{checkpoint}: the input embeddings ({param}, {tuple(embedding.shape)}) are not one tensor of "
+                        f"its weights ({len(found)} match); bundle it without trimming")
+    (path, key), = found
+    tensors = load_file(path)
+    drop = np.setdiff1d(np.arange(tensors[key].shape[0]), np.fromiter(used, dtype=np.int64))
+    tensors[key][torch.from_numpy(drop)] = 0
+    save_file(tensors, path, metadata={"format": "pt"})
+    for f in files:
+        with open(f, "rb") as raw, gzip.open(f.with_name(f.name + ".gz"), "wb", compresslevel=6) as packed:
+            shutil.copyfileobj(raw, packed, 1 << 20)
+        f.unlink()
+    return {"tensor": key, "rows": int(tensors[key].shape[0]), "rows_kept": int(tensors[key].shape[0] - len(drop)),
+            "corpora": names}
+
+
 def write_corpora(corpus_dirs: list[Path], out_dir: Path) -> list[Path]:
     """Each corpus directory (checked against its corpus.json) as <name>.tar.gz holding <name>/."""
     from prlmfuse import corpora
@@ -119,6 +168,10 @@ here="$(cd "$(dirname "$0")" && pwd)"
 src="${1:-$(dirname "$here")}"
 py="${PYTHON:-python3}"
 [ -f "$src/pyproject.toml" ] || { echo "install.sh: no pyproject.toml in $src; pass prlmfuse's source tree" >&2; exit 2; }
+# Weights that travel gzipped (`prlmfuse bundle --trim-embeddings`), unpacked where they lie.
+for packed in "$here"/checkpoints/*/*.safetensors.gz; do
+    if [ -f "$packed" ]; then gzip -d -f "$packed"; fi
+done
 "$py" -m pip install --no-index --find-links "$here/wheels" -r "$here/requirements.txt"
 "$py" -m pip install --no-index --find-links "$here/wheels" --no-deps -e "$src"
 """
@@ -186,11 +239,12 @@ def install_line(out: Path) -> str:
 
 def build_bundle(out: str | os.PathLike, *, checkpoints: list[str] = (), python: str = "3.12",
                  platform: str = "manylinux_2_28_x86_64", max_mb: float = 64.0,
-                 corpora: list[str | os.PathLike] = (), with_ja: bool = False,
+                 corpora: list[str | os.PathLike] = (), with_ja: bool = False, trim: bool = False,
                  downloads: str | os.PathLike | None = None) -> BundleResult:
     """Write the bundle into `out` (see the module docstring); refuse one that with the source tree copied beside
     it (`source_tree_bytes`) passes `max_mb` MiB, a node's copy limit.
 
+    trim: each checkpoint keeps only the embedding rows the corpora's source sentences read (`trim_embeddings`).
     downloads: a directory that keeps the downloaded wheels for later calls (default: a temporary one).
     """
     from prlmfuse import prlms
@@ -209,6 +263,8 @@ def build_bundle(out: str | os.PathLike, *, checkpoints: list[str] = (), python:
     for corpus in corpora:
         if not Path(corpus).is_dir():
             raise UserError(f"--corpus {corpus} is not a directory; give one written by `prlmfuse data …`")
+    if trim and not (names and corpora):
+        raise UserError("--trim-embeddings keeps the embedding rows the bundled corpora read: give --checkpoints and --corpus")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_temps(out)
@@ -228,6 +284,8 @@ def build_bundle(out: str | os.PathLike, *, checkpoints: list[str] = (), python:
         for name in names:
             logger.info("bundle: checkpoint %s as float16 safetensors", name)
             write_checkpoint(name, tmp / "checkpoints" / name)
+        trimmed = {name: trim_embeddings(tmp / "checkpoints" / name, [Path(c) for c in corpora]) for name in names
+                   if trim}
         if corpora:
             write_corpora([Path(c) for c in corpora], tmp / "corpus")
         atomic_write_text(tmp / "install.sh", _INSTALL_SH)
@@ -255,6 +313,8 @@ def build_bundle(out: str | os.PathLike, *, checkpoints: list[str] = (), python:
             "built_on": {"python": ".".join(map(str, sys.version_info[:3])), "platform": sys.platform},
             "node_packages": list(NODE_PACKAGES),
             "checkpoints": {n: f"checkpoints/{n}" for n in names},
+            # Checkpoints whose other embedding rows are zeros: they serve the corpora named, no other text.
+            "trimmed": trimmed,
             "install": line,
             "parts": parts,
             "lacking": [vars(row) for row in lacking],

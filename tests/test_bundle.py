@@ -136,6 +136,46 @@ def test_the_limit_counts_the_source_tree_that_travels_beside_the_bundle(downloa
     assert not (tmp_path / "over").exists() and sorted(p.name for p in tmp_path.iterdir()) == ["alone", "fits"]
 
 
+def test_trimmed_embeddings_give_the_bundled_corpus_the_features_of_the_whole_checkpoint(downloads, tmp_path):
+    # The rows no source sentence of the bundled corpus reads travel as zeros, gzipped: after install.sh unpacks
+    # them, every hidden state of those sentences equals the whole checkpoint's; a word the corpus lacks does not.
+    import torch
+
+    from prlmfuse import prlms
+    from prlmfuse.bundle import write_checkpoint
+
+    from helpers import small_runs
+
+    bible = small_runs.small_bible(tmp_path / "a", train=20, dev=4, test=4)
+    out = tmp_path / "bundle"
+    build_bundle(out, checkpoints=["minilm-l6"], corpora=[bible.root], trim=True, downloads=downloads, max_mb=1000)
+    trimmed = json.loads((out / "bundle.json").read_text(encoding="utf-8"))["trimmed"]["minilm-l6"]
+    assert trimmed["rows"] == 30522 and 0 < trimmed["rows_kept"] < 30522 // 10 and trimmed["corpora"] == ["small"]
+    checkpoint = out / "checkpoints" / "minilm-l6"
+    assert not list(checkpoint.glob("*.safetensors")) and list(checkpoint.glob("*.safetensors.gz"))
+    # install.sh unpacks the weights before its pip lines, which need the node (here a `python` that does nothing)
+    repo = Path(__file__).resolve().parents[1]
+    done = subprocess.run(["bash", str(out / "install.sh"), str(repo)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHON": "true"})
+    assert done.returncode == 0, done.stderr
+    assert list(checkpoint.glob("*.safetensors")) and not list(checkpoint.glob("*.safetensors.gz"))
+
+    write_checkpoint("minilm-l6", tmp_path / "whole")
+    lines = [line for split in ("train", "dev", "test")
+             for line in bible.src_path(split).read_text(encoding="utf-8").splitlines()]
+
+    def hidden_states(directory: Path, text: list[str]) -> tuple[torch.Tensor, ...]:
+        model, tokenizer = prlms.load_prlm(prlms.resolve_checkpoint(str(directory)))
+        batch = tokenizer(text, padding=True, return_tensors="pt")
+        with torch.inference_mode():
+            return model(**batch, output_hidden_states=True).hidden_states
+
+    for ours, whole in zip(hidden_states(checkpoint, lines), hidden_states(tmp_path / "whole", lines), strict=True):
+        assert torch.equal(ours, whole)
+    unseen = ["The xylophone quartet rehearsed in Reykjavik."]
+    assert not torch.equal(hidden_states(checkpoint, unseen)[-1], hidden_states(tmp_path / "whole", unseen)[-1])
+
+
 def test_the_source_tree_counts_what_a_copy_of_the_checkout_carries(tmp_path):
     from prlmfuse.bundle import source_tree_bytes
 
@@ -159,6 +199,7 @@ def test_the_source_tree_counts_what_a_copy_of_the_checkout_carries(tmp_path):
     (["--checkpoints", "minilm-l6,no-such-model"], "unknown checkpoint alias 'no-such-model'"),
     (["--python", "3"], "--python must be a version X.Y"),
     (["--platform", "win_amd64"], "--platform must be a Linux wheel platform tag"),
+    (["--checkpoints", "minilm-l6", "--trim-embeddings"], "--trim-embeddings keeps the embedding rows the bundled corpora read"),
 ])
 def test_bad_input_is_one_line(args, needle, tmp_path, capsys, monkeypatch):
     out = tmp_path / "bundle"
