@@ -5,9 +5,9 @@
 #
 # run from the source tree copied to the node with its bundle in offline/ (docs/cluster.md, "Offline GPU
 # nodes"): for the bench and tests steps `prlmfuse bundle offline` (no checkpoint: bench/gpu.py stands in
-# random weights of MiniLM's shape), for the others `--checkpoints minilm-l6 --corpus DIR` too). It installs
-# the bundle, unpacks its corpora, then runs the steps in the order given, each stopped when SECONDS
-# (counted from the start) run out, and a step that fails does not stop the next:
+# random weights of MiniLM's shape), for the others `--checkpoints minilm-l6 --corpus DIR --trim-embeddings`).
+# It installs the bundle, unpacks its corpora, then runs the steps in the order given, each stopped when
+# SECONDS (counted from the start) run out, and a step that fails does not stop the next:
 #
 #   bench     python bench/gpu.py, every section              -> OUT/gpu/gpu.json, OUT/gpu/gpu.log
 #   bench:S   bench/gpu.py --only S (its sections, comma-separated) -> OUT/gpu-S/ (commas as '-')
@@ -101,6 +101,11 @@ checkpoint=offline/checkpoints/minilm-l6
 node_pipeline() {  # SOURCE WORKDIR OUTFILE CORPUS [max_updates]: CORPUS names the bundled corpus it reads
     sed -e "s#^workdir: .*#workdir: ../$2#" -e "s#minilm-l6#$checkpoint#" "$1" > "$3"
     [ -n "${5:-}" ] && sed -i "s#^\(    max_updates:\).*#\1 $5#" "$3"
+    # A bundle built with --leave-out zarr: the caches are hdf5 files.
+    if ! python3 -c "import zarr" 2> /dev/null; then
+        if grep -q "^  backend:" "$3"; then sed -i "s#^  backend: .*#  backend: hdf5#" "$3"
+        else sed -i "s#^cache:\$#cache:\n  backend: hdf5#" "$3"; fi
+    fi
     mkdir -p "$2/data"
     [ -f "offline/corpus/$4.tar.gz" ] || say "no offline/corpus/$4.tar.gz: the data stage must build $4 on this node"
     for c in offline/corpus/*.tar.gz; do if [ -f "$c" ]; then tar -xzf "$c" -C "$2/data"; fi; done

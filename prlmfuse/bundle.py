@@ -240,11 +240,12 @@ def install_line(out: Path) -> str:
 def build_bundle(out: str | os.PathLike, *, checkpoints: list[str] = (), python: str = "3.12",
                  platform: str = "manylinux_2_28_x86_64", max_mb: float = 64.0,
                  corpora: list[str | os.PathLike] = (), with_ja: bool = False, trim: bool = False,
-                 downloads: str | os.PathLike | None = None) -> BundleResult:
+                 leave_out: list[str] = (), downloads: str | os.PathLike | None = None) -> BundleResult:
     """Write the bundle into `out` (see the module docstring); refuse one that with the source tree copied beside
     it (`source_tree_bytes`) passes `max_mb` MiB, a node's copy limit.
 
     trim: each checkpoint keeps only the embedding rows the corpora's source sentences read (`trim_embeddings`).
+    leave_out: packages not to carry (bundle_wheels.resolve_wheels).
     downloads: a directory that keeps the downloaded wheels for later calls (default: a temporary one).
     """
     from prlmfuse import prlms
@@ -275,7 +276,8 @@ def build_bundle(out: str | os.PathLike, *, checkpoints: list[str] = (), python:
                 downloads = stack.enter_context(tempfile.TemporaryDirectory(prefix="prlmfuse-wheels-"))
             Path(downloads).mkdir(parents=True, exist_ok=True)
             logger.info("bundle: wheels for %s", target.describe)
-            runtime, build, lacking = resolve_wheels(target, Path(downloads), with_ja=with_ja)
+            runtime, build, lacking = resolve_wheels(target, Path(downloads), with_ja=with_ja,
+                                                     leave_out=tuple(n.strip() for n in leave_out if n.strip()))
             (tmp / "wheels").mkdir()
             for wheel in [*runtime, *build]:
                 shutil.copy2(wheel, tmp / "wheels" / wheel.name)
@@ -329,7 +331,8 @@ def build_bundle(out: str | os.PathLike, *, checkpoints: list[str] = (), python:
             beside = f" and the source tree beside it {_mib(tree)} ({_mib(total + tree)} together)" if tree else ""
             raise UserError(f"the bundle would take {_mib(total)}{beside}, over --max-mb {max_mb:g}: {sizes}; "
                             "bundle fewer checkpoints or corpora (bench/gpu.py stands in random weights of MiniLM's "
-                            "shape for a missing checkpoint), or raise --max-mb where the node's copy limit allows")
+                            "shape for a missing checkpoint), keep the rows the corpora read (--trim-embeddings), leave "
+                            "out packages (--leave-out), or raise --max-mb where the node's copy limit allows")
         atomic_write_text(tmp / "bundle.json", text)
         _publish(tmp, out)
     except BaseException:

@@ -267,16 +267,19 @@ class _Wheels:
         return sorted(out.values(), key=lambda p: p.name)
 
 
-def resolve_wheels(target: Target, downloads: Path, *, with_ja: bool = False) -> tuple[list[Path], list[Path], list[Lacking]]:
+def resolve_wheels(target: Target, downloads: Path, *, with_ja: bool = False,
+                   leave_out: tuple[str, ...] = ()) -> tuple[list[Path], list[Path], list[Lacking]]:
     """(runtime wheels, build wheels, what the node lacks) for prlmfuse's requirements.
 
     sacrebleu's Japanese extras (MeCab and its IPA dictionary, about 14 MiB) come only `with_ja`: beside a
-    checkpoint they would not fit the node's copy limit.
+    checkpoint they would not fit the node's copy limit. `leave_out` names packages not to carry, with what
+    only they need: ones the node's image holds beyond NODE_PACKAGES, or ones its steps do without.
     """
     project = _project()
     env = target.marker_env()
     downloads.mkdir(parents=True, exist_ok=True)
-    runtime = _Wheels(target, downloads, node_present(target))
+    left = {canonicalize_name(n) for n in leave_out}
+    runtime = _Wheels(target, downloads, node_present(target) | left)
     roots = [r for r in _parse(project["project"]["dependencies"]) if _requires(r, env)]
     runtime._prefetch(roots)
     wanted, left_out = [], {}
@@ -290,6 +293,8 @@ def resolve_wheels(target: Target, downloads: Path, *, with_ja: bool = False) ->
     build = _Wheels(target, downloads, set())
     build_roots = _parse(project["build-system"]["requires"])
     build_ok = [canonicalize_name(r.name) for r in build_roots if build.need(r)]
+    left_out.update({name: "left out (--leave-out): the node's image holds it, or the node does without it"
+                     for name in left})
     lacking = {**build.lacking, **runtime.lacking, **left_out}
     rows = []
     for name, why in sorted(lacking.items()):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from packaging.tags import Tag
-from packaging.utils import parse_wheel_filename
+from packaging.utils import canonicalize_name, parse_wheel_filename
 
 from prlmfuse.bundle import build_bundle
 from prlmfuse.bundle_wheels import parse_target
@@ -174,6 +174,14 @@ def test_trimmed_embeddings_give_the_bundled_corpus_the_features_of_the_whole_ch
         assert torch.equal(ours, whole)
     unseen = ["The xylophone quartet rehearsed in Reykjavik."]
     assert not torch.equal(hidden_states(checkpoint, unseen)[-1], hidden_states(tmp_path / "whole", unseen)[-1])
+
+
+def test_packages_left_out_travel_with_nothing_only_they_need_and_are_named_as_lacking(downloads, tmp_path):
+    result = build_bundle(tmp_path / "bundle", leave_out=["zarr"], downloads=downloads, max_mb=1000)
+    wheels = {canonicalize_name(parse_wheel_filename(p.name)[0]) for p in (tmp_path / "bundle" / "wheels").iterdir()}
+    assert "zarr" not in wheels and "numcodecs" not in wheels and "rouge-score" in wheels
+    (zarr,) = [row for row in result.lacking if row.package == "zarr"]
+    assert "--leave-out" in zarr.why and "backend: hdf5" in zarr.means
 
 
 def test_the_source_tree_counts_what_a_copy_of_the_checkout_carries(tmp_path):

@@ -258,6 +258,10 @@ def test_gpu_node_summarization_trains_the_four_runs_on_the_bundled_corpus_and_s
         'd=$(dirname "$2")/../work/$(basename "$2" .yaml)/runs/fused; mkdir -p "$d"\n'
         'echo "{}" > "$d/metrics.jsonl"; echo weights > "$d/best.safetensors"\n',
         SUMMARIZATION_UPDATES="11", DECODE_SECONDS="5")
+    # a node whose bundle left zarr out (`prlmfuse bundle --leave-out zarr`): the step's caches are hdf5
+    python3 = tmp_path / "bin" / "python3"
+    python3.write_text(f'#!/usr/bin/env bash\ncase "$*" in *"import zarr"*) exit 1 ;; esac\nexec {sys.executable} "$@"\n')
+    python3.chmod(0o755)
     corpus = tmp_path / "debian-descriptions"
     corpus.mkdir()
     (corpus / "corpus.json").write_text("{}")
@@ -278,6 +282,7 @@ def test_gpu_node_summarization_trains_the_four_runs_on_the_bundled_corpus_and_s
     assert cfg.workdir.resolve() == (tree / "work" / "summarization").resolve()
     assert cfg.data.kind == "debian-descriptions" and cfg.train.defaults["preset"] == "summarization"
     assert cfg.train.defaults["max_updates"] == 11 and cfg.evaluate.baseline == "baseline"
+    assert cfg.cache.backend == "hdf5" and cfg.cache.dtype == "float16"
     assert {r.name: [p.checkpoint for p in r.prlms] for r in cfg.train.runs} == {
         "baseline": [], "fused": ["offline/checkpoints/minilm-l6"], "default": ["offline/checkpoints/minilm-l6"],
         "baseline-matched-default": []}

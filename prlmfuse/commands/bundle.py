@@ -24,10 +24,13 @@ from prlmfuse.commands._common import creatable_parent
 @click.option("--trim-embeddings", "trim", is_flag=True,
               help="Keep only the embedding rows the bundled corpora's source sentences read (the rest as zeros, the "
                    "weights gzipped): their features unchanged at a fraction of the size, for these corpora only.")
+@click.option("--leave-out", "leave_out", default="", metavar="PKG[,PKG…]",
+              help="Packages not to carry, with what only they need: ones the node's image already holds, or ones "
+                   "its pipelines do without (zarr, where caches are hdf5).")
 @click.option("--with-ja", "with_ja", is_flag=True,
               help="Also carry MeCab and its IPA dictionary (about 14 MiB) so the node can compute Japanese BLEU.")
 def bundle(out: str, checkpoints: str, python: str, platform: str, max_mb: float, corpora: tuple[str, ...],
-           trim: bool, with_ja: bool) -> None:
+           trim: bool, leave_out: str, with_ja: bool) -> None:
     """Write into OUT what an offline GPU node needs beyond a stock PyTorch image.
 
     The wheels prlmfuse needs that the node lacks (for the node's Python and platform), each named
@@ -39,7 +42,7 @@ def bundle(out: str, checkpoints: str, python: str, platform: str, max_mb: float
 
     names = [c for c in checkpoints.split(",") if c.strip()]
     result = build_bundle(out, checkpoints=names, python=python, platform=platform, max_mb=max_mb, corpora=list(corpora),
-                          with_ja=with_ja, trim=trim)
+                          with_ja=with_ja, trim=trim, leave_out=leave_out.split(","))
     for row in result.lacking:
         click.echo(f"lacks {row.package} ({row.why}): {row.means}")
     wheels = sum(1 for p in result.parts if p["path"].startswith("wheels/"))
