@@ -56,6 +56,7 @@ class BundleResult:
     lacking: list[Lacking]
     install_line: str
     notes: list[str] = field(default_factory=list)
+    tree_bytes: int = 0  # the source tree that travels beside it (source_tree_bytes; 0 outside a git checkout)
 
 
 # ---------------------------------------------------------------------------------------------- parts
@@ -338,7 +339,7 @@ def build_bundle(out: str | os.PathLike, *, checkpoints: list[str] = (), python:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return BundleResult(out, total, parts, lacking, line)
+    return BundleResult(out, total, parts, lacking, line, tree_bytes=tree)
 
 
 def _publish(tmp: Path, out: Path) -> None:

@@ -126,7 +126,7 @@ def test_the_limit_counts_the_source_tree_that_travels_beside_the_bundle(downloa
     alone = build_bundle(tmp_path / "alone", downloads=downloads, max_mb=1000)
     limit = alone.total_bytes / (1 << 20) + 0.5
     monkeypatch.setattr(bundle_module, "source_tree_bytes", lambda tree, leave_out: 1 << 18)  # 0.25 MiB
-    build_bundle(tmp_path / "fits", downloads=downloads, max_mb=limit)
+    assert build_bundle(tmp_path / "fits", downloads=downloads, max_mb=limit).tree_bytes == 1 << 18
     assert (tmp_path / "fits" / "bundle.json").is_file()
     monkeypatch.setattr(bundle_module, "source_tree_bytes", lambda tree, leave_out: 1 << 20)
     with pytest.raises(UserError) as refused:

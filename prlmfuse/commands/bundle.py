@@ -48,5 +48,7 @@ def bundle(out: str, checkpoints: str, python: str, platform: str, max_mb: float
     wheels = sum(1 for p in result.parts if p["path"].startswith("wheels/"))
     click.echo(f"bundle: {result.out} ({result.total_bytes / (1 << 20):.1f} MiB: {wheels} wheels"
                + "".join(f", checkpoints/{n}" for n in names)
-               + "".join(f", corpus {Path(c).name}" for c in corpora) + ")")
+               + "".join(f", corpus {Path(c).name}" for c in corpora) + ")"
+               + (f"; with the source tree beside it {(result.total_bytes + result.tree_bytes) / (1 << 20):.1f} MiB "
+                  f"of --max-mb {max_mb:g}" if result.tree_bytes else ""))
     click.echo(f"install on the node, from the copied source tree: {result.install_line}")
