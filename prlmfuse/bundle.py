@@ -34,7 +34,7 @@ from packaging.utils import parse_wheel_filename
 from prlmfuse import __version__
 from prlmfuse.bundle_wheels import NODE_PACKAGES, SOURCE_TREE, Lacking, parse_target, resolve_wheels
 from prlmfuse.errors import UserError
-from prlmfuse.fileio import atomic_write_json, atomic_write_text, publish_directory, sha256_file
+from prlmfuse.fileio import atomic_write_json, atomic_write_text, publish_directory, read_lines, sha256_file
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def trim_embeddings(checkpoint: Path, corpus_dirs: list[Path]) -> dict:
         corpus = corpora.load_corpus(directory)
         names.append(Path(corpus.root).name)  # as corpus/<name>.tar.gz names it
         for split in corpus.splits:
-            lines = corpus.src_path(split).read_text(encoding="utf-8").splitlines()
+            lines = read_lines(corpus.src_path(split))  # as the cache builder reads them
             used.update(int(i) for i in np.unique(encode_corpus(tokenizer, lines, max_length=info.max_length).flat_ids))
     del model
     files = sorted(checkpoint.glob("*.safetensors"))
