@@ -134,8 +134,10 @@ def _first_difference(a: Evaluation, b: Evaluation) -> str | None:
     return None
 
 
-def merge_evaluations(paths: list[str | Path], out: str | Path, against: list[str] | tuple[str, ...] = ()) -> Report:
-    """Read, check and merge the results.json files at `paths`; write the merged report into `out`.
+def merge_evaluations(paths: list[str | Path], out: str | Path, against: list[str] | tuple[str, ...] = (),
+                      *, write: bool = True) -> Report:
+    """Read, check and merge the results.json files at `paths`; write the merged report into `out` (with
+    `write`; else the caller writes it with `write_report` once whatever else it writes has been checked).
 
     against: runs every other row is also compared with (Δ and paired-bootstrap p on the same resampled
     test sets), e.g. a table's default setting, so that rows differing from it in one factor are compared directly.
@@ -222,7 +224,8 @@ def merge_evaluations(paths: list[str | Path], out: str | Path, against: list[st
     systems = systems_over_seeds(rows, file_order)
     report = Report(out=Path(out), inputs=inputs, rows=rows, sources=sources, systems=systems, against=compared,
                     against_systems=against_over_seeds(systems, compared, {r.run: r.seed for r in rows}))
-    write_report(report)
+    if write:
+        write_report(report)
     return report
 
 

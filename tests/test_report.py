@@ -89,6 +89,53 @@ def test_report_through_the_cli(evaluated, tmp_path):
     assert f"results: {tmp_path / 'm' / 'results.md'}" in out.stdout and "test fused: BLEU" in out.stdout
 
 
+def test_examples_show_each_sentence_with_its_reference_and_every_runs_output(evaluated, tmp_path):
+    folder = _copy_inputs(evaluated, tmp_path / "in")
+    source = evaluated["corpus"].root / "test.src"
+    out = subprocess.run([sys.executable, "-m", "prlmfuse.cli", "report", str(folder / "seed-1.json"),
+                          str(folder / "seed-2.json"), "--out", str(tmp_path / "m"), "--examples", "3",
+                          "--source", str(source)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert f"examples: {tmp_path / 'm' / 'examples.md'}" in out.stdout
+    table = [line for line in (tmp_path / "m" / "examples.md").read_text(encoding="utf-8").splitlines()
+             if line.startswith("| ")]
+    assert table[0] == ("| # | source (start) | reference | baseline.seed-1 | baseline.seed-2 | fused.seed-1 | "
+                        "fused.seed-2 |")
+    sources = source.read_text(encoding="utf-8").splitlines()
+    refs = (folder / "ref.test.txt").read_text(encoding="utf-8").splitlines()
+    fused = (folder / "hyp.fused.seed-2.test.txt").read_text(encoding="utf-8").splitlines()
+    assert len(table) == 1 + 3
+    for i, line in enumerate(table[1:]):
+        cells = line.split(" | ")
+        assert cells[0] == f"| {i + 1}" and cells[2] == refs[i] and cells[-1] == (fused[i] or "(empty)") + " |"
+        shown = cells[1].removesuffix(" …")
+        assert sources[i].startswith(shown) and len(shown) <= 100 and (shown == sources[i]) == (not cells[1].endswith("…"))
+    assert any(len(s) > 100 for s in sources[:3])  # a verse long enough to be cut, so the cut is tested
+
+
+def test_examples_escape_a_pipe_and_refuse_a_source_of_another_length(evaluated, tmp_path):
+    from prlmfuse.evaluate.examples import examples_markdown
+    from prlmfuse.evaluate.report import merge_evaluations
+
+    folder = _copy_inputs(evaluated, tmp_path / "in")
+    merged = merge_evaluations([folder / "seed-1.json"], tmp_path / "m", write=False)
+    assert not (tmp_path / "m").exists()
+    rows = merged.rows[0].num_sentences
+    source = tmp_path / "src.txt"
+    source.write_text("a | b\n" * rows, encoding="utf-8")
+    assert "| 1 | a \\| b |" in examples_markdown(merged, 1, source)
+    source.write_text("one line\n", encoding="utf-8")
+    with pytest.raises(UserError, match=f"has 1 lines but test set 'test' has {rows} sentences"):
+        examples_markdown(merged, 2, source)
+    proc = subprocess.run([sys.executable, "-m", "prlmfuse.cli", "report", str(folder / "seed-1.json"), "--out",
+                           str(tmp_path / "o"), "--examples", "2", "--source", str(source)], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert not (tmp_path / "o").exists()  # refused before the merged table is written
+    proc = subprocess.run([sys.executable, "-m", "prlmfuse.cli", "report", str(folder / "seed-1.json"), "--out",
+                           str(tmp_path / "o"), "--source", str(source)], capture_output=True, text=True)
+    assert proc.returncode == 2 and "add --examples N" in proc.stderr
+
+
 def test_rows_compared_against_a_named_run_match_an_evaluation_that_named_it_its_baseline(evaluated, tmp_path):
     """--against fused.seed-1: each other run gets the Δ and p an evaluation with fused.seed-1 as its baseline gives,
     a row of another seed those of that seed's fused run."""

@@ -15,7 +15,14 @@ from prlmfuse.commands._common import creatable_dir
                    "several files hold their own RUN, the one of the row's file, and of its seed where RUN has one "
                    "(fused.seed-2); a system's name (fused, where the files hold fused.seed-N) names its run of "
                    "each row's seed, and rows of a seed it lacks are not compared; repeatable.")
-def report(files: tuple[str, ...], out: str, against: tuple[str, ...]) -> None:
+@click.option("--examples", type=click.IntRange(min=1), metavar="N",
+              help="Also write examples.md: the first N sentences of each test set, the reference and each run's "
+                   "output side by side.")
+@click.option("--source", type=click.Path(dir_okay=False, exists=True),
+              help="With --examples: the test set's source file (e.g. WORKDIR/data/CORPUS/test.src), whose start "
+                   "each example shows; one test set only.")
+def report(files: tuple[str, ...], out: str, against: tuple[str, ...], examples: int | None,
+           source: str | None) -> None:
     """Merge FILES (results.json of `evaluate`, each with its hyp.* and ref.* files beside it) into one table.
 
     Each fused run is compared again with the baseline its evaluation named (its own seed's), from the
@@ -24,10 +31,20 @@ def report(files: tuple[str, ...], out: str, against: tuple[str, ...]) -> None:
     With --against RUN, every run is also compared with RUN (of its own seed where there is one), in a
     table of its own.
     """
-    from prlmfuse.evaluate.report import merge_evaluations
+    from prlmfuse.errors import UserError
+    from prlmfuse.evaluate.examples import examples_markdown
+    from prlmfuse.evaluate.report import merge_evaluations, write_report
+    from prlmfuse.fileio import atomic_write_text
 
-    merged = merge_evaluations(list(files), out, against)
+    if source is not None and examples is None:
+        raise UserError("--source shows the sources of --examples; add --examples N")
+    merged = merge_evaluations(list(files), out, against, write=False)
+    shown = None if examples is None else examples_markdown(merged, examples, source)  # checked before writing
+    write_report(merged)
     click.echo(f"results: {merged.files['results.md']}")
+    if shown is not None:
+        atomic_write_text(merged.out / "examples.md", shown)
+        click.echo(f"examples: {merged.out / 'examples.md'}")
     for m in merged.systems:
         name = {"bleu": "BLEU", "rougeL": "ROUGE-L"}.get(m.metric, m.metric)
         several = len(m.runs) > 1  # a standard deviation needs two runs

@@ -1,0 +1,58 @@
+"""The first sentences of a test set with the reference and each run's output side by side: what a table of
+scores cannot show (a baseline that writes one synopsis whatever it reads, a name copied or garbled)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prlmfuse.errors import UserError
+from prlmfuse.evaluate.report import Report
+from prlmfuse.fileio import read_lines
+
+SOURCE_WIDTH = 100  # characters of a source shown: a long description's start is enough to judge a summary
+
+
+def examples_markdown(report: Report, count: int, source: str | Path | None = None) -> str:
+    """The first `count` sentences of each test set: the source's start (with `source`, the test set's source
+    file), the reference and each run's hypothesis, in the report's run order."""
+    if count < 1:
+        raise UserError(f"--examples {count}: give the number of test sentences to show, 1 or more")
+    splits = list(dict.fromkeys(r.test_set for r in report.rows))
+    if source is not None and len(splits) > 1:
+        raise UserError(f"--source names one file, but the report has {len(splits)} test sets ({', '.join(splits)}); "
+                        "report one test set at a time to show its sources")
+    lines = ["# Examples", ""]
+    for split in splits:
+        rows = [r for r in report.rows if r.test_set == split]
+        shown = min(count, rows[0].num_sentences)
+        folder = report.sources[rows[0].run].parent
+        refs = read_lines(folder / rows[0].ref_file)[:shown]
+        columns = {"reference": refs}
+        for row in rows:
+            columns[row.run] = read_lines(report.sources[row.run].parent / row.hyp_file, check_text=False)[:shown]
+        if source is not None:
+            sources = read_lines(source)
+            if len(sources) != rows[0].num_sentences:
+                raise UserError(f"--source {source} has {len(sources)} lines but test set {split!r} has "
+                                f"{rows[0].num_sentences} sentences; pass the source side of the test set the runs "
+                                "were evaluated on")
+            columns = {"source (start)": [_start(s) for s in sources[:shown]], **columns}
+        lines += [f"## {split}: the first {shown} of {rows[0].num_sentences} sentences", "",
+                  "| # | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+        for i in range(shown):
+            lines.append(f"| {i + 1} | " + " | ".join(_cell(column[i]) for column in columns.values()) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _start(text: str, width: int = SOURCE_WIDTH) -> str:
+    """`text` cut at a word boundary before `width` characters, with an ellipsis where it was cut."""
+    if len(text) <= width:
+        return text
+    cut = text[:width].rsplit(" ", 1)[0] or text[:width]
+    return cut + " …"
+
+
+def _cell(text: str) -> str:
+    """A Markdown table cell: a pipe would end the cell; an empty hypothesis is shown as such."""
+    return text.replace("\\", "\\\\").replace("|", "\\|") if text else "(empty)"
