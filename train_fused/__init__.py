@@ -9,7 +9,8 @@ Modules: config (RunConfig, ModelConfig and their rules), run_dir (the run direc
 trainer state), run_dir_upkeep (its lock, a `--fresh` start's set-aside run), weights (load_run, averages),
 branches (a PrLM branch opened over its cache), data (batches), batch_samplers (which pairs form each batch,
 in what order), modeling (the model; its parts in blocks and layer_selection), trainer (the loop), update_step
-(one update: schedule, loss, accumulation), run_setup (train_run), checkpointing (writing checkpoints), bpe.
+(one update: schedule, loss, accumulation), run_setup (train_run), checkpointing (writing checkpoints), bpe,
+dev_curve (how much a run's dev loss still falls).
 The rest is imported on first use, so `prlmfuse.train_fused.config` (read by the pipeline
 parser) stays cheap to import.
 """

@@ -29,7 +29,8 @@ def train(ctx, pipeline, runs, resume, max_updates, parallel, launcher, no_wait,
 
     Runs resume from their last checkpoint by default (`--resume`); `--fresh` starts them over.
     Data and caches must exist: `prlmfuse run --only cache`.
-    `prlmfuse train average RUN_DIR` averages a run's last checkpoints.
+    `prlmfuse train average RUN_DIR` averages a run's last checkpoints; `prlmfuse train curve RUN_DIR` shows
+    how much its dev loss still falls.
     """
     if ctx.invoked_subcommand is not None:
         return
@@ -51,3 +52,41 @@ def train_average(run_dir: str, last: int, epochs: bool, out: str | None) -> Non
     from prlmfuse.train_fused import average_checkpoints
 
     click.echo(average_checkpoints(run_dir, last=last, out=out, average="epochs" if epochs else "saves"))
+
+
+@train.command("curve")
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True))
+@click.option("--over", default=1000, show_default=True, type=click.IntRange(min=1),
+              help="The span of updates each gain is measured over.")
+@click.option("--below", default=1.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="The gain, in percent, under which the curve counts as flat.")
+@click.option("--nll", is_flag=True, help="Read the dev NLL instead of the (label-smoothed) loss trained on: "
+                                          "runs of different label smoothing compare on it.")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False), callback=creatable_parent,
+              help="Also write every run's curve with its gains and flat point to this file.")
+def train_curve(run_dirs: tuple[str, ...], over: int, below: float, nll: bool, json_out: str | None) -> None:
+    """Each run's dev loss at every dev evaluation with its gain over the last --over updates, and the first
+    update where that gain fell under --below percent: the rule that fixes a budget from a baseline's dev curve."""
+    from pathlib import Path
+
+    from prlmfuse.fileio import atomic_write_json
+    from prlmfuse.train_fused.dev_curve import dev_curve
+
+    curves = [dev_curve(d, over=over, below=below / 100, nll=nll) for d in run_dirs]  # every one read before any output
+    for curve in curves:
+        click.echo(f"{curve.run_dir}: {curve.key}, gain over {over:,} updates")
+        click.echo(f"  {'update':>8}  {'loss':>7}  {'gain':>6}")
+        for p in curve.points:
+            gain = "-" if p.gain is None else f"{100 * p.gain:.1f}%"
+            click.echo(f"  {p.update:>8,}  {p.loss:>7.4f}  {gain:>6}")
+        last = curve.points[-1]
+        if curve.flat_at is not None:
+            click.echo(f"  flat at update {curve.flat_at:,}: its first gain under {below:g}% over {over:,} updates")
+        elif last.gain is None:
+            click.echo(f"  not flat: no gain over {over:,} updates yet (its last evaluation is at update {last.update:,})")
+        else:
+            click.echo(f"  not flat: its last evaluation (update {last.update:,}) still gains {100 * last.gain:.1f}% "
+                       f"over {over:,} updates")
+    if json_out:
+        atomic_write_json(Path(json_out), {str(c.run_dir): c.to_dict() for c in curves})
+        click.echo(f"curves: {json_out}")
