@@ -3,12 +3,14 @@ scores cannot show (a baseline that writes one synopsis whatever it reads, a nam
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from prlmfuse.errors import UserError
 from prlmfuse.evaluate.report import Report
 from prlmfuse.fileio import read_lines
 
+MARKDOWN = re.compile(r"([\\`*_\[\]<>|])")  # what Markdown would read as markup inside a table cell
 SOURCE_WIDTH = 100  # characters of a source shown: a long description's start is enough to judge a summary
 
 
@@ -20,7 +22,7 @@ def examples_markdown(report: Report, count: int, source: str | Path | None = No
     splits = list(dict.fromkeys(r.test_set for r in report.rows))
     if source is not None and len(splits) > 1:
         raise UserError(f"--source names one file, but the report has {len(splits)} test sets ({', '.join(splits)}); "
-                        "report one test set at a time to show its sources")
+                        "drop --source to see each test set's examples without their sources")
     lines = ["# Examples", ""]
     for split in splits:
         rows = [r for r in report.rows if r.test_set == split]
@@ -32,10 +34,11 @@ def examples_markdown(report: Report, count: int, source: str | Path | None = No
             columns[row.run] = read_lines(report.sources[row.run].parent / row.hyp_file, check_text=False)[:shown]
         if source is not None:
             sources = read_lines(source)
-            if len(sources) != rows[0].num_sentences:
-                raise UserError(f"--source {source} has {len(sources)} lines but test set {split!r} has "
-                                f"{rows[0].num_sentences} sentences; pass the source side of the test set the runs "
-                                "were evaluated on")
+            if len(sources) != rows[0].num_sentences or sources == read_lines(folder / rows[0].ref_file):
+                what = (f"has {len(sources)} lines but test set {split!r} has {rows[0].num_sentences} sentences"
+                        if len(sources) != rows[0].num_sentences else "holds the references")
+                raise UserError(f"--source {source} {what}; pass the source side of the test set the runs were "
+                                "evaluated on")
             columns = {"source (start)": [_start(s) for s in sources[:shown]], **columns}
         lines += [f"## {split}: the first {shown} of {rows[0].num_sentences} sentences", "",
                   "| # | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
@@ -49,10 +52,11 @@ def _start(text: str, width: int = SOURCE_WIDTH) -> str:
     """`text` cut at a word boundary before `width` characters, with an ellipsis where it was cut."""
     if len(text) <= width:
         return text
-    cut = text[:width].rsplit(" ", 1)[0] or text[:width]
-    return cut + " …"
+    space = text.rfind(" ", 1, width + 1)  # a space just past the width still ends the last word shown
+    return (text[:space] if space > 0 else text[:width]) + " …"
 
 
 def _cell(text: str) -> str:
-    """A Markdown table cell: a pipe would end the cell; an empty hypothesis is shown as such."""
-    return text.replace("\\", "\\\\").replace("|", "\\|") if text else "(empty)"
+    """A Markdown table cell shown as written: a pipe would end the cell, and `<name@host>`, `*` or `_` in a
+    description would render as a link or emphasis; an empty hypothesis is shown as such."""
+    return MARKDOWN.sub(r"\\\1", text) if text else "(empty)"

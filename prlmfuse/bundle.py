@@ -102,6 +102,7 @@ def trim_embeddings(checkpoint: Path, corpus_dirs: list[Path]) -> dict:
 
     import numpy as np
     import torch
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     from prlmfuse import corpora, prlms
@@ -123,8 +124,11 @@ def trim_embeddings(checkpoint: Path, corpus_dirs: list[Path]) -> dict:
             used.update(int(i) for i in np.unique(encode_corpus(tokenizer, lines, max_length=info.max_length).flat_ids))
     del model
     files = sorted(checkpoint.glob("*.safetensors"))
-    found = [(f, key) for f in files for key, t in load_file(f).items()
-             if (key == param or key.endswith("." + param)) and tuple(t.shape) == tuple(embedding.shape)]
+    found = []
+    for f in files:
+        with safe_open(f, "pt") as weights:  # names and shapes only: the one file that holds it is loaded below
+            found += [(f, key) for key in weights.keys() if (key == param or key.endswith("." + param))
+                      and tuple(weights.get_slice(key).get_shape()) == tuple(embedding.shape)]
     if len(found) != 1:
         raise UserError(f"{checkpoint}: the input embeddings ({param}, {tuple(embedding.shape)}) are not one tensor of "
                         f"its weights ({len(found)} match); bundle it without trimming")

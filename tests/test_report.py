@@ -92,28 +92,31 @@ def test_report_through_the_cli(evaluated, tmp_path):
 def test_examples_show_each_sentence_with_its_reference_and_every_runs_output(evaluated, tmp_path):
     folder = _copy_inputs(evaluated, tmp_path / "in")
     source = evaluated["corpus"].root / "test.src"
-    out = subprocess.run([sys.executable, "-m", "prlmfuse.cli", "report", str(folder / "seed-1.json"),
-                          str(folder / "seed-2.json"), "--out", str(tmp_path / "m"), "--examples", "3",
-                          "--source", str(source)], capture_output=True, text=True)
+    command = [sys.executable, "-m", "prlmfuse.cli", "report", str(folder / "seed-1.json"), str(folder / "seed-2.json"),
+               "--out", str(tmp_path / "m")]
+    out = subprocess.run([*command, "--examples", "3", "--source", str(source)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert f"examples: {tmp_path / 'm' / 'examples.md'}" in out.stdout
     table = [line for line in (tmp_path / "m" / "examples.md").read_text(encoding="utf-8").splitlines()
              if line.startswith("| ")]
-    assert table[0] == ("| # | source (start) | reference | baseline.seed-1 | baseline.seed-2 | fused.seed-1 | "
-                        "fused.seed-2 |")
+    runs = ["baseline.seed-1", "baseline.seed-2", "fused.seed-1", "fused.seed-2"]
+    assert table[0] == "| # | source (start) | reference | " + " | ".join(runs) + " |"
     sources = source.read_text(encoding="utf-8").splitlines()
-    refs = (folder / "ref.test.txt").read_text(encoding="utf-8").splitlines()
-    fused = (folder / "hyp.fused.seed-2.test.txt").read_text(encoding="utf-8").splitlines()
+    columns = [(folder / "ref.test.txt").read_text(encoding="utf-8").splitlines()] + [
+        (folder / f"hyp.{run}.test.txt").read_text(encoding="utf-8").splitlines() for run in runs]
     assert len(table) == 1 + 3
     for i, line in enumerate(table[1:]):
-        cells = line.split(" | ")
-        assert cells[0] == f"| {i + 1}" and cells[2] == refs[i] and cells[-1] == (fused[i] or "(empty)") + " |"
+        cells = line.removeprefix("| ").removesuffix(" |").split(" | ")
+        assert cells[0] == str(i + 1) and cells[2:] == [column[i] or "(empty)" for column in columns]
         shown = cells[1].removesuffix(" …")
         assert sources[i].startswith(shown) and len(shown) <= 100 and (shown == sources[i]) == (not cells[1].endswith("…"))
     assert any(len(s) > 100 for s in sources[:3])  # a verse long enough to be cut, so the cut is tested
+    # a report written again without --examples leaves no examples of other results beside it
+    assert subprocess.run(command, capture_output=True, text=True).returncode == 0
+    assert not (tmp_path / "m" / "examples.md").exists() and (tmp_path / "m" / "results.md").is_file()
 
 
-def test_examples_escape_a_pipe_and_refuse_a_source_of_another_length(evaluated, tmp_path):
+def test_examples_escape_markup_and_refuse_a_source_that_is_not_the_test_sets(evaluated, tmp_path):
     from prlmfuse.evaluate.examples import examples_markdown
     from prlmfuse.evaluate.report import merge_evaluations
 
@@ -122,11 +125,13 @@ def test_examples_escape_a_pipe_and_refuse_a_source_of_another_length(evaluated,
     assert not (tmp_path / "m").exists()
     rows = merged.rows[0].num_sentences
     source = tmp_path / "src.txt"
-    source.write_text("a | b\n" * rows, encoding="utf-8")
-    assert "| 1 | a \\| b |" in examples_markdown(merged, 1, source)
+    source.write_text("a | b <dev@debian.org> *x* \\_y_\n" * rows, encoding="utf-8")
+    assert "| 1 | a \\| b \\<dev@debian.org\\> \\*x\\* \\\\\\_y\\_ |" in examples_markdown(merged, 1, source)
     source.write_text("one line\n", encoding="utf-8")
     with pytest.raises(UserError, match=f"has 1 lines but test set 'test' has {rows} sentences"):
         examples_markdown(merged, 2, source)
+    with pytest.raises(UserError, match="holds the references; pass the source side"):
+        examples_markdown(merged, 2, folder / "ref.test.txt")
     proc = subprocess.run([sys.executable, "-m", "prlmfuse.cli", "report", str(folder / "seed-1.json"), "--out",
                            str(tmp_path / "o"), "--examples", "2", "--source", str(source)], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
@@ -288,6 +293,17 @@ def test_batches_with_runs_of_one_name_are_told_apart_by_their_file(evaluated, t
     # the Δ the row prints is that comparison's own (negating a Δ of 0.0 would print -0.00 where it prints +0.00)
     against_delta = compared["baseline.seed-1 [batch-2]"]["delta"]["bleu"]
     assert f"| baseline.seed-1 [batch-2] | {against_delta:+.2f} |" in md and f"| {chrf:.2f} |" in md
+    # examples show each batch's run from its own file's hypotheses
+    from prlmfuse.evaluate.examples import examples_markdown
+
+    header, _, first = [line.removeprefix("| ").removesuffix(" |").split(" | ")
+                        for line in examples_markdown(report, 1).splitlines() if line.startswith("|")]
+    shown = dict(zip(header[1:], first[1:]))
+    hyp = {run: (folder / f"hyp.{run}.test.txt").read_text(encoding="utf-8").splitlines()[0]
+           for run in ("baseline.seed-1", "baseline.seed-2", "fused.seed-1", "fused.seed-2")}
+    assert shown == {"reference": (folder / "ref.test.txt").read_text(encoding="utf-8").splitlines()[0],
+                     "baseline.seed-1 [seed-1]": hyp["baseline.seed-1"], "baseline.seed-1 [batch-2]": hyp["baseline.seed-2"],
+                     "fused.seed-1 [seed-1]": hyp["fused.seed-1"], "fused.seed-1 [batch-2]": hyp["fused.seed-2"]}
 
 
 def test_against_a_run_each_batch_holds_its_own_of_pairs_a_seed_file_with_its_seed(evaluated, tmp_path):

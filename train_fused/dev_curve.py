@@ -65,4 +65,4 @@ def _loss_at(curve: list[tuple[int, float]], update: int) -> float | None:
     for (u0, l0), (u1, l1) in zip(curve, curve[1:]):
         if u0 <= update <= u1:
             return l0 + (l1 - l0) * (update - u0) / (u1 - u0)
-    return curve[-1][1] if curve[-1][0] == update else None
+    return None  # before the first evaluation (`update` is always before the curve's last)

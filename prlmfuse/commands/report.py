@@ -45,6 +45,8 @@ def report(files: tuple[str, ...], out: str, against: tuple[str, ...], examples:
     if shown is not None:
         atomic_write_text(merged.out / "examples.md", shown)
         click.echo(f"examples: {merged.out / 'examples.md'}")
+    else:  # an earlier report's examples are not of these results
+        (merged.out / "examples.md").unlink(missing_ok=True)
     for m in merged.systems:
         name = {"bleu": "BLEU", "rougeL": "ROUGE-L"}.get(m.metric, m.metric)
         several = len(m.runs) > 1  # a standard deviation needs two runs

@@ -55,7 +55,7 @@ def train_average(run_dir: str, last: int, epochs: bool, out: str | None) -> Non
 
 
 @train.command("curve")
-@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True))
+@click.argument("run_dirs", nargs=-1, required=True, metavar="RUN_DIR...", type=click.Path(file_okay=False, exists=True))
 @click.option("--over", default=1000, show_default=True, type=click.IntRange(min=1),
               help="The span of updates each gain is measured over.")
 @click.option("--below", default=1.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
@@ -63,7 +63,8 @@ def train_average(run_dir: str, last: int, epochs: bool, out: str | None) -> Non
 @click.option("--nll", is_flag=True, help="Read the dev NLL instead of the (label-smoothed) loss trained on: "
                                           "runs of different label smoothing compare on it.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False), callback=creatable_parent,
-              help="Also write every run's curve with its gains and flat point to this file.")
+              help="Also write every run's curve to this file: [update, loss, gain] with gains and --below as "
+                   "fractions, and its flat point.")
 def train_curve(run_dirs: tuple[str, ...], over: int, below: float, nll: bool, json_out: str | None) -> None:
     """Each run's dev loss at every dev evaluation with its gain over the last --over updates, and the first
     update where that gain fell under --below percent: the rule that fixes a budget from a baseline's dev curve."""
@@ -75,17 +76,17 @@ def train_curve(run_dirs: tuple[str, ...], over: int, below: float, nll: bool, j
     curves = [dev_curve(d, over=over, below=below / 100, nll=nll) for d in run_dirs]  # every one read before any output
     for curve in curves:
         click.echo(f"{curve.run_dir}: {curve.key}, gain over {over:,} updates")
-        click.echo(f"  {'update':>8}  {'loss':>7}  {'gain':>6}")
+        click.echo(f"  {'update':>8}  {'loss':>7}  {'gain':>7}")
         for p in curve.points:
-            gain = "-" if p.gain is None else f"{100 * p.gain:.1f}%"
-            click.echo(f"  {p.update:>8,}  {p.loss:>7.4f}  {gain:>6}")
+            gain = "-" if p.gain is None else f"{100 * p.gain:.2f}%"  # two decimals: 0.96% and 1.04% differ
+            click.echo(f"  {p.update:>8,}  {p.loss:>7.4f}  {gain:>7}")
         last = curve.points[-1]
         if curve.flat_at is not None:
             click.echo(f"  flat at update {curve.flat_at:,}: its first gain under {below:g}% over {over:,} updates")
         elif last.gain is None:
             click.echo(f"  not flat: no gain over {over:,} updates yet (its last evaluation is at update {last.update:,})")
         else:
-            click.echo(f"  not flat: its last evaluation (update {last.update:,}) still gains {100 * last.gain:.1f}% "
+            click.echo(f"  not flat: its last evaluation (update {last.update:,}) still gains {100 * last.gain:.2f}% "
                        f"over {over:,} updates")
     if json_out:
         atomic_write_json(Path(json_out), {str(c.run_dir): c.to_dict() for c in curves})
