@@ -78,7 +78,7 @@ def _readme_blocks() -> list[str]:
 
 
 def _readme_pipeline(root: Path) -> Path:
-    """README's complete pipeline.yaml beside the six files it names, with only its PrLM pointed at a
+    """README's own-data pipeline file beside the six files it names, with only its PrLM pointed at a
     tiny local checkpoint directory (the README says a local directory goes where the hub id is)."""
     full = _readme_blocks()[0]
     assert full.count(HUB_ID) == 2
