@@ -28,13 +28,13 @@ def examples_markdown(report: Report, count: int, source: str | Path | None = No
         rows = [r for r in report.rows if r.test_set == split]
         shown = min(count, rows[0].num_sentences)
         folder = report.sources[rows[0].run].parent
-        refs = read_lines(folder / rows[0].ref_file)[:shown]
-        columns = {"reference": refs}
+        refs = read_lines(folder / rows[0].ref_file)
+        columns = {"reference": refs[:shown]}
         for row in rows:
             columns[row.run] = read_lines(report.sources[row.run].parent / row.hyp_file, check_text=False)[:shown]
         if source is not None:
             sources = read_lines(source)
-            if len(sources) != rows[0].num_sentences or sources == read_lines(folder / rows[0].ref_file):
+            if len(sources) != rows[0].num_sentences or sources == refs:
                 what = (f"has {len(sources)} lines but test set {split!r} has {rows[0].num_sentences} sentences"
                         if len(sources) != rows[0].num_sentences else "holds the references")
                 raise UserError(f"--source {source} {what}; pass the source side of the test set the runs were "
