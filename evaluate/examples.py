@@ -29,9 +29,11 @@ def examples_markdown(report: Report, count: int, source: str | Path | None = No
         shown = min(count, rows[0].num_sentences)
         folder = report.sources[rows[0].run].parent
         refs = read_lines(folder / rows[0].ref_file)
-        columns = {"reference": refs[:shown]}
+        # (header, cells) pairs, not a dict: a run named "reference" gets a column of its own
+        columns = [("reference", refs[:shown])]
         for row in rows:
-            columns[row.run] = read_lines(report.sources[row.run].parent / row.hyp_file, check_text=False)[:shown]
+            hypotheses = read_lines(report.sources[row.run].parent / row.hyp_file, check_text=False)
+            columns.append((row.run, hypotheses[:shown]))
         if source is not None:
             sources = read_lines(source)
             if len(sources) != rows[0].num_sentences or sources == refs:
@@ -39,11 +41,11 @@ def examples_markdown(report: Report, count: int, source: str | Path | None = No
                         if len(sources) != rows[0].num_sentences else "holds the references")
                 raise UserError(f"--source {source} {what}; pass the source side of the test set the runs were "
                                 "evaluated on")
-            columns = {"source (start)": [_start(s) for s in sources[:shown]], **columns}
+            columns.insert(0, ("source (start)", [_start(s) for s in sources[:shown]]))
         lines += [f"## {split}: the first {shown} of {rows[0].num_sentences} sentences", "",
-                  "| # | " + " | ".join(columns) + " |", "|---|" + "---|" * len(columns)]
+                  "| # | " + " | ".join(_cell(header) for header, _ in columns) + " |", "|---|" + "---|" * len(columns)]
         for i in range(shown):
-            lines.append(f"| {i + 1} | " + " | ".join(_cell(column[i]) for column in columns.values()) + " |")
+            lines.append(f"| {i + 1} | " + " | ".join(_cell(cells[i]) for _, cells in columns) + " |")
         lines.append("")
     return "\n".join(lines)
 

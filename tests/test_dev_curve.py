@@ -76,3 +76,23 @@ def test_the_command_prints_and_writes_each_curve_and_refuses_a_run_without_one(
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
     assert f"{empty} has no dev evaluation (dev_loss) in its metrics.jsonl" in out.stderr
     assert out.stdout == "" and not (tmp_path / "none.json").exists()  # every run read before anything is written
+
+
+def test_a_resumed_runs_repeated_evaluation_counts_once_and_a_curve_without_a_usable_loss_is_refused(tmp_path):
+    # a run resumed from a save before its last dev evaluation evaluates that update again: the later record counts
+    resumed = _run_dir(tmp_path, EVALUATIONS[:4] + [(1500, 4.55)] + EVALUATIONS[4:], name="resumed")
+    curve = dev_curve(resumed)
+    assert [p.update for p in curve.points] == [u for u, _ in EVALUATIONS]
+    assert curve.points[2].loss == 4.55 and curve.points[2].gain == pytest.approx((6.0 - 4.55) / 6.0)
+
+    diverged = _run_dir(tmp_path, EVALUATIONS[:3] + [(1784, float("nan"))], name="diverged")
+    with pytest.raises(UserError, match="dev loss at update 1,784 is nan, and a relative gain needs a finite, positive"):
+        dev_curve(diverged)
+    older = tmp_path / "older"  # a run whose metrics.jsonl has no dev NLL
+    older.mkdir()
+    (older / "metrics.jsonl").write_text(json.dumps({"update": 500, "dev_loss": 6.0}) + "\n", encoding="utf-8")
+    assert dev_curve(older).points[0].loss == 6.0
+    out = subprocess.run([sys.executable, "-m", "prlmfuse.cli", "train", "curve", str(older), "--nll"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "has dev losses but no dev NLL (dev_nll_loss), as runs of older versions do; drop --nll" in out.stderr

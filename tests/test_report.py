@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import subprocess
@@ -127,6 +128,14 @@ def test_examples_escape_markup_and_refuse_a_source_that_is_not_the_test_sets(ev
     source = tmp_path / "src.txt"
     source.write_text("a | b <dev@debian.org> *x* \\_y_\n" * rows, encoding="utf-8")
     assert "| 1 | a \\| b \\<dev@debian.org\\> \\*x\\* \\\\\\_y\\_ |" in examples_markdown(merged, 1, source)
+    # a run named like a column of the table's own gets a column of its own, its header escaped
+    first = merged.rows[0]
+    renamed = dataclasses.replace(merged, rows=[dataclasses.replace(first, run="reference")] + merged.rows[1:],
+                                  sources={"reference": merged.sources[first.run], **merged.sources})
+    header, _, row = examples_markdown(renamed, 1).splitlines()[4:7]
+    hyp = (folder / first.hyp_file).read_text(encoding="utf-8").splitlines()[0]
+    ref = (folder / "ref.test.txt").read_text(encoding="utf-8").splitlines()[0]
+    assert header.startswith("| # | reference | reference | ") and row.startswith(f"| 1 | {ref} | {hyp or '(empty)'} | ")
     source.write_text("one line\n", encoding="utf-8")
     with pytest.raises(UserError, match=f"has 1 lines but test set 'test' has {rows} sentences"):
         examples_markdown(merged, 2, source)

@@ -5,6 +5,7 @@ dev curve before any run it is compared with trains ("the first update count whe
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,8 +50,16 @@ def dev_curve(run_dir: str | os.PathLike, *, over: int = 1000, below: float = 0.
     key = "dev_nll_loss" if nll else "dev_loss"
     curve = read_dev_curve(run_dir, key)
     if not curve:
+        if nll and read_dev_curve(run_dir, "dev_loss"):
+            raise UserError(f"{Path(run_dir)}'s {METRICS} has dev losses but no dev NLL ({key}), as runs of "
+                            "older versions do; drop --nll to read the loss it trained on")
         raise UserError(f"{Path(run_dir)} has no dev evaluation ({key}) in its {METRICS}; train it past its first "
                         "dev evaluation, or name a run directory")
+    unusable = next((update for update, loss in curve if not math.isfinite(loss) or loss <= 0), None)
+    if unusable is not None:
+        raise UserError(f"{Path(run_dir)}'s dev loss at update {unusable:,} is {dict(curve)[unusable]}, and a "
+                        "relative gain needs a finite, positive loss (a run that diverged?); retrain it or name "
+                        "another run")
     points = [CurvePoint(update, loss, _gain(curve, update, loss, over)) for update, loss in curve]
     return DevCurve(Path(run_dir), key, over, below, points)
 
