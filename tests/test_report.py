@@ -128,7 +128,7 @@ def test_examples_escape_markup_and_refuse_a_source_that_is_not_the_test_sets(ev
     source = tmp_path / "src.txt"
     source.write_text("a | b <dev@debian.org> *x* \\_y_\n" * rows, encoding="utf-8")
     assert "| 1 | a \\| b \\<dev@debian.org\\> \\*x\\* \\\\\\_y\\_ |" in examples_markdown(merged, 1, source)
-    # a run named like a column of the table's own gets a column of its own, its header escaped
+    # a run named like a column of the table's own gets a column of its own
     first = merged.rows[0]
     renamed = dataclasses.replace(merged, rows=[dataclasses.replace(first, run="reference")] + merged.rows[1:],
                                   sources={"reference": merged.sources[first.run], **merged.sources})
