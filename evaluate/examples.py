@@ -43,7 +43,7 @@ def examples_markdown(report: Report, count: int, source: str | Path | None = No
                                 "evaluated on")
             columns.insert(0, ("source (start)", [_start(s) for s in sources[:shown]]))
         lines += [f"## {split}: the first {shown} of {rows[0].num_sentences} sentences", "",
-                  "| # | " + " | ".join(_cell(header) for header, _ in columns) + " |", "|---|" + "---|" * len(columns)]
+                  "| # | " + " | ".join(header for header, _ in columns) + " |", "|---|" + "---|" * len(columns)]
         for i in range(shown):
             lines.append(f"| {i + 1} | " + " | ".join(_cell(cells[i]) for _, cells in columns) + " |")
         lines.append("")
