@@ -55,9 +55,9 @@ def dev_curve(run_dir: str | os.PathLike, *, over: int = 1000, below: float = 0.
                             "older versions do; drop --nll to read the loss it trained on")
         raise UserError(f"{Path(run_dir)} has no dev evaluation ({key}) in its {METRICS}; train it past its first "
                         "dev evaluation, or name a run directory")
-    unusable = next((update for update, loss in curve if not math.isfinite(loss) or loss <= 0), None)
+    unusable = next(((update, loss) for update, loss in curve if not math.isfinite(loss) or loss <= 0), None)
     if unusable is not None:
-        raise UserError(f"{Path(run_dir)}'s dev loss at update {unusable:,} is {dict(curve)[unusable]}, and a "
+        raise UserError(f"{Path(run_dir)}'s dev loss at update {unusable[0]:,} is {unusable[1]}, and a "
                         "relative gain needs a finite, positive loss (a run that diverged?); retrain it or name "
                         "another run")
     points = [CurvePoint(update, loss, _gain(curve, update, loss, over)) for update, loss in curve]
