@@ -138,7 +138,6 @@ def open_cache(
     source_sha256: str,
     source_lines: int,
     verify: bool = False,
-    in_memory: bool = False,
 ) -> CacheReader:
     """The cache at `path`, checked to hold features of the file `source` (its sha256 and line count).
 
@@ -150,7 +149,7 @@ def open_cache(
     """
     # The path is parsed and the manifest read once, here, and the reader opened on what was checked.
     location, manifest = verify_cache(path) if verify else check_cache(path)
-    reader = CacheReader(location, in_memory=in_memory, manifest=manifest)
+    reader = CacheReader(location, manifest=manifest)
     fields = dict(reader.manifest["key_fields"])
     if fields.get(_CORPUS_FIELD) != source_sha256:
         raise UserError(

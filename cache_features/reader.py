@@ -26,13 +26,29 @@ READ_GAP_TOKENS = 64
 READ_GAP_ROWS = 16
 
 
-def in_memory_bytes(path_or_url) -> int:
-    """The bytes a CacheReader(in_memory=True) of this cache holds: every array of every shard, as stored."""
+def _held_arrays(manifest: dict, layers) -> set[str] | None:
+    """Names of the arrays a reader holding `layers` keeps in memory (None: every array): the index, the pooled
+    rows and each of those layers' token arrays."""
+    if layers is None:
+        return None
+    side = side_arrays(manifest["dtype"], int(manifest["hidden_size"]))
+    stored = [int(x) for x in manifest["layers"]]
+    if missing := sorted(set(layers) - set(stored)):
+        raise ValueError(f"layers {missing} are not stored in this cache (it holds {stored})")
+    return {"sentence_ids", "offsets", "pooled"} | {
+        f"{name}_{layer:03d}" for layer in layers for name in ("layer", *side)}
+
+
+def in_memory_bytes(path_or_url, layers=None) -> int:
+    """The bytes a CacheReader of this cache holds in memory once it holds `layers` (stored hidden_states
+    indices; None: every stored layer), as stored."""
     _, manifest = load_manifest(Location(path_or_url))
+    held = _held_arrays(manifest, layers)
     total = 0
     for shard in manifest["shards"]:
-        for shape, dtype in expected_arrays(manifest, shard).values():
-            total += int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        for name, (shape, dtype) in expected_arrays(manifest, shard).items():
+            if held is None or name in held:
+                total += int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
     return total
 
 
@@ -40,6 +56,7 @@ class CacheReader:
     def __init__(self, path_or_url, *, in_memory: bool = False, manifest: dict | None = None):
         """The cache at `path_or_url` (a directory, an fsspec URL or a Location).
 
+        in_memory: hold every array in memory (`hold_in_memory` holds only some layers).
         manifest: the cache's manifest as `load_manifest` (or `check_cache` / `verify_cache`, which return
         the Location and manifest they checked) read it from this location; None reads it here.
         """
@@ -57,13 +74,15 @@ class CacheReader:
         self.dtype: str = m["dtype"]
         self.pooled_dtype: str = m["pooled_dtype"]
         self.backend: str = m["backend"]
-        self.in_memory = in_memory
+        self.in_memory = False
         self._side = tuple(side_arrays(self.dtype, self.hidden_size))
         self._shard_names = [s["name"] for s in m["shards"]]
         self._handles: dict[int, ShardHandle] = {}
         self._memory: dict[int, dict[str, np.ndarray]] = {}
         self._pid = os.getpid()
         self._build_index()
+        if in_memory:
+            self.hold_in_memory()
 
     # -- index ---------------------------------------------------------------------------------
 
@@ -89,12 +108,21 @@ class CacheReader:
             self._row_of[ids] = np.arange(len(ids))
             self._token_start[ids] = offsets[:-1]
             self.lengths[ids] = np.diff(offsets)
-            if self.in_memory:
-                self._memory[s] = {name: handle.read(name) for name in handle.names()}
         if n and (self._shard_of < 0).any():
             missing = int(np.flatnonzero(self._shard_of < 0)[0])
             raise UserError(f"cache {self.location}: sentence {missing} is in no shard; rebuild with --force")
         # handles opened for the index are dropped: the process that reads may be a forked worker
+        self._close_handles()
+
+    def hold_in_memory(self, layers=None) -> None:
+        """Read the token arrays of `layers` (stored hidden_states indices; None: every stored layer) and the
+        pooled rows into memory: reads never touch the store again, and reading a layer not held raises.
+        A run that reads one layer of an every-layer cache holds that layer only."""
+        held = _held_arrays(self.manifest, layers)
+        for s in range(len(self._shard_names)):
+            handle = self._open(s)
+            self._memory[s] = {name: handle.read(name) for name in handle.names() if held is None or name in held}
+        self.in_memory = True
         self._close_handles()
 
     # -- handles -------------------------------------------------------------------------------
@@ -151,7 +179,11 @@ class CacheReader:
 
     def _read(self, s: int, name: str, start: int, stop: int) -> np.ndarray:
         if self.in_memory:
-            return self._memory[s][name][start:stop]
+            arrays = self._memory[s]
+            if name not in arrays:
+                raise ValueError(f"cache {self.location}: {name} is not held in memory (hold_in_memory was given "
+                                 "other layers)")
+            return arrays[name][start:stop]
         return self._open(s).read(name, start, stop)
 
     def features(self, i: int, rows: list[int] | None = None, *, widen: bool = True) -> torch.Tensor:

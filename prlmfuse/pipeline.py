@@ -153,19 +153,26 @@ def _left_to_train(cfg: PipelineConfig, run: RunConfig, corpus) -> bool:
 
 def features_in_memory(cfg: PipelineConfig, runs: list[RunConfig], jobs: list[CacheJob], parallel: int) -> str | None:
     """What the runs that hold their features in memory (in_memory_features) take, `parallel` of them at once, each
-    process its own copy of its train and dev caches: a line for the plan, or None where no run holds any. Refuses,
-    naming the runs, what this machine's available memory cannot hold."""
+    process its own copy of the layers it reads of its train and dev caches: a line for the plan, or None where no
+    run holds any. Refuses, naming the runs, what this machine's available memory cannot hold."""
     from prlmfuse.cache_features import in_memory_bytes
+    from prlmfuse.cache_features.compat import choose_layers
+    from prlmfuse.cache_features.manifest import load_manifest
 
     held = {}
     for run in runs:
         if not run.in_memory_features or not run.prlms:
             continue
-        caches = [c[split] for c in caches_for_run(run, jobs, cfg) for split in ("train", "dev") if split in c]
-        if any(cache_status(out)[0] != BUILT for out in caches):
+        caches = [(use, c[split]) for use, c in zip(run.prlms, caches_for_run(run, jobs, cfg))
+                  for split in ("train", "dev") if split in c]
+        if any(cache_status(out)[0] != BUILT for _, out in caches):
             held[run.name] = None  # known once its caches are built
             continue
-        held[run.name] = sum(in_memory_bytes(out) for out in caches)
+        held[run.name] = 0
+        for use, out in caches:
+            fields = load_manifest(out)[1]["key_fields"]
+            layers = choose_layers(use.layer, fields, checkpoint=use.checkpoint, where=out)[0]
+            held[run.name] += in_memory_bytes(out, layers)
     if not held:
         return None
     known = sorted(((n, b) for n, b in held.items() if b is not None), key=lambda x: -x[1])

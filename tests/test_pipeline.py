@@ -518,8 +518,9 @@ def test_a_stage_run_before_the_one_it_needs_names_the_command_and_trains_nothin
 
 def test_features_held_in_memory_are_counted_per_run_at_once_and_refused_past_what_is_available(
         tiny_pipeline, tmp_path, monkeypatch):
-    """in_memory_features: each run's process holds its own copy of its train and dev caches; the plan says
-    how much the runs trained at once hold, and a plan or a training that would not fit is refused first."""
+    """in_memory_features: each run's process holds its own copy of the layers it reads of its train and dev
+    caches (one layer of an every-layer cache for a fixed layer, all of them for concat); the plan says how much
+    the runs trained at once hold, and a plan or a training that would not fit is refused first."""
     root, path, _ = tiny_pipeline
     from prlmfuse import pipeline, pipeline_inputs
     from prlmfuse.cache_features import CacheReader, in_memory_bytes
@@ -527,7 +528,9 @@ def test_features_held_in_memory_are_counted_per_run_at_once_and_refused_past_wh
     from prlmfuse.plan import plan_lines
 
     text = path.read_text(encoding="utf-8").replace("num_workers: 0,", "num_workers: 0, in_memory_features: true,")
-    text = text.replace("    fused: {", "    fused2: {prlms: [{checkpoint: PRLM, layer: -2}], seed: 2}\n    fused: {")
+    text = text.replace("layers: [-2]", "layers: all")
+    text = text.replace("    fused: {", "    fused2: {prlms: [{checkpoint: PRLM, layer: -2}], seed: 2}\n"
+                                       "    concat: {prlms: [{checkpoint: PRLM, layer: concat}]}\n    fused: {")
     prlm = str(small_runs.tiny_prlm(tmp_path / "prlm", layers=3, width=32))
     other = tmp_path / "pipeline.yaml"
     other.write_text(text.replace("PRLM", prlm).replace("workdir: work", f"workdir: {tmp_path / 'work'}")
@@ -536,16 +539,32 @@ def test_features_held_in_memory_are_counted_per_run_at_once_and_refused_past_wh
     corpus = pipeline_inputs.ensure_data(cfg)
     jobs = pipeline_inputs.build_caches(cfg, corpus)
     caches = pipeline_inputs.caches_for_run(cfg.run("fused"), jobs, cfg)[0]
-    one_run = sum(in_memory_bytes(caches[split]) for split in ("train", "dev"))
-    reader = CacheReader(caches["train"], in_memory=True)  # what the reader really holds, train split
-    held = sum(a.nbytes for arrays in reader._memory.values() for a in arrays.values())
-    assert held == in_memory_bytes(caches["train"]) > 0
+    assert caches == pipeline_inputs.caches_for_run(cfg.run("concat"), jobs, cfg)[0]  # one every-layer cache
+    one_layer = sum(in_memory_bytes(caches[split], [2]) for split in ("train", "dev"))  # layer -2 of 0..3
+    every_layer = sum(in_memory_bytes(caches[split]) for split in ("train", "dev"))
+    assert 0 < one_layer < every_layer / 3
+
+    # What the reader really holds, train split: every array, or the index, the pooled rows and one layer.
+    everything = CacheReader(caches["train"], in_memory=True)
+    held = lambda reader: sum(a.nbytes for arrays in reader._memory.values() for a in arrays.values())  # noqa: E731
+    assert held(everything) == in_memory_bytes(caches["train"])
+    layer_two = CacheReader(caches["train"])
+    layer_two.hold_in_memory([2])
+    assert held(layer_two) == in_memory_bytes(caches["train"], [2]) < held(everything)
+    row = everything.layers.index(2)
+    indices = list(range(0, len(everything), 7))
+    for a, b in zip(layer_two.features_many(indices, [row]), everything.features_many(indices, [row])):
+        assert torch.equal(a, b)
+    assert torch.equal(layer_two.pooled_many(indices), everything.pooled_many(indices))
+    with pytest.raises(ValueError, match="not held in memory"):
+        layer_two.features(0, [everything.layers.index(1)])
 
     lines = plan_lines(cfg, None, parallel=2)
     memory = next(line for line in lines if line.startswith("memory:"))
-    assert "fused2" in memory and f"2 at once hold up to {2 * one_run / 2**20:.1f} MiB" in memory
-    monkeypatch.setattr(pipeline, "_available_memory", lambda: int(1.5 * one_run))
-    with pytest.raises(UserError, match=r"fused2?, fused2? at once hold .*one copy per run.*--jobs"):
+    assert f"fused2 {one_layer / 2**20:.1f} MiB" in memory and f"concat {every_layer / 2**20:.1f} MiB" in memory
+    assert f"2 at once hold up to {(every_layer + one_layer) / 2**20:.1f} MiB" in memory
+    monkeypatch.setattr(pipeline, "_available_memory", lambda: every_layer + one_layer - 1)
+    with pytest.raises(UserError, match=r"concat, fused2? at once hold .*one copy per run.*--jobs"):
         plan_lines(cfg, None, parallel=2)
     assert any(line.startswith("memory:") for line in plan_lines(cfg, None, parallel=1))  # one at a time fits
     with pytest.raises(UserError, match="in_memory_features: false"):
@@ -557,5 +576,5 @@ def test_features_held_in_memory_are_counted_per_run_at_once_and_refused_past_wh
     damaged.mkdir(parents=True)
     (damaged / "trainer_state.json").write_text("{trunc", encoding="utf-8")
     assert pipeline._left_to_train(cfg, cfg.run("fused"), corpus)
-    monkeypatch.setattr(pipeline, "_available_memory", lambda: 10 * one_run)
+    monkeypatch.setattr(pipeline, "_available_memory", lambda: 10 * every_layer)
     assert pipeline.features_in_memory(cfg, [cfg.run("fused")], jobs, 1).startswith("memory: features held")

@@ -170,9 +170,10 @@ def test_a_run_json_of_the_older_format_resumes_and_loads(world, tmp_path):
     model, _, loaded = load_run(run_dir, "last")
     assert model.config.attention_dropout == 0.1 and loaded["train"]["dropnet_p"] == 0.5
 
-def test_in_memory_features_train_like_features_from_disk(world, tmp_path):
+@pytest.mark.parametrize("layer", ["concat", -2])  # -2: one layer of a two-layer cache is all that is held
+def test_in_memory_features_train_like_features_from_disk(world, tmp_path, layer):
     corpus, ckpt, paths = world
-    use = PrLMUse(checkpoint=str(ckpt), layer="concat")
+    use = PrLMUse(checkpoint=str(ckpt), layer=layer)
     caches = [small_runs.caches_for(use, paths)]
     disk = train_run(small_runs.tiny_run("m", prlms=[use], max_updates=4, num_workers=2), corpus, caches, tmp_path / "disk", progress=False)
     memory = train_run(small_runs.tiny_run("m", prlms=[use], max_updates=4, in_memory_features=True), corpus, caches,

@@ -101,10 +101,11 @@ def open_branch(
     (dev and test caches, evaluation, live features): the cache must match its key fields and hold
     its layers. None for the training cache itself, which decides them from `use.layer`.
     seed: the run's, from which control "shuffled" draws the split's permutation.
+    in_memory: hold the layers the branch reads in memory, not the rest of the cache.
     """
     reader = open_cache(
         path, expected_fields=None if trained is None else trained["key_fields"], source=source,
-        source_name=source_name, source_sha256=source_sha256, source_lines=source_lines, verify=verify, in_memory=in_memory,
+        source_name=source_name, source_sha256=source_sha256, source_lines=source_lines, verify=verify,
     )
     fields = dict(reader.manifest["key_fields"])
     if trained is None:
@@ -120,6 +121,8 @@ def open_branch(
         record = trained
         layers, pooled, mode = list(trained["layers"]), list(trained["pooled_layers"]), trained["layer_mode"]
     rows, pooled_rows = layer_rows(reader, layers, pooled, where=path)
+    if in_memory:
+        reader.hold_in_memory(layers)
     spec = branch_spec(use, int(fields["hidden_size"]), layers, pooled, mode, name=str(fields["checkpoint"]))
     sentence_rows = None
     if use.control == "shuffled":
