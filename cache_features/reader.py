@@ -26,24 +26,27 @@ READ_GAP_TOKENS = 64
 READ_GAP_ROWS = 16
 
 
-def _held_arrays(manifest: dict, layers) -> set[str] | None:
-    """Names of the arrays a reader holding `layers` keeps in memory (None: every array): the index, the pooled
-    rows and each of those layers' token arrays."""
-    if layers is None:
+def _held_arrays(manifest: dict, layers, pooled: bool) -> set[str] | None:
+    """Names of the arrays a reader holding `layers` (and the pooled rows if `pooled`) keeps in memory, None for
+    every array: the index, and each of those layers' token arrays."""
+    if layers is None and pooled:
         return None
-    side = side_arrays(manifest["dtype"], int(manifest["hidden_size"]))
     stored = [int(x) for x in manifest["layers"]]
+    layers = stored if layers is None else layers
     if missing := sorted(set(layers) - set(stored)):
         raise ValueError(f"layers {missing} are not stored in this cache (it holds {stored})")
-    return {"sentence_ids", "offsets", "pooled"} | {
-        f"{name}_{layer:03d}" for layer in layers for name in ("layer", *side)}
+    side = side_arrays(manifest["dtype"], int(manifest["hidden_size"]))
+    return ({"sentence_ids", "offsets"} | ({"pooled"} if pooled else set())
+            | {f"{name}_{layer:03d}" for layer in layers for name in ("layer", *side)})
 
 
-def in_memory_bytes(path_or_url, layers=None) -> int:
+def in_memory_bytes(path_or_url, layers=None, *, pooled: bool = True, manifest: dict | None = None) -> int:
     """The bytes a CacheReader of this cache holds in memory once it holds `layers` (stored hidden_states
-    indices; None: every stored layer), as stored."""
-    _, manifest = load_manifest(Location(path_or_url))
-    held = _held_arrays(manifest, layers)
+    indices; None: every stored layer) and, if `pooled`, the pooled rows, as stored. manifest: the cache's, where
+    the caller has read it."""
+    if manifest is None:
+        _, manifest = load_manifest(Location(path_or_url))
+    held = _held_arrays(manifest, layers, pooled)
     total = 0
     for shard in manifest["shards"]:
         for name, (shape, dtype) in expected_arrays(manifest, shard).items():
@@ -114,15 +117,16 @@ class CacheReader:
         # handles opened for the index are dropped: the process that reads may be a forked worker
         self._close_handles()
 
-    def hold_in_memory(self, layers=None) -> None:
-        """Read the token arrays of `layers` (stored hidden_states indices; None: every stored layer) and the
-        pooled rows into memory: reads never touch the store again, and reading a layer not held raises.
-        A run that reads one layer of an every-layer cache holds that layer only."""
-        held = _held_arrays(self.manifest, layers)
+    def hold_in_memory(self, layers=None, *, pooled: bool = True) -> None:
+        """Read the token arrays of `layers` (stored hidden_states indices; None: every stored layer) and, if
+        `pooled`, the pooled rows into memory: reads never touch the store again, and reading anything not held
+        raises. A run that reads one layer of an every-layer cache holds that layer only."""
+        held = _held_arrays(self.manifest, layers, pooled)
         for s in range(len(self._shard_names)):
             handle = self._open(s)
             self._memory[s] = {name: handle.read(name) for name in handle.names() if held is None or name in held}
         self.in_memory = True
+        self._held = (self.layers if layers is None else sorted(layers), pooled)
         self._close_handles()
 
     # -- handles -------------------------------------------------------------------------------
@@ -181,8 +185,10 @@ class CacheReader:
         if self.in_memory:
             arrays = self._memory[s]
             if name not in arrays:
-                raise ValueError(f"cache {self.location}: {name} is not held in memory (hold_in_memory was given "
-                                 "other layers)")
+                layers, pooled = self._held
+                what = "its pooled rows are" if name == "pooled" else f"layer {int(name.rsplit('_', 1)[1])} is"
+                raise ValueError(f"cache {self.location}: {what} not held in memory, only layers {layers}"
+                                 + (" and the pooled rows" if pooled else "") + "; hold what the run reads")
             return arrays[name][start:stop]
         return self._open(s).read(name, start, stop)
 

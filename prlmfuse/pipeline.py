@@ -170,9 +170,9 @@ def features_in_memory(cfg: PipelineConfig, runs: list[RunConfig], jobs: list[Ca
             continue
         held[run.name] = 0
         for use, out in caches:
-            fields = load_manifest(out)[1]["key_fields"]
-            layers = choose_layers(use.layer, fields, checkpoint=use.checkpoint, where=out)[0]
-            held[run.name] += in_memory_bytes(out, layers)
+            manifest = load_manifest(out)[1]
+            layers, pooled, _ = choose_layers(use.layer, manifest["key_fields"], checkpoint=use.checkpoint, where=out)
+            held[run.name] += in_memory_bytes(out, layers, pooled=bool(pooled), manifest=manifest)
     if not held:
         return None
     known = sorted(((n, b) for n, b in held.items() if b is not None), key=lambda x: -x[1])

@@ -540,24 +540,26 @@ def test_features_held_in_memory_are_counted_per_run_at_once_and_refused_past_wh
     jobs = pipeline_inputs.build_caches(cfg, corpus)
     caches = pipeline_inputs.caches_for_run(cfg.run("fused"), jobs, cfg)[0]
     assert caches == pipeline_inputs.caches_for_run(cfg.run("concat"), jobs, cfg)[0]  # one every-layer cache
-    one_layer = sum(in_memory_bytes(caches[split], [2]) for split in ("train", "dev"))  # layer -2 of 0..3
-    every_layer = sum(in_memory_bytes(caches[split]) for split in ("train", "dev"))
+    # layer -2 of hidden states 0..3; neither run reads the pooled rows
+    one_layer = sum(in_memory_bytes(caches[split], [2], pooled=False) for split in ("train", "dev"))
+    every_layer = sum(in_memory_bytes(caches[split], pooled=False) for split in ("train", "dev"))
     assert 0 < one_layer < every_layer / 3
 
-    # What the reader really holds, train split: every array, or the index, the pooled rows and one layer.
+    # What the reader really holds, train split: every array, or the index and one layer.
     everything = CacheReader(caches["train"], in_memory=True)
     held = lambda reader: sum(a.nbytes for arrays in reader._memory.values() for a in arrays.values())  # noqa: E731
     assert held(everything) == in_memory_bytes(caches["train"])
     layer_two = CacheReader(caches["train"])
-    layer_two.hold_in_memory([2])
-    assert held(layer_two) == in_memory_bytes(caches["train"], [2]) < held(everything)
+    layer_two.hold_in_memory([2], pooled=False)
+    assert held(layer_two) == in_memory_bytes(caches["train"], [2], pooled=False) < held(everything)
     row = everything.layers.index(2)
     indices = list(range(0, len(everything), 7))
     for a, b in zip(layer_two.features_many(indices, [row]), everything.features_many(indices, [row])):
         assert torch.equal(a, b)
-    assert torch.equal(layer_two.pooled_many(indices), everything.pooled_many(indices))
-    with pytest.raises(ValueError, match="not held in memory"):
+    with pytest.raises(ValueError, match=r"layer 1 is not held in memory, only layers \[2\]; hold what"):
         layer_two.features(0, [everything.layers.index(1)])
+    with pytest.raises(ValueError, match="its pooled rows are not held in memory"):
+        layer_two.pooled(0)
 
     lines = plan_lines(cfg, None, parallel=2)
     memory = next(line for line in lines if line.startswith("memory:"))

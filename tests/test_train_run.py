@@ -506,18 +506,27 @@ def test_update_freq_counts_updates_and_resumes_exactly(world, tmp_path):
 
 
 def test_dyn_modes_read_transformer_layers_only_from_a_cache_of_every_layer(world, tmp_path):
-    """Dyn[CLS]/Dyn[Aver] weigh hidden_states 1..L of a `layers: all` cache; DWAtt and Concat also read 0."""
-    from prlmfuse.cache_features import build_cache
+    """Dyn[CLS]/Dyn[Aver] weigh hidden_states 1..L of a `layers: all` cache; DWAtt and Concat also read 0.
+    Held in memory, each branch holds what it reads and no more: the pooled rows only for the Dyn modes."""
+    from prlmfuse.cache_features import build_cache, in_memory_bytes
     from prlmfuse.train_fused.branches import open_branch
 
     corpus, ckpt, _ = world
     cache = build_cache(str(ckpt), corpus.src_path("dev"), tmp_path / "all", layers="all", progress=False).path
     entry = corpus.splits["dev"]["src"]
     opened = {}
-    for layer in ("dyn_cls", "dyn_aver", "dwatt", "concat"):
+    for layer in ("dyn_cls", "dyn_aver", "dwatt", "concat", -2):
         opened[layer] = open_branch(PrLMUse(checkpoint=str(ckpt), layer=layer), str(cache), trained=None,
                                     source=str(corpus.src_path("dev")), source_name="dev source",
-                                    source_sha256=entry["sha256"], source_lines=entry["lines"], seed=1)
+                                    source_sha256=entry["sha256"], source_lines=entry["lines"], seed=1, in_memory=True)
+    for layer, (layers, pooled) in {"dyn_cls": ([1, 2, 3], True), "dyn_aver": ([1, 2, 3], True),
+                                    "dwatt": ([0, 1, 2, 3], False), "concat": ([0, 1, 2, 3], False),
+                                    -2: ([2], False)}.items():
+        memory = opened[layer].reader._memory
+        names = {name for arrays in memory.values() for name in arrays}
+        assert names == {"sentence_ids", "offsets", *(f"layer_{x:03d}" for x in layers)} | ({"pooled"} if pooled else set())
+        held = sum(a.nbytes for arrays in memory.values() for a in arrays.values())
+        assert held == in_memory_bytes(cache, layers, pooled=pooled), layer
     assert opened["dyn_cls"].reader.layers == [0, 1, 2, 3]
     for layer in ("dyn_cls", "dyn_aver"):
         branch = opened[layer]

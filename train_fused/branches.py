@@ -122,7 +122,7 @@ def open_branch(
         layers, pooled, mode = list(trained["layers"]), list(trained["pooled_layers"]), trained["layer_mode"]
     rows, pooled_rows = layer_rows(reader, layers, pooled, where=path)
     if in_memory:
-        reader.hold_in_memory(layers)
+        reader.hold_in_memory(layers, pooled=bool(pooled))
     spec = branch_spec(use, int(fields["hidden_size"]), layers, pooled, mode, name=str(fields["checkpoint"]))
     sentence_rows = None
     if use.control == "shuffled":
