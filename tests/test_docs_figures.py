@@ -213,9 +213,9 @@ RESULTS_MD = "docs/results.md"
 
 QUOTES += [
     Quote(RESULTS_MD, "The shipped default, beyond one corpus",
-          r"the default's step takes ([\d.]+) times the\s+baseline's \(quartiles ([\d.]+)–([\d.]+) over (\d+) cycles\), "
-          r"the fused setting's ([\d.]+) times, so the default costs\s+no more per update than the fused setting "
-          r"\(([\d.]+), quartiles ([\d.]+)–([\d.]+)\)",
+          r"the default's step takes ([\d.]+) times the\s+baseline's \(quartiles ([\d.]+)–([\d.]+) over\s+(\d+) "
+          r"cycles\),\s+the fused setting's ([\d.]+) times,\s+so the default costs\s+no more per update than the "
+          r"fused\s+setting \(([\d.]+), quartiles ([\d.]+)–([\d.]+)\)",
           tuple(step_cost(key) for key in ("f_over_a", "f_over_a_quartiles.0", "f_over_a_quartiles.1",
                                             "f_over_a_cycles_used", "e_over_a", "f_over_e", "f_over_e_quartiles.0",
                                             "f_over_e_quartiles.1"))),
