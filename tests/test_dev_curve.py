@@ -66,6 +66,14 @@ def test_the_command_prints_and_writes_each_curve_and_refuses_a_run_without_one(
     out = subprocess.run([sys.executable, "-m", "prlmfuse.cli", "train", "curve", str(probe), "--below", "0.1"],
                          capture_output=True, text=True)
     assert out.stdout.splitlines()[-1] == "  not flat: its last evaluation (update 4,500) still gains 0.12% over 1,000 updates"
+    assert not any("rose there" in line for line in lines)  # flat at 4,000, where the loss still fell
+    # At 0.5% the rule first fires at 4,500, where the loss rose: the command says so.
+    out = subprocess.run([sys.executable, "-m", "prlmfuse.cli", "train", "curve", str(probe), "--below", "0.5"],
+                         capture_output=True, text=True)
+    assert out.stdout.splitlines()[-2:] == [
+        "  flat at update 4,500: its first gain under 0.5% over 1,000 updates",
+        "  its dev loss rose there (4.1350, after 4.1300 at update 4,000): one evaluation can trip the rule, so read "
+        "the gains after it"]
 
     empty = tmp_path / "empty"
     empty.mkdir()

@@ -83,6 +83,11 @@ def train_curve(run_dirs: tuple[str, ...], over: int, below: float, nll: bool, j
         last = curve.points[-1]
         if curve.flat_at is not None:
             click.echo(f"  flat at update {curve.flat_at:,}: its first gain under {below:g}% over {over:,} updates")
+            at = [p.update for p in curve.points].index(curve.flat_at)  # >= 1: the first evaluation has no gain
+            flat, before = curve.points[at], curve.points[at - 1]
+            if flat.loss > before.loss:  # a budget fixed here rests on one evaluation's noise
+                click.echo(f"  its dev loss rose there ({flat.loss:.4f}, after {before.loss:.4f} at update "
+                           f"{before.update:,}): one evaluation can trip the rule, so read the gains after it")
         elif last.gain is None:
             click.echo(f"  not flat: no gain over {over:,} updates yet (its last evaluation is at update {last.update:,})")
         else:
