@@ -132,6 +132,7 @@ EN_JA = "en-ja.json"
 SEARCH = "search-en-ja.json"  # the search's confirm runs, merged with the default's seed 1
 SEARCH_TRIALS = "search-en-ja/trials.json"
 DEFAULT_JA_EN = "default-ja-en-3000.json"  # the shipped default on Japanese->English, seed 1
+DEFAULT_EN_FR = "default-en-fr-debian.json"  # the shipped default on English->French Debian descriptions, seed 1
 SUMMARIZATION = "summarization-compare/test/report/results.json"  # the four runs of the summarization comparison
 
 QUOTES: list[Quote] = [
@@ -171,6 +172,12 @@ QUOTES: list[Quote] = [
           (row(SUMMARIZATION, "fused", "delta", "rougeL"), row(SUMMARIZATION, "fused", "p_value", "rougeL"))),
     Quote("README.md", "Results at a glance", r"p 0\.218, one seed\), and the default by ([\d.]+) \(p ([\d.]+)\)",
           (row(SUMMARIZATION, "default", "delta", "rougeL"), row(SUMMARIZATION, "default", "p_value", "rougeL"))),
+    Quote("README.md", "Results at a glance",
+          r"the\s+default\s+leads\s+the\s+baseline\s+widened\s+to\s+its\s+parameters\s+by\s+([\d.]+)\s+BLEU\s+"
+          r"\(([\d.]+)\s+against\s+([\d.]+),\s+p\s+([\d.]+)\)",
+          (against_row(DEFAULT_EN_FR, "default", "baseline-matched-default", "delta"), row(DEFAULT_EN_FR, "default", "bleu"),
+           row(DEFAULT_EN_FR, "baseline-matched-default", "bleu"),
+           against_row(DEFAULT_EN_FR, "default", "baseline-matched-default", "p_value"))),
     Quote("README.md", "Results at a glance", r"each beside\s+its\s+own\s+baseline\s+\(([\d.]+) ± ([\d.]+) BLEU\)",
           (system(DEFAULT, "baseline", "mean"), system(DEFAULT, "baseline", "sd"))),
     # README: the demo
@@ -199,6 +206,7 @@ QUOTES: list[Quote] = [
         ("examples/default-en-ja.yaml", "default-en-ja-3000.json"),
         ("examples/table3-en-ja.yaml", "table3.json"),
         ("examples/prlm-choice-en-ja.yaml", "prlm-choice.json"),
+        ("examples/default-en-fr-debian.yaml", DEFAULT_EN_FR),
         ("examples/default-ja-en.yaml", DEFAULT_JA_EN),
         ("examples/e5-ja-en.yaml", "ja-en.json"),
         ("examples/summarization-compare-debian.yaml", SUMMARIZATION),
@@ -268,6 +276,11 @@ QUOTES += [
     Quote(RESULTS_MD, SUMMARY, r"does pay there: ([\d.]+) against its own baseline's ([\d.]+) \((\S+), p ([\d.]+)\)",
           (row(DEFAULT_JA_EN, "default", "bleu"), row(DEFAULT_JA_EN, "baseline", "bleu"),
            row(DEFAULT_JA_EN, "default", "delta", "bleu"), row(DEFAULT_JA_EN, "default", "p_value", "bleu"))),
+    Quote(RESULTS_MD, SUMMARY,
+          r"default reaches ([\d.]+) BLEU against the widened baseline's ([\d.]+) \((\S+), p ([\d.]+)\)",
+          (row(DEFAULT_EN_FR, "default", "bleu"), row(DEFAULT_EN_FR, "baseline-matched-default", "bleu"),
+           against_row(DEFAULT_EN_FR, "default", "baseline-matched-default", "delta"),
+           against_row(DEFAULT_EN_FR, "default", "baseline-matched-default", "p_value"))),
     Quote(RESULTS_MD, SUMMARY, r"for ([\d.]+)% of the full grid's updates", (lambda: 100 * _json(SEARCH_TRIALS)["share_of_full_grid"],)),
     Quote(RESULTS_MD, SUMMARY, r"both sides: \+([\d.]+) BLEU\non its baseline, \+([\d.]+) on the widened one \(p ([\d.]+) each\)",
           (row(SEARCH, "search-best", "delta", "bleu"), against_row(SEARCH, "search-best", "search-baseline-matched", "delta"),
@@ -294,13 +307,13 @@ CONDITIONS = {
     "README.md": [r"678 verses", r"256 wide, 3\+3 layers", r"3,000 updates", r"seeds 1–3", r"2-core", r"seed 1 on", r"seeds 2–3",
                   r"13-epoch", r"MiniLM-L6", r"\be5\b", r"ja-mecab", r"beam 5", r"1,200 updates",
                   r"Python ≥ 3\.11", r"2-core Xeon", r"L-2", r"torch 2\.4–2\.15", r"\(2021\)", r"3\+3", r"Table 3", r"add&norm1",
-                  r"seed 1 on a 2-core", r"seeds 2–3", r"L6"],
+                  r"seed 1 on a 2-core", r"seeds 2–3", r"L6", r"12,500\s+updates"],
 }
 CONDITIONS[RESULTS_MD] = [r"678 verses", r"3,000 updates", r"seeds 1–3", r"seed 1\b", r"2-core", r"13-epoch",
                           r"MiniLM-L6", r"e5-small", r"SmolLM2-135M", r"add&norm1", r"4-bit", r"Q4_1", r"width 256",
                           r"seed 1 on", r"seeds\n2–3", r"beam 5", r"Table 3",
                           r"\(ja-mecab\)", r"third of four", r"12 settings", r"seeds 2–3",
-                          r"width 256, 5,000 updates", r"up to \+1\.8", r"ROUGE-1/2/L"]
+                          r"width 256, 5,000 updates", r"up to \+1\.8", r"ROUGE-1/2/L", r"12,500 updates"]
 CHECKED_SECTIONS = {"README.md": ["Results at a glance", "Quick start", "Reproducing the results"],
                     RESULTS_MD: [SUMMARY]}
 
