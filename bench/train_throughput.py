@@ -282,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     systems = {k: make() for k, make in makers.items() if k in args.systems}
     for key in set(systems) & set("cef"):
         # Their features are in RAM from the start, as in_memory_features holds them; one read before timing.
-        systems[key][1].branches[0].reader.features(0)
+        branch = systems[key][1].branches[0]
+        branch.reader.features(0, branch.layer_rows)
     live = _LivePrLM(info, args.layer, runtime) if "d" in systems else None
     sizes = {k: f"{t.model.num_parameters() / 1e6:.1f}M" for k, (t, _) in systems.items()}
     print(f"model {args.preset}: parameters {sizes}; {runtime.describe()}; "
