@@ -83,6 +83,17 @@ def step_cost(key: str) -> Callable[[], float]:
     return get
 
 
+VS = r"(?:\*\*)?(\S+) \(([\d.]+)\)(?:\*\*)?"  # a Δ (p) cell, in bold where p < 0.05
+
+
+def epoch_dev_loss(file: str, run: str, epoch: int) -> Callable[[], float]:
+    return lambda: row(file, run, "epoch_dev_losses")()[epoch - 1]
+
+
+def distinct_share(file: str, run: str) -> Callable[[], float]:
+    return lambda: row(file, run, "distinct_hypotheses")() / row(file, run, "num_sentences")()
+
+
 def train_hours(file: str) -> Callable[[], float]:
     return lambda: sum(r.get("train_seconds") or 0.0 for r in _json(file)["rows"]) / 3600
 
@@ -133,6 +144,7 @@ SEARCH = "search-en-ja.json"  # the search's confirm runs, merged with the defau
 SEARCH_TRIALS = "search-en-ja/trials.json"
 DEFAULT_JA_EN = "default-ja-en-3000.json"  # the shipped default on Japanese->English, seed 1
 DEFAULT_EN_FR = "default-en-fr-debian.json"  # the shipped default on English->French Debian descriptions, seed 1
+DEFAULT_CAP = "default-en-ja-converged.json"  # the default and its matched baseline to the 13-epoch cap, with the headline's seed 1
 SUMMARIZATION = "summarization-compare/test/report/results.json"  # the four runs of the summarization comparison
 
 QUOTES: list[Quote] = [
@@ -182,6 +194,13 @@ QUOTES: list[Quote] = [
                        against_row(DEFAULT_EN_FR, "default", "baseline-matched-default", "p_value")()))),
     Quote("README.md", "Results at a glance", r"the paper's setting \(encoder side only\) ties the plain baseline there "
           r"\(([\d.]+), p ([\d.]+)\)", (row(DEFAULT_EN_FR, "fused", "bleu"), row(DEFAULT_EN_FR, "fused", "p_value", "bleu"))),
+    Quote("README.md", "Results at a glance",
+          r"there the default reaches ([\d.]+), ([\d.]+) ahead of the baseline and ([\d.]+) ahead of its own widened "
+          r"baseline \(p ([\d.]+) each, one seed, a Xeon with AMX\)",
+          (row(DEFAULT_CAP, "default", "bleu"), against_row(DEFAULT_CAP, "default", "baseline", "delta"),
+           against_row(DEFAULT_CAP, "default", "baseline-matched-default", "delta"),
+           lambda: max(against_row(DEFAULT_CAP, "default", "baseline", "p_value")(),
+                       against_row(DEFAULT_CAP, "default", "baseline-matched-default", "p_value")()))),
     Quote("README.md", "Results at a glance", r"each beside\s+its\s+own\s+baseline\s+\(([\d.]+) ± ([\d.]+) BLEU\)",
           (system(DEFAULT, "baseline", "mean"), system(DEFAULT, "baseline", "sd"))),
     # README: the demo
@@ -210,6 +229,7 @@ QUOTES: list[Quote] = [
         ("examples/default-en-ja.yaml", "default-en-ja-3000.json"),
         ("examples/table3-en-ja.yaml", "table3.json"),
         ("examples/prlm-choice-en-ja.yaml", "prlm-choice.json"),
+        ("examples/default-en-ja-converged.yaml", "default/en-ja-converged/seed-1/results.json"),
         ("examples/default-en-fr-debian.yaml", DEFAULT_EN_FR),
         ("examples/default-ja-en.yaml", DEFAULT_JA_EN),
         ("examples/e5-ja-en.yaml", "ja-en.json"),
@@ -237,6 +257,34 @@ QUOTES += [
         ("fused", r"(\S+) \(([\d.]+)\)", r"(\S+) \(([\d.]+)\)"),
         ("default", r"\*\*(\S+) \(([\d.]+)\)\*\*", r"\*\*(\S+) \(([\d.]+)\)\*\*"),
         ("baseline-matched-default", r"(\S+) \(([\d.]+)\)", "–"),
+    ]
+] + [
+    # results.md: the default to the 13-epoch cap, each row against the headline's seed-1 baseline and the matched one
+    Quote(RESULTS_MD, "The shipped default, beyond one corpus",
+          rf"^\| {re.escape(label)} \| ([\d.]+)M \| ([\d.]+) \| ([\d.]+) \| {vs_base} \| {vs_matched} \| ([\d.]+) \| "
+          r"([\d.]+) / ([\d.]+) / ([\d.]+) \|$",
+          # the headline's seed-1 file predates trainable_parameters: its runs' sizes are those of the controls
+          (params_millions(DEFAULT_CAP if run in ("default", "baseline-matched-default") else CONTROLS, run.split(".")[0]),
+           row(DEFAULT_CAP, run, "bleu"), row(DEFAULT_CAP, run, "chrf"))
+          + base_figures + matched_figures + (distinct_share(DEFAULT_CAP, run),)
+          + tuple(epoch_dev_loss(DEFAULT_CAP, run, epoch) for epoch in (11, 12, 13)))
+    for label, run, vs_base, base_figures, vs_matched, matched_figures in [
+        ("baseline", "baseline.seed-1", "–", (), VS,
+         (against_row(DEFAULT_CAP, "baseline.seed-1", "baseline-matched-default", "delta"),
+          against_row(DEFAULT_CAP, "baseline.seed-1", "baseline-matched-default", "p_value"))),
+        ("fused", "fused.seed-1", VS,
+         (row(DEFAULT_CAP, "fused.seed-1", "delta", "bleu"), row(DEFAULT_CAP, "fused.seed-1", "p_value", "bleu")),
+         VS,
+         (against_row(DEFAULT_CAP, "fused.seed-1", "baseline-matched-default", "delta"),
+          against_row(DEFAULT_CAP, "fused.seed-1", "baseline-matched-default", "p_value"))),
+        ("default", "default", VS,
+         (against_row(DEFAULT_CAP, "default", "baseline", "delta"), against_row(DEFAULT_CAP, "default", "baseline", "p_value")),
+         VS,
+         (against_row(DEFAULT_CAP, "default", "baseline-matched-default", "delta"),
+          against_row(DEFAULT_CAP, "default", "baseline-matched-default", "p_value"))),
+        ("baseline-matched-default", "baseline-matched-default", VS,
+         (against_row(DEFAULT_CAP, "baseline-matched-default", "baseline", "delta"),
+          against_row(DEFAULT_CAP, "baseline-matched-default", "baseline", "p_value")), "–", ()),
     ]
 ] + [
     Quote(RESULTS_MD, "The shipped default, beyond one corpus",
@@ -306,6 +354,14 @@ QUOTES += [
            against_row(DEFAULT_EN_FR, "default", "baseline-matched-default", "p_value"),
            row(DEFAULT_EN_FR, "fused", "bleu"), row(DEFAULT_EN_FR, "fused", "delta", "bleu"),
            row(DEFAULT_EN_FR, "fused", "p_value", "bleu"))),
+    Quote(RESULTS_MD, SUMMARY, r"the default reaches ([\d.]+) BLEU: \+([\d.]+) on the plain baseline, \+([\d.]+) on the "
+          r"widened one, \+([\d.]+) on fused \(p ([\d.]+) each\)",
+          (row(DEFAULT_CAP, "default", "bleu"), against_row(DEFAULT_CAP, "default", "baseline", "delta"),
+           against_row(DEFAULT_CAP, "default", "baseline-matched-default", "delta"),
+           against_row(DEFAULT_CAP, "fused.seed-1", "default", "delta", sign=-1.0),
+           lambda: max(against_row(DEFAULT_CAP, "default", "baseline", "p_value")(),
+                       against_row(DEFAULT_CAP, "default", "baseline-matched-default", "p_value")(),
+                       against_row(DEFAULT_CAP, "fused.seed-1", "default", "p_value")()))),
     Quote(RESULTS_MD, SUMMARY, r"on English→French Debian descriptions its whole setting \(penultimate layer, FFN, encoder "
           r"side\) ties the plain baseline \((\S+), p ([\d.]+)\)",
           (row(DEFAULT_EN_FR, "fused", "delta", "bleu"), row(DEFAULT_EN_FR, "fused", "p_value", "bleu"))),
