@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -473,3 +474,18 @@ def test_a_changed_figure_fails_its_check():
     assert check_figure("−0.91", -0.906) is None
     assert check_figure("+0.91", -0.906) is not None
     assert check_figure("17.9", 17.94) is None
+
+
+@pytest.mark.parametrize("example,probe", [
+    ("examples/default-en-fr-debian.yaml", "default/en-fr-debian/baseline-probe-dev-loss.json"),
+    ("examples/default-en-de-debian.yaml", "default/en-de-debian/baseline-probe-dev-loss.json"),
+])
+def test_each_corpus_budget_is_where_its_probe_first_gained_under_the_threshold(example, probe):
+    """The budget an example file trains to is the first dev evaluation of its probe's committed curve whose gain
+    fell under the threshold (`prlmfuse train curve`'s rule), as the file's header says."""
+    curve = _json(probe)
+    first_flat = next(update for update, _, gain in curve["points"] if gain is not None and gain < curve["below"])
+    assert curve["flat_at"] == curve["budget"] == first_flat
+    config = yaml.safe_load((ROOT / example).read_text(encoding="utf-8"))
+    assert config["train"]["defaults"]["max_updates"] == first_flat
+    assert config["train"]["defaults"]["max_epochs"] is None
