@@ -379,8 +379,7 @@ QUOTES += [
           (row(DEFAULT_EN_FR, "default.seed-2", "bleu"), row(DEFAULT_EN_FR, "default.seed-2", "chrf"),
            row(DEFAULT_EN_FR, "baseline-matched-default.seed-2", "bleu"),
            row(DEFAULT_EN_FR, "baseline-matched-default.seed-2", "chrf"),
-           against_row(DEFAULT_EN_FR, "default.seed-2", "baseline-matched-default", "delta"),
-           against_row(DEFAULT_EN_FR, "default.seed-2", "baseline-matched-default", "p_value"),
+           *delta_and_p(DEFAULT_EN_FR, "default.seed-2", "baseline-matched-default"),
            epoch_dev_loss(DEFAULT_EN_FR, "default.seed-2", 7),
            epoch_dev_loss(DEFAULT_EN_FR, "baseline-matched-default.seed-2", 7))),
     Quote(RESULTS_MD, SUMMARY, r"on English→French Debian descriptions its whole setting \(penultimate layer, FFN, encoder "
